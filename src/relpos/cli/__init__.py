@@ -1,0 +1,58 @@
+"""The ``relpos`` command line. One module per subcommand, each with
+``add_parser(subparsers) -> None`` (registering ``func=run``) and ``run(args) -> int``.
+
+Errors the user can fix print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Subcommand modules, in the order ``relpos --help`` lists them.
+SUBCOMMANDS: tuple[str, ...] = ("table", "heatmap")
+
+
+class CLIError(Exception):
+    """A user error: printed as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CLIError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from relpos import __version__
+
+    parser = _Parser(
+        prog="relpos",
+        description="Clipped relative position attention (Shaw et al., 2018): tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"relpos {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"relpos.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``relpos`` command line; returns the exit status."""
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except CLIError as err:
+        print(f"relpos: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, PermissionError) as err:
+        print(f"relpos: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("relpos: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,5 @@
+import sys
+
+from relpos.cli import main
+
+sys.exit(main())

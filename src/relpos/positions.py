@@ -1,0 +1,134 @@
+"""Clipped relative positions.
+
+Shape legend used throughout relpos: B batch, H heads, L queries, S keys, D head dim,
+Dv value head dim, E model dim, K clip distance (``max_distance``), R = 2K + 1 table rows.
+
+Convention (one, everywhere): the offset of key ``j`` seen from query ``i`` is ``j - p_i``
+(key minus query; negative = the key is before the query), clipped to ``[-K, K]`` and
+shifted by ``K`` to index a table of ``2K + 1`` rows (row 0 = "far backward", row ``K`` =
+"same position", row ``2K`` = "far forward"). With fewer queries than keys the queries are
+aligned to the END of the keys, ``p_i = i + (S - L)`` ("bottom-right", as tensor2tensor and
+FlashAttention). For L = 3 queries over S = 5 keys and K = 1 the index matrix is::
+
+            key j:  0  1  2  3  4
+    query 0 (p=2)   0  0  1  2  2
+    query 1 (p=3)   0  0  0  1  2
+    query 2 (p=4)   0  0  0  0  1
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+__all__ = [
+    "check_max_distance",
+    "clip_relative_position",
+    "relative_position_index",
+    "resolve_query_start",
+]
+
+
+def check_max_distance(max_distance: object, name: str = "max_distance") -> int:
+    """Return ``max_distance`` as an ``int`` after checking it is a non-negative integer.
+
+    Raises:
+        TypeError: if it is a bool or not an integer.
+        ValueError: if it is negative.
+    """
+    if isinstance(max_distance, bool) or not isinstance(max_distance, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a non-negative int (the clip distance K), "
+            f"got {max_distance!r} of type {type(max_distance).__name__}"
+        )
+    value = int(max_distance)
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative int (the clip distance K), got {value}")
+    return value
+
+
+def clip_relative_position(j: int, i: int, max_distance: int) -> int:
+    """Clipped relative position of key ``j`` seen from query ``i``: ``clip(j - i, -K, K)``.
+
+    Args:
+        j: key/value position.
+        i: query position.
+        max_distance: the clip distance K (>= 0).
+
+    Returns:
+        The clipped offset, in ``[-max_distance, max_distance]``.
+
+    Example:
+        >>> [clip_relative_position(j, 5, 4) for j in range(10)]
+        [-4, -4, -3, -2, -1, 0, 1, 2, 3, 4]
+    """
+    k = check_max_distance(max_distance)
+    for name, v in (("j", j), ("i", i)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an int position, got {v!r}")
+    rel = int(j) - int(i)
+    return max(-k, min(k, rel))
+
+
+def resolve_query_start(query_len: int, key_len: int, query_start: int | None) -> int:
+    """Position of the first query: ``query_start`` or, by default, ``key_len - query_len``.
+
+    Raises:
+        ValueError: if a query would lie outside the keys
+            (allowed: ``0 <= query_start <= key_len - query_len``).
+    """
+    if query_start is None:
+        if query_len > key_len:
+            raise ValueError(
+                f"cannot align {query_len} queries to the end of {key_len} keys: relative "
+                f"positions need query_len <= key_len (got L={query_len}, S={key_len})"
+            )
+        return key_len - query_len
+    if isinstance(query_start, bool) or not isinstance(query_start, numbers.Integral):
+        raise TypeError(f"query_start must be an int or None, got {query_start!r}")
+    start = int(query_start)
+    if start < 0 or start + query_len > key_len:
+        raise ValueError(
+            f"query_start={start} puts queries at positions {start}..{start + query_len - 1}, "
+            f"outside the {key_len} keys; allowed: 0 <= query_start <= {key_len - query_len} "
+            f"(S - L with L={query_len}, S={key_len})"
+        )
+    return start
+
+
+def relative_position_index(
+    query_len: int,
+    key_len: int,
+    max_distance: int,
+    *,
+    query_start: int | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Table row index of every (query, key) pair: ``clip(j - p_i, -K, K) + K``.
+
+    Args:
+        query_len: L, the number of queries.
+        key_len: S, the number of keys.
+        max_distance: K, the clip distance (>= 0).
+        query_start: position of query 0; default ``S - L`` (queries aligned to the end of
+            the keys).
+        device: where to build the index.
+
+    Returns:
+        A ``torch.long`` tensor of shape ``(L, S)`` with values in ``[0, 2K]``.
+
+    Example:
+        >>> relative_position_index(3, 5, 1)
+        tensor([[0, 0, 1, 2, 2],
+                [0, 0, 0, 1, 2],
+                [0, 0, 0, 0, 1]])
+    """
+    k = check_max_distance(max_distance)
+    for name, v in (("query_len", query_len), ("key_len", key_len)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    start = resolve_query_start(int(query_len), int(key_len), query_start)
+    pos_q = torch.arange(start, start + int(query_len), device=device)  # (L,)
+    pos_k = torch.arange(int(key_len), device=device)  # (S,)
+    return (pos_k[None, :] - pos_q[:, None]).clamp(-k, k) + k  # (L, S)
