@@ -1,0 +1,94 @@
+"""Shared test helpers: random problems and a float64 comparison of backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import relpos
+
+F64 = torch.float64
+
+
+@dataclass
+class Problem:
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    rel_keys: Tensor | None
+    rel_values: Tensor | None
+    max_distance: int
+
+    def leaves(self) -> list[Tensor]:
+        return [t for t in (self.query, self.key, self.value, self.rel_keys, self.rel_values)
+                if t is not None]
+
+
+def make_problem(
+    B: int = 2,
+    H: int = 3,
+    L: int = 5,
+    S: int | None = None,
+    D: int = 4,
+    Dv: int | None = None,
+    K: int = 2,
+    *,
+    per_head: bool = False,
+    keys_term: bool = True,
+    values_term: bool = True,
+    dtype: torch.dtype = F64,
+    seed: int = 0,
+) -> Problem:
+    S = L if S is None else S
+    Dv = D if Dv is None else Dv
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=F64).to(dtype).requires_grad_(True)
+
+    table_lead = (H,) if per_head else ()
+    return Problem(
+        query=rnd(B, H, L, D),
+        key=rnd(B, H, S, D),
+        value=rnd(B, H, S, Dv),
+        rel_keys=rnd(*table_lead, 2 * K + 1, D) if keys_term else None,
+        rel_values=rnd(*table_lead, 2 * K + 1, Dv) if values_term else None,
+        max_distance=K,
+    )
+
+
+def run(problem: Problem, implementation: str | None, **kwargs: object) -> Tensor:
+    return relpos.relative_attention(
+        problem.query, problem.key, problem.value, max_distance=problem.max_distance,
+        rel_keys=problem.rel_keys, rel_values=problem.rel_values,
+        implementation=implementation, **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def forward_backward(
+    problem: Problem, implementation: str | None, seed: int = 1, **kwargs: object
+) -> tuple[Tensor, list[Tensor]]:
+    """Output and the gradients of every leaf for a random upstream gradient."""
+    out = run(problem, implementation, **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(out.shape, generator=g, dtype=F64).to(out.dtype)
+    grads = torch.autograd.grad(out, problem.leaves(), upstream, allow_unused=True)
+    return out.detach(), [torch.zeros_like(t) if gr is None else gr
+                          for t, gr in zip(problem.leaves(), grads, strict=True)]
+
+
+def assert_same_as_reference(
+    problem: Problem, implementation: str, *, atol: float = 1e-10, **kwargs: object
+) -> None:
+    out_ref, grads_ref = forward_backward(problem, "reference", **kwargs)
+    out, grads = forward_backward(problem, implementation, **kwargs)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=0)
+    names = ["query", "key", "value", "rel_keys", "rel_values"]
+    present = [n for n, t in zip(names, (problem.query, problem.key, problem.value,
+                                         problem.rel_keys, problem.rel_values), strict=True)
+               if t is not None]
+    for name, g, g_ref in zip(present, grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,134 @@
+"""Bad input to the core API gives a clear ValueError/TypeError, never a crash inside torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relpos
+from relpos import RelativeMultiheadAttention, relative_attention, relative_position_index
+
+F64 = torch.float64
+
+
+def _qkv(B=2, H=3, L=4, S=4, D=5, Dv=5, dtype=F64):
+    return (torch.randn(B, H, L, D, dtype=dtype), torch.randn(B, H, S, D, dtype=dtype),
+            torch.randn(B, H, S, Dv, dtype=dtype))
+
+
+def _call(**overrides):
+    q, k, v = _qkv()
+    kwargs = dict(max_distance=2, rel_keys=torch.randn(5, 5, dtype=F64),
+                  rel_values=torch.randn(5, 5, dtype=F64))
+    kwargs.update(overrides)
+    q = kwargs.pop("query", q)
+    k = kwargs.pop("key", k)
+    v = kwargs.pop("value", v)
+    return relative_attention(q, k, v, **kwargs)
+
+
+CASES = [
+    # (id, overrides, exception, message fragments)
+    ("negative K", dict(max_distance=-1), ValueError, ["max_distance", "-1"]),
+    ("float K", dict(max_distance=2.0), TypeError, ["max_distance", "2.0"]),
+    ("bool K", dict(max_distance=True), TypeError, ["max_distance", "True"]),
+    ("table rows", dict(rel_keys=torch.randn(4, 5, dtype=F64)), ValueError,
+     ["rel_keys", "4 rows", "2K+1 = 5"]),
+    ("table dim", dict(rel_keys=torch.randn(5, 6, dtype=F64)), ValueError, ["rel_keys", "6", "D"]),
+    ("value table dim", dict(rel_values=torch.randn(5, 4, dtype=F64)), ValueError,
+     ["rel_values", "Dv"]),
+    ("table heads", dict(rel_keys=torch.randn(2, 5, 5, dtype=F64)), ValueError,
+     ["rel_keys", "2 heads", "H=3"]),
+    ("table 4-D", dict(rel_keys=torch.randn(1, 3, 5, 5, dtype=F64)), ValueError,
+     ["rel_keys", "4-D"]),
+    ("query 3-D", dict(query=torch.randn(3, 4, 5, dtype=F64)), ValueError,
+     ["query", "4-D", "(3, 4, 5)"]),
+    ("batch mismatch", dict(key=torch.randn(1, 3, 4, 5, dtype=F64)), ValueError,
+     ["batch", "query 2", "key 1"]),
+    ("heads mismatch", dict(value=torch.randn(2, 2, 4, 5, dtype=F64)), ValueError,
+     ["head", "value 2"]),
+    ("D mismatch", dict(key=torch.randn(2, 3, 4, 6, dtype=F64)), ValueError, ["head dim", "6"]),
+    ("S mismatch", dict(value=torch.randn(2, 3, 6, 5, dtype=F64)), ValueError,
+     ["value has 6", "key has 4"]),
+    ("dtype mismatch", dict(key=torch.randn(2, 3, 4, 5)), TypeError, ["dtype", "float32"]),
+    ("table dtype", dict(rel_keys=torch.randn(5, 5)), TypeError, ["rel_keys", "float32"]),
+    ("int query", dict(query=torch.ones(2, 3, 4, 5, dtype=torch.long)), TypeError,
+     ["query", "floating", "int64"]),
+    ("mask shape", dict(attn_mask=torch.ones(3, 4, dtype=torch.bool)), ValueError,
+     ["attn_mask", "(3, 4)", "(2, 3, 4, 4)"]),
+    ("mask 5-D", dict(attn_mask=torch.ones(1, 1, 1, 4, 4, dtype=torch.bool)), ValueError,
+     ["attn_mask"]),
+    ("mask dtype", dict(attn_mask=torch.ones(4, 4, dtype=torch.long)), TypeError,
+     ["attn_mask", "int64"]),
+    ("float mask dtype", dict(attn_mask=torch.zeros(4, 4)), TypeError,
+     ["attn_mask", "float32"]),
+    ("key_mask shape", dict(key_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError,
+     ["key_mask", "(2, 4)", "(2, 5)"]),
+    ("key_mask dtype", dict(key_mask=torch.ones(2, 4)), TypeError, ["key_mask", "bool"]),
+    ("dropout 1", dict(dropout_p=1.0), ValueError, ["dropout_p", "[0, 1)", "1.0"]),
+    ("dropout negative", dict(dropout_p=-0.1), ValueError, ["dropout_p", "-0.1"]),
+    ("query_start beyond keys", dict(query_start=1), ValueError,
+     ["query_start=1", "0 <= query_start <= 0"]),
+    ("query_start negative", dict(query_start=-1), ValueError, ["query_start=-1"]),
+    ("more queries than keys", dict(query=torch.randn(2, 3, 6, 5, dtype=F64)), ValueError,
+     ["L=6", "S=4"]),
+    ("unknown implementation", dict(implementation="flash"), ValueError,
+     ["'flash'", "'reference'", "'bucketed'"]),
+    ("is_causal not bool", dict(is_causal=1), TypeError, ["is_causal", "1"]),
+    ("scale not number", dict(scale="big"), TypeError, ["scale", "'big'"]),
+    ("query not tensor", dict(query=[1, 2]), TypeError, ["query", "list"]),
+]
+
+
+@pytest.mark.parametrize("overrides,exc,fragments", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_functional_input(overrides, exc, fragments):
+    with pytest.raises(exc) as info:
+        _call(**overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_named_backend_that_cannot_serve_raises_runtime_error(monkeypatch):
+    from relpos.ops import bucketed
+
+    monkeypatch.setattr(bucketed, "unsupported_reason", lambda *a, **k: "no reason at all")
+    with pytest.raises(RuntimeError, match="'bucketed' cannot serve this call: no reason at all"):
+        _call(implementation="bucketed")
+
+
+@pytest.mark.parametrize("args,exc,fragment", [
+    ((4, 4, -2), ValueError, "-2"),
+    ((4, 4, 1.5), TypeError, "1.5"),
+    ((-1, 4, 1), ValueError, "query_len"),
+    ((5, 4, 1), ValueError, "L=5"),
+])
+def test_bad_relative_position_index(args, exc, fragment):
+    with pytest.raises(exc, match=fragment):
+        relative_position_index(*args)
+
+
+def test_bad_clip_relative_position():
+    with pytest.raises(ValueError, match="-3"):
+        relpos.clip_relative_position(1, 2, -3)
+    with pytest.raises(TypeError, match="'a'"):
+        relpos.clip_relative_position("a", 2, 3)
+
+
+@pytest.mark.parametrize("kwargs,exc,fragment", [
+    (dict(embed_dim=10, num_heads=3, max_distance=2), ValueError, "not divisible by num_heads=3"),
+    (dict(embed_dim=8, num_heads=0, max_distance=2), ValueError, "num_heads"),
+    (dict(embed_dim=8, num_heads=2, max_distance=-1), ValueError, "max_distance"),
+    (dict(embed_dim=8, num_heads=2, max_distance=2, dropout=1.5), ValueError, "dropout"),
+])
+def test_bad_module_construction(kwargs, exc, fragment):
+    with pytest.raises(exc, match=fragment):
+        RelativeMultiheadAttention(**kwargs)
+
+
+def test_bad_module_input_shape():
+    mha = RelativeMultiheadAttention(8, 2, 2)
+    with pytest.raises(ValueError, match=r"F=8, got \(2, 5, 7\)"):
+        mha(torch.randn(2, 5, 7))
+    with pytest.raises(TypeError, match="ndarray|list"):
+        mha([[1.0]])
