@@ -5,5 +5,5 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Deterministic, quiet runs on small CI machines.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Small CI machines: one thread per pytest-xdist worker, at most two otherwise.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
