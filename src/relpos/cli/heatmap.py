@@ -1,0 +1,169 @@
+"""``relpos heatmap``: the clipped relative position matrix, as an image or as text.
+
+``relpos heatmap --length 10 --max-distance 4 -o clipped.png`` draws the handbook figure
+(rows = queries i, columns = keys j, cell = clip(j - i, -k, k)); without ``-o`` the matrix
+is printed. Images need the ``plot`` extra (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relpos.cli import CLIError
+from relpos.cli.table import non_negative_int, positive_int
+
+DEFAULT_LENGTH = 10
+DEFAULT_MAX_DISTANCE = 4
+# Larger matrices do not fit in an image or a terminal in any useful way.
+MAX_LENGTH = 4096
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "heatmap",
+        help="draw (or print) the clipped relative position matrix",
+        description=(
+            "Draw the matrix clip(j - p_i, -k, k) of query i (rows) and key j (columns) as a "
+            "heatmap with a diverging colormap, or print it as text when no -o is given. "
+            "With fewer queries than keys the queries are aligned to the end of the keys "
+            "(p_i = i + length - queries) unless --query-start says otherwise."
+        ),
+    )
+    p.add_argument(
+        "--length",
+        type=positive_int,
+        default=DEFAULT_LENGTH,
+        metavar="S",
+        help=f"number of key positions (default {DEFAULT_LENGTH})",
+    )
+    p.add_argument(
+        "--max-distance",
+        "-k",
+        type=non_negative_int,
+        default=DEFAULT_MAX_DISTANCE,
+        metavar="K",
+        help=f"clip distance k (default {DEFAULT_MAX_DISTANCE})",
+    )
+    p.add_argument(
+        "--queries",
+        type=positive_int,
+        default=None,
+        metavar="L",
+        help="number of queries (default: S, self-attention)",
+    )
+    p.add_argument(
+        "--query-start",
+        type=non_negative_int,
+        default=None,
+        metavar="P",
+        help="position of the first query, 0..S-L (default S-L)",
+    )
+    p.add_argument(
+        "--causal",
+        action="store_true",
+        help="blank out the keys after each query (j > p_i)",
+    )
+    p.add_argument(
+        "--annotate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write the offset in every cell (default: only up to 32 rows and columns)",
+    )
+    p.add_argument(
+        "--dpi",
+        type=_positive_float,
+        default=150.0,
+        help="resolution of PNG output (default 150)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        metavar="FILE",
+        help="image to write (.png, .svg or .pdf); without it the matrix is printed",
+    )
+    p.set_defaults(func=run)
+
+
+def format_matrix(offsets: torch.Tensor, hidden: torch.Tensor, start: int) -> str:
+    """Print-ready matrix: a header of key positions, one row per query position.
+
+    Args:
+        offsets: ``(L, S)`` clipped offsets.
+        hidden: ``(L, S)`` bool, ``True`` where a causal mask hides the key (shown as ".").
+        start: position of query 0.
+    """
+    query_len, key_len = offsets.shape
+    hidden_rows = hidden.tolist()
+    cells = [
+        ["." if h else ("0" if v == 0 else f"{v:+d}") for v, h in zip(row, hrow, strict=True)]
+        for row, hrow in zip(offsets.tolist(), hidden_rows, strict=True)
+    ]
+    width = max(len(str(key_len - 1)), *(len(c) for row in cells for c in row))
+    label = "i\\j"
+    first = max(len(label), len(str(start + query_len - 1)))
+    lines = [f"{label:>{first}} " + " ".join(f"{j:>{width}}" for j in range(key_len))]
+    for i, row in enumerate(cells):
+        lines.append(f"{start + i:>{first}} " + " ".join(f"{c:>{width}}" for c in row))
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from relpos import plotting
+
+    length = args.length
+    if length > MAX_LENGTH:
+        raise CLIError(f"--length {length} is too large to show; allowed: 1..{MAX_LENGTH}")
+    queries = length if args.queries is None else args.queries
+    if queries > length:
+        raise CLIError(f"--queries {queries} exceeds --length {length}; allowed: 1..{length}")
+    if args.query_start is not None and args.query_start + queries > length:
+        raise CLIError(
+            f"--query-start {args.query_start} puts queries at positions "
+            f"{args.query_start}..{args.query_start + queries - 1}, outside the {length} "
+            f"keys; allowed: 0..{length - queries}"
+        )
+    if args.output is None:
+        offsets, hidden, start = plotting.clipped_offsets(
+            length,
+            args.max_distance,
+            queries=queries,
+            query_start=args.query_start,
+            causal=args.causal,
+        )
+        print(format_matrix(offsets, hidden, start), end="")
+        return 0
+
+    if Path(args.output).suffix.lower() not in plotting.IMAGE_FORMATS:
+        allowed = ", ".join(plotting.IMAGE_FORMATS)
+        raise CLIError(
+            f"cannot tell the image format of {args.output!r} from its suffix; allowed: {allowed}"
+        )
+    try:
+        fig = plotting.plot_relative_positions(
+            length,
+            args.max_distance,
+            causal=args.causal,
+            query_start=args.query_start,
+            queries=queries,
+            annotate=args.annotate,
+        )
+    except ImportError:
+        raise CLIError(plotting.MISSING_MATPLOTLIB) from None
+    path = plotting.save_figure(fig, args.output, dpi=args.dpi)
+    print(f"wrote {path}")
+    return 0

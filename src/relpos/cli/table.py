@@ -1,0 +1,192 @@
+"""``relpos table``: the clipped offset of every key seen from one query.
+
+With no options it prints the table of the handbook section relpos starts from
+(length 10, query 5, K = 4)::
+
+    Query position: 5
+    Maximum relative distance (k): 4
+
+    Position | Raw Offset | Clipped Offset
+    ------------------------------------------
+        0    |     -5     |      -4
+    ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from typing import Any
+
+from relpos.cli import CLIError
+from relpos.positions import clip_relative_position
+
+FORMATS = ("text", "csv", "json", "markdown")
+DEFAULT_LENGTH = 10
+DEFAULT_MAX_DISTANCE = 4
+
+# Column titles of the text table and the width of the slot each sits in, between the
+# "|" separators; values are centred in their slot.
+_TEXT_COLUMNS = (("Position", 9), ("Raw Offset", 12), ("Clipped Offset", 15))
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "table",
+        help="print the clipped offset of every key seen from one query",
+        description=(
+            "Print, for one query position, the raw offset j - i of every key position j "
+            "and its clipped value clip(j - i, -k, k). The defaults reproduce the handbook "
+            "table: length 10, query 5, k = 4."
+        ),
+    )
+    p.add_argument(
+        "--length",
+        type=positive_int,
+        default=DEFAULT_LENGTH,
+        metavar="N",
+        help=f"number of positions (default {DEFAULT_LENGTH})",
+    )
+    p.add_argument(
+        "--query",
+        type=non_negative_int,
+        default=None,
+        metavar="I",
+        help="query position, 0..N-1 (default N // 2, i.e. 5 for the default length)",
+    )
+    p.add_argument(
+        "--max-distance",
+        "-k",
+        type=non_negative_int,
+        default=DEFAULT_MAX_DISTANCE,
+        metavar="K",
+        help=f"clip distance k (default {DEFAULT_MAX_DISTANCE})",
+    )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="output format (default text)",
+    )
+    p.set_defaults(func=run)
+
+
+def table_rows(length: int, query: int, max_distance: int) -> list[dict[str, int]]:
+    """One row per key position: ``position``, ``raw_offset``, ``clipped_offset`` and
+    ``table_row`` (the row of the ``2K + 1``-row embedding table, ``clipped_offset + K``).
+    """
+    rows = []
+    for j in range(length):
+        clipped = clip_relative_position(j, query, max_distance)
+        rows.append(
+            {
+                "position": j,
+                "raw_offset": j - query,
+                "clipped_offset": clipped,
+                "table_row": clipped + max_distance,
+            }
+        )
+    return rows
+
+
+def format_text(length: int, query: int, max_distance: int) -> str:
+    """The handbook's console table, generalised to any length, query and K."""
+    rows = table_rows(length, query, max_distance)
+    cells = [
+        (str(r["position"]), f"{r['raw_offset']:+d}", f"{r['clipped_offset']:+d}") for r in rows
+    ]
+    widths = [
+        max(slot, *(len(c[n]) + 2 for c in cells)) for n, (_, slot) in enumerate(_TEXT_COLUMNS)
+    ]
+    titles = [title for title, _ in _TEXT_COLUMNS]
+    # The handbook writes the titles joined by " | " (first flush left, last flush right).
+    header = f"{titles[0]:<{widths[0]}}|{' ' + titles[1]:<{widths[1]}}|{titles[2]:>{widths[2]}}"
+    lines = [
+        f"Query position: {query}",
+        f"Maximum relative distance (k): {max_distance}",
+        "",
+        header.rstrip(),
+        "-" * (len(header.rstrip()) + 4),
+    ]
+    for c in cells:
+        line = "|".join(f"{value:^{width}}" for value, width in zip(c, widths, strict=True))
+        lines.append(line.rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def format_csv(length: int, query: int, max_distance: int) -> str:
+    rows = table_rows(length, query, max_distance)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def format_json(length: int, query: int, max_distance: int) -> str:
+    document = {
+        "length": length,
+        "query": query,
+        "max_distance": max_distance,
+        "rows": table_rows(length, query, max_distance),
+    }
+    return json.dumps(document, indent=2) + "\n"
+
+
+def format_markdown(length: int, query: int, max_distance: int) -> str:
+    rows = table_rows(length, query, max_distance)
+    lines = [
+        "| Position | Raw Offset | Clipped Offset | Table Row |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['position']} | {r['raw_offset']:+d} | {r['clipped_offset']:+d} "
+            f"| {r['table_row']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+_FORMATTERS = {
+    "text": format_text,
+    "csv": format_csv,
+    "json": format_json,
+    "markdown": format_markdown,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    length = args.length
+    query = length // 2 if args.query is None else args.query
+    if not 0 <= query < length:
+        raise CLIError(
+            f"--query {query} is not a position of a length-{length} sequence; "
+            f"allowed: 0..{length - 1}"
+        )
+    print(_FORMATTERS[args.format](length, query, args.max_distance), end="")
+    return 0

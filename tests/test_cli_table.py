@@ -1,0 +1,231 @@
+"""``relpos table``: the handbook's console table, reproduced character for character."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from relpos import clip_relative_position, relative_position_index
+from relpos.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SEED = REPO_ROOT.parent / "shared" / "seed" / "000_b82b6b35a387d4fa.txt"
+
+# The block as printed in the handbook section (Out[7]); kept here as well so that the
+# test still says what it expects if the seed file changes, and so both are compared.
+EXPECTED_BLOCK = """\
+Query position: 5
+Maximum relative distance (k): 4
+
+Position | Raw Offset | Clipped Offset
+------------------------------------------
+    0    |     -5     |      -4
+    1    |     -4     |      -4
+    2    |     -3     |      -3
+    3    |     -2     |      -2
+    4    |     -1     |      -1
+    5    |     +0     |      +0
+    6    |     +1     |      +1
+    7    |     +2     |      +2
+    8    |     +3     |      +3
+    9    |     +4     |      +4
+"""
+
+_ROW = re.compile(r"^\s*(\d+)\s*\|\s*([+-]\d+)\s*\|\s*([+-]\d+)\s*$")
+
+
+def seed_block() -> str:
+    """The console block of the seed, from "Query position:" to its last table row."""
+    assert SEED.is_file(), f"seed document not found at {SEED}"
+    lines = [line.rstrip() for line in SEED.read_text(encoding="utf-8").splitlines()]
+    starts = [n for n, line in enumerate(lines) if line.startswith("Query position:")]
+    assert len(starts) == 1, f"expected one 'Query position:' line in the seed, got {starts}"
+    start = starts[0]
+    block = lines[start : start + 5]  # two settings lines, blank line, header, dashes
+    for line in lines[start + 5 :]:
+        if not _ROW.match(line):
+            break
+        block.append(line)
+    return "\n".join(block) + "\n"
+
+
+def parse_rows(text: str) -> list[tuple[int, int, int]]:
+    """(position, raw offset, clipped offset) of every table row in ``text``."""
+    rows = []
+    for line in text.splitlines():
+        m = _ROW.match(line)
+        if m:
+            rows.append((int(m.group(1)), int(m.group(2)), int(m.group(3))))
+    return rows
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["table", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_seed_block_is_the_inline_copy() -> None:
+    assert seed_block() == EXPECTED_BLOCK
+
+
+def test_default_table_is_the_seed_block(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys)
+    assert code == 0
+    assert err == ""
+    assert out == seed_block()
+    assert out == EXPECTED_BLOCK
+    assert all(line == line.rstrip() for line in out.splitlines())
+
+
+def test_defaults_equal_explicit_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    _, default, _ = run_cli(capsys)
+    _, explicit, _ = run_cli(capsys, "--length", "10", "--query", "5", "--max-distance", "4")
+    assert explicit == default
+    _, explicit_text, _ = run_cli(capsys, "-k", "4", "--format", "text")
+    assert explicit_text == default
+
+
+def test_seed_table_equals_relative_position_index() -> None:
+    block = seed_block()
+    query = int(re.search(r"Query position: (\d+)", block).group(1))  # type: ignore[union-attr]
+    k = int(re.search(r"distance \(k\): (\d+)", block).group(1))  # type: ignore[union-attr]
+    rows = parse_rows(block)
+    length = len(rows)
+    assert [r[0] for r in rows] == list(range(length))
+    # Self-attention over the whole sequence: the query's row of the (S, S) index.
+    full = relative_position_index(length, length, k)[query] - k
+    # One query at an explicit position (a decoding step).
+    single = relative_position_index(1, length, k, query_start=query)[0] - k
+    assert full.tolist() == [r[2] for r in rows]
+    assert single.tolist() == [r[2] for r in rows]
+    assert [j - query for j in range(length)] == [r[1] for r in rows]
+    assert [clip_relative_position(j, query, k) for j in range(length)] == [r[2] for r in rows]
+
+
+CASES = [
+    (10, 5, 4),
+    (1, 0, 0),
+    (7, 0, 2),
+    (7, 6, 2),
+    (12, 3, 0),
+    (5, 2, 9),  # K larger than the sequence: nothing is clipped
+    (1200, 1100, 64),  # offsets of four digits widen the columns
+]
+
+
+@pytest.mark.parametrize(("length", "query", "k"), CASES)
+def test_text_rows_agree_with_clip(
+    capsys: pytest.CaptureFixture[str], length: int, query: int, k: int
+) -> None:
+    code, out, _ = run_cli(
+        capsys, "--length", str(length), "--query", str(query), "--max-distance", str(k)
+    )
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[:3] == [f"Query position: {query}", f"Maximum relative distance (k): {k}", ""]
+    assert lines[3].split(" | ") == ["Position", "Raw Offset", "Clipped Offset"]
+    assert set(lines[4]) == {"-"}
+    rows = parse_rows(out)
+    assert len(rows) == length == len(lines) - 5
+    expected = [(j, j - query, clip_relative_position(j, query, k)) for j in range(length)]
+    assert rows == expected
+    # The "|" separators line up in every row.
+    bars = {tuple(m.start() for m in re.finditer(r"\|", line)) for line in lines[5:]}
+    assert len(bars) == 1
+
+
+@pytest.mark.parametrize(("length", "query", "k"), CASES)
+def test_csv_json_markdown_agree_with_clip(
+    capsys: pytest.CaptureFixture[str], length: int, query: int, k: int
+) -> None:
+    flags = ["--length", str(length), "--query", str(query), "--max-distance", str(k)]
+    expected = [
+        (j, j - query, clip_relative_position(j, query, k), clip_relative_position(j, query, k) + k)
+        for j in range(length)
+    ]
+
+    code, out, _ = run_cli(capsys, *flags, "--format", "csv")
+    assert code == 0
+    records = list(csv.DictReader(io.StringIO(out)))
+    assert list(records[0]) == ["position", "raw_offset", "clipped_offset", "table_row"]
+    got = [tuple(int(r[c]) for c in records[0]) for r in records]
+    assert got == expected
+
+    code, out, _ = run_cli(capsys, *flags, "--format", "json")
+    assert code == 0
+    document = json.loads(out)
+    assert (document["length"], document["query"], document["max_distance"]) == (length, query, k)
+    got = [
+        (r["position"], r["raw_offset"], r["clipped_offset"], r["table_row"])
+        for r in document["rows"]
+    ]
+    assert got == expected
+
+    code, out, _ = run_cli(capsys, *flags, "--format", "markdown")
+    assert code == 0
+    lines = out.splitlines()
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == [
+        "Position",
+        "Raw Offset",
+        "Clipped Offset",
+        "Table Row",
+    ]
+    assert re.fullmatch(r"\|(-+:\|){4}", lines[1])
+    got = [tuple(int(c) for c in line.strip("|").split("|")) for line in lines[2:]]
+    assert got == expected
+
+
+def test_index_rows_match_table_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run_cli(capsys, "--length", "9", "--query", "2", "-k", "3", "--format", "json")
+    rows = json.loads(out)["rows"]
+    index = relative_position_index(1, 9, 3, query_start=2)[0]
+    assert [r["table_row"] for r in rows] == index.tolist()
+
+
+def test_default_query_is_the_middle(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run_cli(capsys, "--length", "7")
+    assert out.splitlines()[0] == "Query position: 3"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--max-distance", "-1"], "--max-distance"),
+        (["--max-distance", "two"], "--max-distance"),
+        (["--query", "10"], "--query"),
+        (["--query", "-1"], "--query"),
+        (["--length", "0"], "--length"),
+        (["--length", "3", "--query", "3"], "0..2"),
+        (["--format", "yaml"], "--format"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("relpos: error: ")
+    assert needle in err
+    assert "Traceback" not in err
+
+
+def test_python_m_relpos_prints_the_seed_block() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "relpos", "table"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == seed_block()
