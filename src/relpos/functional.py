@@ -20,24 +20,64 @@ from relpos.positions import check_max_distance, resolve_query_start
 
 __all__ = ["Implementation", "available_backends", "relative_attention", "why_not_fused"]
 
-Implementation = Literal["reference", "bucketed", "fused"]
+Implementation = Literal["reference", "bucketed", "fused", "decode"]
 
 # Tried in this order when ``implementation=None``; the first that serves the call wins.
-_AUTO_ORDER: tuple[str, ...] = ("fused", "bucketed", "reference")
+_AUTO_ORDER: tuple[str, ...] = ("decode", "fused", "bucketed", "reference")
+
+
+# Backend modules by name (None = not in this build). Filled once at import so that
+# ``torch.compile`` traces a dict lookup, not ``importlib`` (which it cannot trace).
+_LOADED: dict[str, ModuleType | None] = {}
 
 
 def _backend(name: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(f"relpos.ops.{name}")
-    except ModuleNotFoundError as err:
-        if err.name == f"relpos.ops.{name}":
-            return None
-        raise
+    if name not in _LOADED:
+        try:
+            _LOADED[name] = importlib.import_module(f"relpos.ops.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"relpos.ops.{name}":
+                raise
+            _LOADED[name] = None
+    return _LOADED[name]
+
+
+def _auto_reason(backend: ModuleType, args: dict[str, Any]) -> str | None:
+    """Why auto-selection skips ``backend``: its ``auto_reason`` (hard limits and speed) if it
+    has one, else its ``unsupported_reason``."""
+    check = getattr(backend, "auto_reason", backend.unsupported_reason)
+    return check(**args)  # type: ignore[no-any-return]
 
 
 def available_backends() -> tuple[str, ...]:
     """Names of the backends installed in this build, in auto-selection order."""
     return tuple(n for n in _AUTO_ORDER if _backend(n) is not None)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype if autocast is on for ``device_type``, else None."""
+    if device_type in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _to_autocast(t: object, dtype: torch.dtype) -> object:
+    # As autocast treats matmuls: float32 tensors run in the autocast dtype (so float32
+    # parameters meet half-precision activations); float64 and others are left alone.
+    if isinstance(t, Tensor) and t.dtype == torch.float32:
+        return t.to(dtype)
+    return t
+
+
+def _call(fn: Any, args: dict[str, Any]) -> Any:
+    """Run a backend. Under autocast the inputs were already cast (see ``_validate``); the
+    backend then runs as in native half precision (its own float32 statistics), not with
+    autocast re-casting its internal float32 accumulators."""
+    device_type = args["query"].device.type
+    if _autocast_dtype(device_type) is None:
+        return fn(**args)
+    with torch.autocast(device_type, enabled=False):
+        return fn(**args)
 
 
 def _check_tensor(name: str, t: object) -> Tensor:
@@ -99,6 +139,12 @@ def _validate(
     q = _check_tensor("query", query)
     k = _check_tensor("key", key)
     v = _check_tensor("value", value)
+    low = _autocast_dtype(q.device.type)
+    if low is not None:
+        q, k, v = (_to_autocast(t, low) for t in (q, k, v))  # type: ignore[assignment]
+        rel_keys, rel_values, attn_mask = (
+            _to_autocast(t, low) for t in (rel_keys, rel_values, attn_mask)
+        )
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -269,8 +315,8 @@ def relative_attention(
     if implementation is None:
         for name in _AUTO_ORDER:
             backend = _backend(name)
-            if backend is not None and backend.unsupported_reason(**args) is None:
-                return backend.attention(**args)  # type: ignore[no-any-return]
+            if backend is not None and _auto_reason(backend, args) is None:
+                return _call(backend.attention, args)
         raise AssertionError("the reference backend serves every call")
     if implementation not in BACKENDS:
         raise ValueError(
@@ -283,7 +329,7 @@ def relative_attention(
     reason = backend.unsupported_reason(**args)
     if reason is not None:
         raise RuntimeError(f"implementation {implementation!r} cannot serve this call: {reason}")
-    return backend.attention(**args)  # type: ignore[no-any-return]
+    return _call(backend.attention, args)
 
 
 def why_not_fused(
@@ -314,7 +360,12 @@ def why_not_fused(
     backend = _backend("fused")
     if backend is None:
         return "the fused backend is not available in this build"
-    return backend.unsupported_reason(**args)  # type: ignore[no-any-return]
+    for name in _AUTO_ORDER[: _AUTO_ORDER.index("fused")]:
+        earlier = _backend(name)
+        if earlier is not None and _auto_reason(earlier, args) is None:
+            L, S = args["query"].shape[-2], args["key"].shape[-2]
+            return f"the {name} backend is picked first for L={L} queries over S={S} keys"
+    return _auto_reason(backend, args)
 
 
 def relative_attention_with_weights(
@@ -347,4 +398,8 @@ def relative_attention_with_weights(
         attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, dropout_p=dropout_p,
         scale=scale, query_start=query_start,
     )
-    return bucketed.attention_and_weights(**args)
+    return _call(bucketed.attention_and_weights, args)  # type: ignore[no-any-return]
+
+
+for _name in _AUTO_ORDER:
+    _backend(_name)

@@ -8,8 +8,10 @@ import numbers
 import torch
 from torch import Tensor, nn
 
+from relpos.cache import LayerCache
 from relpos.functional import Implementation, relative_attention, relative_attention_with_weights
 from relpos.positions import check_max_distance
+from relpos.versioning import RelativeStateError, check_state, make_state
 
 __all__ = ["RelativeMultiheadAttention"]
 
@@ -117,6 +119,44 @@ class RelativeMultiheadAttention(nn.Module):
             f"dropout={self.dropout}, batch_first={self.batch_first}"
         )
 
+    def get_extra_state(self) -> Tensor:
+        """Saved as ``<prefix>._extra_state``: format version, K and the offset convention.
+
+        See :mod:`relpos.versioning`; loading checks it, so tables trained with another K or
+        convention are never read silently with this module's meaning.
+        """
+        return make_state(self.max_distance)
+
+    def set_extra_state(self, state: object) -> None:
+        check_state(state, max_distance=self.max_distance, where=type(self).__name__)
+
+    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+        error_msgs,
+    ) -> None:
+        # Check K and the convention before any tensor is copied, naming the module.
+        where = prefix[:-1] or type(self).__name__
+        state_key = prefix + "_extra_state"
+        if state_key in state_dict:
+            check_state(state_dict[state_key], max_distance=self.max_distance, where=where)
+        rows = 2 * self.max_distance + 1
+        for name in ("rel_keys", "rel_values"):
+            saved = state_dict.get(prefix + name)
+            if (
+                getattr(self, name) is not None and isinstance(saved, Tensor)
+                and saved.dim() in (2, 3) and saved.shape[-2] != rows
+            ):
+                raise RelativeStateError(
+                    f"{prefix + name}: the saved table has {saved.shape[-2]} rows (shape "
+                    f"{tuple(saved.shape)}) but this module has max_distance="
+                    f"{self.max_distance} ({rows} rows); to load it anyway use "
+                    f"relpos.load_state_dict_resized(module, state_dict)"
+                )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+            error_msgs,
+        )
+
     def _split_heads(self, x: Tensor) -> Tensor:
         B, N, _ = x.shape
         return x.view(B, N, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, N, D)
@@ -142,6 +182,7 @@ class RelativeMultiheadAttention(nn.Module):
         is_causal: bool = False,
         need_weights: bool = False,
         query_start: int | None = None,
+        cache: LayerCache | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when ``key`` is None).
 
@@ -155,12 +196,23 @@ class RelativeMultiheadAttention(nn.Module):
             is_causal: key ``j`` visible to query ``i`` iff ``j <= p_i``.
             need_weights: also return the attention probabilities ``(B, H, L, S)``.
             query_start: position of query 0 among the keys (default ``S - L``).
+            cache: incremental self-attention (``key`` and ``value`` must be None). The ``t =
+                L`` new tokens' keys/values are appended to the cache and the queries attend
+                over all ``S`` cached positions, aligned to the end (query ``i`` at position
+                ``S - t + i``). ``key_mask`` is then ``(B, t)`` for the new tokens only (it is
+                stored with the cache); ``attn_mask`` must broadcast to ``(B, H, t, S)``. The
+                cache stores detached tensors (inference).
 
         Returns:
             ``(out, weights)``: ``out`` like ``query`` with ``E`` features; ``weights`` is None
             unless ``need_weights``.
         """
         query = self._check_input("query", query, self.embed_dim)
+        if cache is not None:
+            return self._forward_cached(
+                query, key, value, cache, attn_mask=attn_mask, key_mask=key_mask,
+                is_causal=is_causal, need_weights=need_weights, query_start=query_start,
+            )
         if key is None:
             key = query if self.kdim == self.embed_dim else None
             if key is None:
@@ -187,6 +239,54 @@ class RelativeMultiheadAttention(nn.Module):
         )
         B, _, L, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _forward_cached(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        cache: LayerCache,
+        *,
+        attn_mask: Tensor | None,
+        key_mask: Tensor | None,
+        is_causal: bool,
+        need_weights: bool,
+        query_start: int | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        if not isinstance(cache, LayerCache):
+            raise TypeError(
+                f"cache must be a relpos.LayerCache (one layer of a KVCache, e.g. cache[i]), "
+                f"got {type(cache).__name__}"
+            )
+        if key is not None or value is not None:
+            raise ValueError("cache= serves self-attention only: pass key=None and value=None")
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            raise ValueError(
+                "cache= serves self-attention only, which needs kdim == vdim == embed_dim"
+            )
+        if not self.batch_first:
+            query = query.transpose(0, 1)  # (B, t, E)
+        q = self._split_heads(self.q_proj(query))  # (B, H, t, D)
+        k_new = self._split_heads(self.k_proj(query))  # (B, H, t, D)
+        v_new = self._split_heads(self.v_proj(query))  # (B, H, t, D)
+        was_empty, old_length = cache.keys is None, cache.length
+        k, v, full_key_mask = cache.append(k_new, v_new, key_mask)  # (B, H, S, D) each
+        try:
+            out, weights = self.attend(
+                q, k, v, attn_mask=attn_mask, key_mask=full_key_mask, is_causal=is_causal,
+                need_weights=need_weights, query_start=query_start,
+            )
+        except Exception:  # a refused step leaves the cache as it was
+            if was_empty:
+                cache.reset()
+            else:
+                cache.truncate(old_length)
+            raise
+        B, _, L, _ = out.shape
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, t, E)
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights

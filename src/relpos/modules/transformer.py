@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relpos.cache import LayerCache
 from relpos.functional import Implementation
 from relpos.modules.attention import RelativeMultiheadAttention
 
@@ -138,23 +139,43 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         src_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
+        *,
+        cache: LayerCache | None = None,
     ) -> Tensor:
-        """As ``nn.TransformerEncoderLayer.forward``; ``is_causal`` applies a causal mask."""
+        """As ``nn.TransformerEncoderLayer.forward``; ``is_causal`` applies a causal mask.
+
+        With ``cache`` (a :class:`relpos.LayerCache`), ``src`` holds the ``t`` new tokens of an
+        incremental step: their keys/values are appended and they attend over the whole cache
+        (queries aligned to its end); ``src_key_padding_mask`` is then ``(B, t)`` for the new
+        tokens and ``src_mask`` must broadcast to ``(B, H, t, S)``.
+        """
         x = src
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal)
+            x = x + self._sa_block(
+                self.norm1(x), src_mask, src_key_padding_mask, is_causal, cache=cache
+            )
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal))
+            x = self.norm1(
+                x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal, cache=cache)
+            )
             x = self.norm2(x + self._ff_block(x))
         return x
 
     def _sa_block(
-        self, x: Tensor, mask: Tensor | None, padding: Tensor | None, is_causal: bool
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        padding: Tensor | None,
+        is_causal: bool,
+        *,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         batch = x.shape[0] if self.self_attn.batch_first else x.shape[1]
         attn_mask, key_mask = _torch_masks(mask, padding, batch, self.self_attn.num_heads)
-        out, _ = self.self_attn(x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal)
+        out, _ = self.self_attn(
+            x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
+        )
         return self.dropout1(out)  # type: ignore[no-any-return]
 
 
@@ -223,17 +244,29 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
+        *,
+        cache: LayerCache | None = None,
     ) -> Tensor:
-        """As ``nn.TransformerDecoderLayer.forward``."""
+        """As ``nn.TransformerDecoderLayer.forward``.
+
+        With ``cache`` (a :class:`relpos.LayerCache` for the self-attention), ``tgt`` holds the
+        ``t`` new tokens of an incremental step (see
+        :meth:`RelativeTransformerEncoderLayer.forward`); cross-attention still attends to the
+        whole ``memory``.
+        """
         x = tgt
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal)
+            x = x + self._sa_block(
+                self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal, cache=cache
+            )
             x = x + self._mha_block(
                 self.norm2(x), memory, memory_mask, memory_key_padding_mask, memory_is_causal
             )
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal))
+            x = self.norm1(
+                x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal, cache=cache)
+            )
             x = self.norm2(
                 x + self._mha_block(x, memory, memory_mask, memory_key_padding_mask,
                                     memory_is_causal)
@@ -245,10 +278,18 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         return int(x.shape[0] if self.self_attn.batch_first else x.shape[1])
 
     def _sa_block(
-        self, x: Tensor, mask: Tensor | None, padding: Tensor | None, is_causal: bool
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        padding: Tensor | None,
+        is_causal: bool,
+        *,
+        cache: LayerCache | None = None,
     ) -> Tensor:
         attn_mask, key_mask = _torch_masks(mask, padding, self._batch(x), self.self_attn.num_heads)
-        out, _ = self.self_attn(x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal)
+        out, _ = self.self_attn(
+            x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
+        )
         return self.dropout1(out)  # type: ignore[no-any-return]
 
     def _mha_block(

@@ -18,4 +18,4 @@ Rows with no visible key return zeros (and zero gradients), never NaN.
 
 from __future__ import annotations
 
-BACKENDS = ("reference", "bucketed", "fused")
+BACKENDS = ("reference", "bucketed", "fused", "decode")

@@ -1,0 +1,435 @@
+"""Key/value cache for incremental decoding with relative attention.
+
+Shape legend: B batch, H heads, t new tokens in one step, S cached keys (after the step),
+D key head dim, Dv value head dim.
+
+A step appends ``t >= 1`` new keys/values (one token, a prefill chunk or a speculative
+block) and attends with the ``t`` new queries over all ``S = c + t`` keys, ``c`` being the
+cache length before the step. Queries are aligned to the END of the keys (bottom-right,
+the default of :func:`relpos.relative_attention`): query ``i`` of the step is at position
+``c + i``. Decoding token by token, in chunks of any sizes or in one causal pass gives the
+same outputs.
+
+A :class:`KVCache` holds one :class:`LayerCache` per layer. Storage is preallocated
+(``capacity``) and, if ``growable``, doubles when full, so memory stays at most twice the
+cached length (linear in the length).
+
+Example:
+    >>> cache = KVCache(num_layers=1, capacity=8)
+    >>> k = v = torch.randn(2, 4, 3, 16)          # (B, H, t, D)
+    >>> keys, values, key_mask = cache[0].append(k, v)
+    >>> keys.shape, cache.length
+    (torch.Size([2, 4, 3, 16]), 3)
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["KVCache", "LayerCache"]
+
+_DEFAULT_CAPACITY = 64
+
+
+def _check_capacity(capacity: object, growable: object) -> tuple[int | None, bool]:
+    if not isinstance(growable, bool):
+        raise TypeError(f"growable must be a bool, got {growable!r}")
+    if capacity is None:
+        return None, growable
+    if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
+        raise TypeError(f"capacity must be a positive int or None, got {capacity!r}")
+    if int(capacity) <= 0:
+        raise ValueError(f"capacity must be a positive int or None, got {capacity}")
+    return int(capacity), growable
+
+
+def _check_indices(batch_indices: object, batch_size: int, device: torch.device) -> Tensor:
+    """Validate beam-search indices: a 1-D integer sequence/tensor with values in [0, B)."""
+    if isinstance(batch_indices, Tensor):
+        idx = batch_indices
+    elif isinstance(batch_indices, Sequence) and all(
+        isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in batch_indices
+    ):
+        idx = torch.tensor(list(batch_indices), dtype=torch.long)
+    else:
+        raise TypeError(
+            f"batch_indices must be a 1-D integer tensor or a sequence of ints, "
+            f"got {type(batch_indices).__name__}"
+        )
+    if idx.dtype in (torch.bool,) or idx.is_floating_point() or idx.is_complex():
+        raise TypeError(f"batch_indices must have an integer dtype, got {idx.dtype}")
+    if idx.dim() != 1 or idx.numel() == 0:
+        raise ValueError(
+            f"batch_indices must be a non-empty 1-D tensor, got shape {tuple(idx.shape)}"
+        )
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= batch_size:
+        bad = lo if lo < 0 else hi
+        raise IndexError(
+            f"batch_indices contains {bad}, allowed: 0 <= index < batch size {batch_size}"
+        )
+    return idx.to(device=device, dtype=torch.long)
+
+
+class LayerCache:
+    """Keys and values of one attention layer, ``(B, H, S, D)`` and ``(B, H, S, Dv)``.
+
+    The batch size, heads, head dims, dtype and device are fixed by the first
+    :meth:`append` (or by :meth:`reorder`, for the batch size) and checked on every later one.
+    Every method validates its input completely before changing anything: a refused call
+    leaves the cache as it was.
+
+    Args:
+        capacity: positions to preallocate; None = a small default that grows.
+        growable: double the storage when an append does not fit (True), or refuse it
+            with a ValueError (False; then ``capacity`` is the maximum length).
+    """
+
+    def __init__(self, *, capacity: int | None = None, growable: bool = True) -> None:
+        cap, grow = _check_capacity(capacity, growable)
+        if cap is None and not grow:
+            raise ValueError("a fixed-size cache (growable=False) needs a capacity, got None")
+        self._initial_capacity = cap
+        self.growable = grow
+        self._keys: Tensor | None = None  # (B, H, capacity, D)
+        self._values: Tensor | None = None  # (B, H, capacity, Dv)
+        self._key_mask: Tensor | None = None  # (B, capacity) bool, True = real token
+        self._length = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def length(self) -> int:
+        """Number of cached positions ``S``."""
+        return self._length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def capacity(self) -> int:
+        """Positions the storage holds now (0 before the first append)."""
+        return 0 if self._keys is None else int(self._keys.shape[2])
+
+    @property
+    def max_length(self) -> int | None:
+        """Largest length the cache accepts: ``capacity`` if fixed, None if growable."""
+        return None if self.growable else self._initial_capacity
+
+    @property
+    def batch_size(self) -> int | None:
+        """B, or None before the first append."""
+        return None if self._keys is None else int(self._keys.shape[0])
+
+    @property
+    def keys(self) -> Tensor | None:
+        """Cached keys ``(B, H, S, D)`` (a view of the storage), or None if never filled."""
+        return None if self._keys is None else self._keys[:, :, : self._length]
+
+    @property
+    def values(self) -> Tensor | None:
+        """Cached values ``(B, H, S, Dv)`` (a view of the storage), or None if never filled."""
+        return None if self._values is None else self._values[:, :, : self._length]
+
+    @property
+    def key_mask(self) -> Tensor | None:
+        """``(B, S)`` bool (True = real token), or None when every cached key is real."""
+        return None if self._key_mask is None else self._key_mask[:, : self._length]
+
+    def nbytes(self) -> int:
+        """Bytes held by the storage (keys, values and key mask)."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self._keys, self._values, self._key_mask)
+            if t is not None
+        )
+
+    # ------------------------------------------------------------------ mutation
+    def check_append(self, key: Tensor, value: Tensor, key_mask: Tensor | None = None) -> None:
+        """Raise (TypeError, ValueError) if :meth:`append` would refuse these tensors."""
+        for name, x in (("key", key), ("value", value)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (B, H, t, D), got shape {tuple(x.shape)}")
+            if not x.is_floating_point():
+                raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+        if key.shape[:3] != value.shape[:3]:
+            raise ValueError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} disagree on (B, H, t)"
+            )
+        if key.dtype != value.dtype or key.device != value.device:
+            raise TypeError(
+                f"key and value must share dtype and device, got {key.dtype} on {key.device} "
+                f"and {value.dtype} on {value.device}"
+            )
+        B, H, t, D = key.shape
+        if t < 1:
+            raise ValueError(
+                f"an append needs t >= 1 new positions, got key shape {tuple(key.shape)}"
+            )
+        if self._keys is not None:
+            assert self._values is not None
+            cached = (self._keys.shape[0], self._keys.shape[1], self._keys.shape[3],
+                      self._values.shape[3])
+            got = (B, H, D, value.shape[3])
+            for what, want, have in zip(("batch size", "heads", "key head dim",
+                                         "value head dim"), cached, got, strict=True):
+                if want != have:
+                    raise ValueError(
+                        f"{what} mismatch: the cache holds {want}, the appended tensors have "
+                        f"{have} (key {tuple(key.shape)}, value {tuple(value.shape)})"
+                    )
+            if key.dtype != self._keys.dtype:
+                raise TypeError(
+                    f"dtype mismatch: the cache holds {self._keys.dtype}, got {key.dtype}"
+                )
+            if key.device != self._keys.device:
+                raise ValueError(
+                    f"device mismatch: the cache is on {self._keys.device}, got {key.device}"
+                )
+        if key_mask is not None:
+            if not isinstance(key_mask, Tensor):
+                raise TypeError(f"key_mask must be a torch.Tensor, got {type(key_mask).__name__}")
+            if key_mask.dtype != torch.bool:
+                raise TypeError(f"key_mask must be bool (True = real token), got {key_mask.dtype}")
+            if tuple(key_mask.shape) != (B, t):
+                raise ValueError(
+                    f"key_mask of an append must have shape (B, t) = {(B, t)}, "
+                    f"got {tuple(key_mask.shape)}"
+                )
+            if key_mask.device != key.device:
+                raise ValueError(f"key_mask is on {key_mask.device}, but key is on {key.device}")
+        self.check_room(t)
+
+    def check_room(self, t: int) -> None:
+        """Raise ValueError if ``t`` more positions do not fit a fixed-size cache."""
+        limit = self.max_length
+        if limit is not None and self._length + t > limit:
+            raise ValueError(
+                f"cannot append {t} positions to a cache of length {self._length}: a fixed "
+                f"capacity of {limit} allows at most {limit - self._length} more "
+                f"(use growable=True or a larger capacity)"
+            )
+
+    def append(
+        self, key: Tensor, value: Tensor, key_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Append ``t`` positions and return everything cached.
+
+        Args:
+            key: ``(B, H, t, D)`` new keys.
+            value: ``(B, H, t, Dv)`` new values.
+            key_mask: ``(B, t)`` bool, True = real token (e.g. False for left padding of
+                batched prompts); None = all real.
+
+        Returns:
+            ``(keys, values, key_mask)``: ``(B, H, S, D)``, ``(B, H, S, Dv)`` views of the
+            storage with ``S = length`` after the append, and the ``(B, S)`` key mask or None
+            if every cached position is real.
+
+        Raises:
+            TypeError, ValueError: on a shape/dtype/device mismatch or when a fixed-size cache
+                is full; the cache is unchanged.
+        """
+        self.check_append(key, value, key_mask)
+        B, H, t, D = key.shape
+        needed = self._length + t
+        if self._keys is None:
+            cap = self._initial_capacity or _DEFAULT_CAPACITY
+            while cap < needed:
+                cap *= 2
+            self._keys = key.new_empty(B, H, cap, D)
+            self._values = value.new_empty(B, H, cap, value.shape[3])
+        elif needed > self.capacity:
+            cap = self.capacity
+            while cap < needed:
+                cap *= 2
+            self._resize(cap)
+        assert self._keys is not None and self._values is not None
+        if key_mask is not None and self._key_mask is None:
+            self._key_mask = torch.ones(B, self.capacity, dtype=torch.bool, device=key.device)
+        self._keys[:, :, self._length : needed] = key.detach()
+        self._values[:, :, self._length : needed] = value.detach()
+        if self._key_mask is not None:
+            self._key_mask[:, self._length : needed] = True if key_mask is None else key_mask
+        self._length = needed
+        return self.keys, self.values, self.key_mask  # type: ignore[return-value]
+
+    def _resize(self, capacity: int) -> None:
+        assert self._keys is not None and self._values is not None
+        keys = self._keys.new_empty(*self._keys.shape[:2], capacity, self._keys.shape[3])
+        values = self._values.new_empty(*self._values.shape[:2], capacity, self._values.shape[3])
+        keys[:, :, : self._length] = self._keys[:, :, : self._length]
+        values[:, :, : self._length] = self._values[:, :, : self._length]
+        self._keys, self._values = keys, values
+        if self._key_mask is not None:
+            mask = torch.ones(
+                self._key_mask.shape[0], capacity, dtype=torch.bool, device=keys.device
+            )
+            mask[:, : self._length] = self._key_mask[:, : self._length]
+            self._key_mask = mask
+
+    def reset(self) -> None:
+        """Forget every cached position and the shapes; keeps capacity settings."""
+        self._keys = self._values = self._key_mask = None
+        self._length = 0
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions (e.g. reject speculative tokens).
+
+        Raises:
+            TypeError, ValueError: if ``length`` is not an int in ``[0, self.length]``.
+        """
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+            raise TypeError(f"length must be an int, got {length!r}")
+        if not 0 <= int(length) <= self._length:
+            raise ValueError(
+                f"cannot truncate to length {length}: allowed 0 <= length <= {self._length}"
+            )
+        self._length = int(length)
+
+    def reorder(self, batch_indices: Tensor | Sequence[int]) -> None:
+        """Select batch rows, e.g. surviving beams: row ``b`` becomes old row ``batch_indices[b]``.
+
+        The new batch size is ``len(batch_indices)`` (rows may repeat, e.g. to expand one
+        prompt into several beams).
+
+        Raises:
+            TypeError, ValueError: if ``batch_indices`` is not a 1-D integer sequence/tensor.
+            IndexError: if an index is outside ``[0, B)``.
+        """
+        if self._keys is None:
+            raise ValueError("cannot reorder an empty cache (nothing has been appended)")
+        idx = _check_indices(batch_indices, self._keys.shape[0], self._keys.device)
+        self._apply_indices(idx)
+
+    def _apply_indices(self, idx: Tensor) -> None:
+        assert self._keys is not None and self._values is not None
+        self._keys = self._keys.index_select(0, idx)
+        self._values = self._values.index_select(0, idx)
+        if self._key_mask is not None:
+            self._key_mask = self._key_mask.index_select(0, idx)
+
+    def __repr__(self) -> str:
+        shape = None if self._keys is None else tuple(self._keys.shape)
+        return (
+            f"LayerCache(length={self._length}, capacity={self.capacity}, "
+            f"growable={self.growable}, storage={shape})"
+        )
+
+
+class KVCache:
+    """One :class:`LayerCache` per layer, indexed by layer: ``cache[i]``.
+
+    Args:
+        num_layers: number of attention layers.
+        capacity: positions to preallocate per layer; None = small, growing.
+        growable: double the storage when full (True) or refuse appends past ``capacity``.
+
+    Example:
+        >>> cache = KVCache(num_layers=2, capacity=16, growable=False)
+        >>> len(cache), cache.length, cache.capacity
+        (2, 0, 0)
+    """
+
+    def __init__(
+        self, num_layers: int, *, capacity: int | None = None, growable: bool = True
+    ) -> None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral):
+            raise TypeError(f"num_layers must be a positive int, got {num_layers!r}")
+        if int(num_layers) <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers}")
+        _check_capacity(capacity, growable)
+        self.layers: list[LayerCache] = [
+            LayerCache(capacity=capacity, growable=growable) for _ in range(int(num_layers))
+        ]
+
+    def __len__(self) -> int:
+        """Number of layers (the cached length is :attr:`length`)."""
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> LayerCache:
+        return self.layers[layer]
+
+    def __iter__(self) -> Iterator[LayerCache]:
+        return iter(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def length(self) -> int:
+        """Cached positions (the same in every layer between steps)."""
+        return self.layers[0].length
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
+
+    @property
+    def max_length(self) -> int | None:
+        return self.layers[0].max_length
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.layers[0].batch_size
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers' storage."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def check_step(self, batch_size: int, t: int) -> None:
+        """Raise ValueError if a step of ``t`` tokens for ``batch_size`` rows would be refused.
+
+        Lets a model validate a step before any layer changes its cache.
+        """
+        lengths = {layer.length for layer in self.layers}
+        if len(lengths) != 1:
+            raise ValueError(f"the layers of this cache hold different lengths {sorted(lengths)}")
+        b = self.batch_size
+        if b is not None and b != batch_size:
+            raise ValueError(
+                f"batch size mismatch: the cache holds {b} rows, the step has {batch_size}"
+            )
+        self.layers[0].check_room(t)
+
+    def reset(self) -> None:
+        """Empty every layer."""
+        for layer in self.layers:
+            layer.reset()
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions in every layer (see :meth:`LayerCache.truncate`)."""
+        for layer in self.layers:  # validate everywhere first: all or nothing
+            if isinstance(length, bool) or not isinstance(length, numbers.Integral):
+                raise TypeError(f"length must be an int, got {length!r}")
+            if not 0 <= int(length) <= layer.length:
+                raise ValueError(
+                    f"cannot truncate to length {length}: allowed 0 <= length <= {layer.length}"
+                )
+        for layer in self.layers:
+            layer.truncate(length)
+
+    def reorder(self, batch_indices: Tensor | Sequence[int]) -> None:
+        """Select batch rows in every layer (beam search); see :meth:`LayerCache.reorder`."""
+        filled = [layer for layer in self.layers if layer._keys is not None]
+        if not filled:
+            raise ValueError("cannot reorder an empty cache (nothing has been appended)")
+        sizes = {layer._keys.shape[0] for layer in filled}  # type: ignore[union-attr]
+        if len(sizes) != 1:
+            raise ValueError(f"the layers of this cache hold different batch sizes {sorted(sizes)}")
+        device = filled[0]._keys.device  # type: ignore[union-attr]
+        idx = _check_indices(batch_indices, sizes.pop(), device)
+        for layer in filled:
+            layer._apply_indices(idx)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(num_layers={self.num_layers}, length={self.length}, "
+            f"capacity={self.capacity}, growable={self.layers[0].growable})"
+        )

@@ -1,0 +1,375 @@
+"""Small reference models: a decoder-only language model and a bidirectional encoder.
+
+Shape legend: B batch, L tokens in the call, S cached positions, E ``d_model``, V vocabulary,
+C ``num_classes``.
+
+Both are stacks of pre-norm blocks (:class:`relpos.RelativeTransformerEncoderLayer` with
+``norm_first=True``: self-attention + GELU MLP) over token embeddings, with no absolute
+positions unless the config asks for an absolute baseline (``positions="learned"`` or
+``"sinusoidal"``, in which case the attention layers have no relative terms).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from relpos.cache import KVCache
+from relpos.models.config import ModelConfig
+from relpos.modules.transformer import RelativeTransformerEncoderLayer
+
+__all__ = ["RelativeTransformerEncoderModel", "RelativeTransformerLM", "build_model"]
+
+
+def sinusoidal_positions(
+    start: int, length: int, dim: int, *, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Vaswani et al.'s positions ``start .. start+length-1`` as ``(length, dim)``."""
+    pos = torch.arange(start, start + length, device=device, dtype=torch.float64)  # (L,)
+    half = (dim + 1) // 2
+    freq = torch.exp(
+        -math.log(10000.0) * torch.arange(half, device=device, dtype=torch.float64) * 2 / dim
+    )  # (half,)
+    angles = pos[:, None] * freq[None, :]  # (L, half)
+    pe = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)[:, :dim]  # (L, dim)
+    return pe.to(dtype)
+
+
+class _Backbone(nn.Module):
+    """Embeddings + blocks + final norm, shared by both models."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(
+                f"config must be a relpos.models.ModelConfig, got {type(config).__name__}"
+            )
+        config.validate()
+        self.config = config
+        E = config.d_model
+        self.embed = nn.Embedding(config.vocab_size, E)
+        self.pos_embed = (
+            nn.Embedding(config.max_length, E) if config.positions == "learned" else None
+        )
+        self.emb_dropout = nn.Dropout(config.dropout)
+        rel = config.uses_relative
+        self.layers = nn.ModuleList(
+            RelativeTransformerEncoderLayer(
+                E, config.num_heads, config.ffn_dim, config.dropout, activation="gelu",
+                batch_first=True, norm_first=True, max_distance=config.max_distance,
+                relative_keys=rel and config.relative_keys,
+                relative_values=rel and config.relative_values,
+                share_heads=config.share_heads,
+            )
+            for _ in range(config.num_layers)
+        )
+        self.norm = nn.LayerNorm(E)
+        self.head = (
+            nn.Linear(E, config.num_classes) if config.num_classes is not None else None
+        )
+        nn.init.normal_(self.embed.weight, std=E**-0.5)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed.weight, std=1.0)
+
+    def check_ids(self, ids: object, key_mask: object) -> Tensor:
+        if not isinstance(ids, Tensor):
+            raise TypeError(f"ids must be a torch.Tensor of token ids, got {type(ids).__name__}")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"ids must have an integer dtype (torch.long), got {ids.dtype}")
+        if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"ids must have shape (B, L) with B, L >= 1, got {tuple(ids.shape)}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(
+                f"ids must be in [0, vocab_size={self.config.vocab_size}), "
+                f"got values in [{lo}, {hi}]"
+            )
+        if key_mask is not None:
+            if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+                got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+                raise TypeError(f"key_mask must be a bool tensor (True = real token), got {got}")
+            if key_mask.shape != ids.shape:
+                raise ValueError(
+                    f"key_mask must have the shape of ids {tuple(ids.shape)}, "
+                    f"got {tuple(key_mask.shape)}"
+                )
+        return ids.long()
+
+    def check_length(self, start: int, length: int) -> None:
+        cfg = self.config
+        if cfg.positions == "learned" and start + length > cfg.max_length:
+            raise ValueError(
+                f"positions {start}..{start + length - 1} exceed max_length={cfg.max_length} "
+                f"of the learned absolute positions"
+            )
+
+    def hidden(
+        self, ids: Tensor, key_mask: Tensor | None, cache: KVCache | None, is_causal: bool
+    ) -> Tensor:
+        """Final normalized hidden states ``(B, L, E)`` of validated ids."""
+        L = ids.shape[1]
+        start = 0 if cache is None else cache.length
+        self.check_length(start, L)
+        E = self.config.d_model
+        x = self.embed(ids) * math.sqrt(E)  # (B, L, E)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(start, start + L, device=ids.device))
+        elif self.config.positions == "sinusoidal":
+            x = x + sinusoidal_positions(start, L, E, device=x.device, dtype=x.dtype)
+        x = self.emb_dropout(x)
+        padding = None if key_mask is None else ~key_mask  # PyTorch's meaning: True = padding
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x, src_key_padding_mask=padding, is_causal=is_causal,
+                cache=None if cache is None else cache[i],
+            )
+        return self.norm(x)
+
+    def logits(self, h: Tensor) -> Tensor:
+        if self.head is not None:
+            return self.head(h)
+        return h @ self.embed.weight.t()  # (..., V), tied to the embedding
+
+
+class RelativeTransformerLM(_Backbone):
+    """Decoder-only language model with clipped relative self-attention.
+
+    Token embedding (scaled by ``sqrt(E)``), ``num_layers`` pre-norm causal blocks, final
+    LayerNorm and an output head tied to the embedding (or a separate ``num_classes`` head).
+    With ``positions="relative"`` there are no absolute positions: a model trained on short
+    sequences runs on any length.
+
+    Args:
+        config: a :class:`ModelConfig` with ``causal=True``.
+
+    Example:
+        >>> model = RelativeTransformerLM(ModelConfig(vocab_size=50, max_distance=4))
+        >>> model(torch.randint(0, 50, (2, 9))).shape
+        torch.Size([2, 9, 50])
+        >>> model.generate(torch.zeros(1, 3, dtype=torch.long), 5, top_k=1).shape
+        torch.Size([1, 8])
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        if not config.causal:
+            raise ValueError(
+                "RelativeTransformerLM needs ModelConfig.causal=True; for causal=False use "
+                "RelativeTransformerEncoderModel (or build_model)"
+            )
+
+    def new_cache(self, *, capacity: int | None = None, growable: bool = True) -> KVCache:
+        """An empty :class:`relpos.KVCache` with one layer cache per block."""
+        return KVCache(len(self.layers), capacity=capacity, growable=growable)
+
+    def forward(
+        self, ids: Tensor, *, key_mask: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
+        """Next-token logits.
+
+        Args:
+            ids: ``(B, L)`` token ids (integer dtype, in ``[0, vocab_size)``).
+            key_mask: ``(B, L)`` bool, True = real token (e.g. False on left padding).
+            cache: a :class:`relpos.KVCache` from :meth:`new_cache`: ``ids`` are the ``L`` new
+                tokens at positions ``cache.length ..``; their keys/values are appended (and
+                ``key_mask`` stored with them). The output equals the matching rows of a
+                full forward pass over the whole sequence. A refused call leaves the cache
+                unchanged.
+
+        Returns:
+            ``(B, L, V)`` logits (``(B, L, C)`` with ``num_classes``).
+
+        Raises:
+            TypeError, ValueError: on bad ids, masks, lengths or a mismatched cache.
+        """
+        ids = self.check_ids(ids, key_mask)
+        if cache is None:
+            return self.logits(self.hidden(ids, key_mask, None, is_causal=True))
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a relpos.KVCache, got {type(cache).__name__}")
+        if cache.num_layers != len(self.layers):
+            raise ValueError(
+                f"cache has {cache.num_layers} layers but the model has {len(self.layers)}"
+            )
+        B, L = ids.shape
+        cache.check_step(B, L)
+        self.check_length(cache.length, L)
+        was_empty = [layer.keys is None for layer in cache]
+        old_length = cache.length
+        try:
+            return self.logits(self.hidden(ids, key_mask, cache, is_causal=True))
+        except Exception:  # leave the cache as it was before the refused step
+            for layer, empty in zip(cache, was_empty, strict=True):
+                if empty:
+                    layer.reset()
+                elif layer.length > old_length:
+                    layer.truncate(old_length)
+            raise
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        key_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Sample a continuation with the KV cache (one prefill pass, then one token a step).
+
+        Runs in eval mode (restored afterwards) without gradients.
+
+        Args:
+            prompt_ids: ``(B, P)`` token ids.
+            max_new_tokens: N >= 0 tokens to add.
+            temperature: divides the logits; 0 = greedy (argmax).
+            top_k: sample among the ``top_k`` most likely tokens (1 = greedy); None = all.
+            generator: a ``torch.Generator`` for reproducible sampling.
+            key_mask: ``(B, P)`` bool, True = real prompt token (False on left padding).
+
+        Returns:
+            ``(B, P + N)``: the prompt followed by the generated tokens.
+
+        Raises:
+            TypeError, ValueError: on bad arguments, or if the model has a ``num_classes`` head.
+        """
+        if self.head is not None:
+            raise ValueError(
+                "generate needs the tied vocabulary head (ModelConfig.num_classes=None), "
+                f"this model has num_classes={self.config.num_classes}"
+            )
+        ids = self.check_ids(prompt_ids, key_mask)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+        if top_k is not None:
+            if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+                raise TypeError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+            if top_k < 1:
+                raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        P = ids.shape[1]
+        self.check_length(0, P + int(max_new_tokens))
+        if max_new_tokens == 0:
+            return ids
+        cache = self.new_cache(capacity=P + int(max_new_tokens), growable=False)
+        was_training = self.training
+        self.eval()
+        try:
+            logits = self(ids, key_mask=key_mask, cache=cache)[:, -1]  # (B, V)
+            out = [ids]
+            for step in range(int(max_new_tokens)):
+                token = _sample(logits, float(temperature), top_k, generator)  # (B, 1)
+                out.append(token)
+                if step + 1 < max_new_tokens:
+                    logits = self(token, cache=cache)[:, -1]
+        finally:
+            self.train(was_training)
+        return torch.cat(out, dim=1)
+
+
+def _sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """Next token ``(B, 1)`` from ``(B, V)`` logits."""
+    if temperature == 0.0 or top_k == 1:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+class RelativeTransformerEncoderModel(_Backbone):
+    """Bidirectional encoder for classification and tagging, with relative self-attention.
+
+    Same blocks as :class:`RelativeTransformerLM` without the causal mask (when
+    ``config.causal`` is False; a causal config gives a left-to-right tagger). The head is
+    tied to the embedding (``num_classes=None``, e.g. masked-token prediction) or a
+    separate linear layer with ``num_classes`` outputs.
+
+    Args:
+        config: a :class:`ModelConfig`.
+
+    Example:
+        >>> cfg = ModelConfig(vocab_size=20, causal=False, num_classes=3, max_distance=4)
+        >>> model = RelativeTransformerEncoderModel(cfg)
+        >>> ids = torch.randint(0, 20, (2, 7))
+        >>> model(ids).shape, model(ids, pool="mean").shape
+        (torch.Size([2, 7, 3]), torch.Size([2, 3]))
+    """
+
+    def forward(
+        self,
+        ids: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        pool: Literal["mean", "first"] | None = None,
+    ) -> Tensor:
+        """Per-token or pooled logits.
+
+        Args:
+            ids: ``(B, L)`` token ids.
+            key_mask: ``(B, L)`` bool, True = real token (padding is neither attended nor
+                pooled).
+            cache: must be None (a bidirectional encoder sees the whole sequence at once).
+            pool: None = per-token logits; ``"mean"`` = mean of the final hidden states over
+                the real tokens, ``"first"`` = the first token's state, then the head.
+
+        Returns:
+            ``(B, L, C)`` per-token logits, or ``(B, C)`` with ``pool`` (C = ``num_classes`` or
+            ``vocab_size``).
+
+        Raises:
+            TypeError, ValueError: on bad ids, masks, ``pool`` or a cache.
+        """
+        if cache is not None:
+            raise ValueError(
+                "RelativeTransformerEncoderModel does not take a cache (it attends over the "
+                "whole sequence); incremental decoding is RelativeTransformerLM's"
+            )
+        if pool not in (None, "mean", "first"):
+            raise ValueError(f"pool must be None, 'mean' or 'first', got {pool!r}")
+        ids = self.check_ids(ids, key_mask)
+        h = self.hidden(ids, key_mask, None, is_causal=self.config.causal)  # (B, L, E)
+        if pool == "mean":
+            if key_mask is None:
+                h = h.mean(dim=1)  # (B, E)
+            else:
+                w = key_mask.to(h.dtype).unsqueeze(-1)  # (B, L, 1)
+                h = (h * w).sum(dim=1) / w.sum(dim=1).clamp_min(1.0)  # (B, E)
+        elif pool == "first":
+            h = h[:, 0]  # (B, E)
+        return self.logits(h)
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """:class:`RelativeTransformerLM` if ``config.causal`` else
+    :class:`RelativeTransformerEncoderModel`.
+
+    Raises:
+        TypeError: if ``config`` is not a :class:`ModelConfig`.
+        ValueError: if the config does not validate.
+    """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a relpos.models.ModelConfig, got {type(config).__name__}")
+    config.validate()
+    if config.causal:
+        return RelativeTransformerLM(config)
+    return RelativeTransformerEncoderModel(config)

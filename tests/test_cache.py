@@ -1,0 +1,447 @@
+"""KV cache: incremental decoding equals one full pass; the decode backend; refused calls."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import relpos
+from helpers import make_problem
+from relpos import KVCache, LayerCache, RelativeMultiheadAttention
+from relpos.ops import decode
+
+F64 = torch.float64
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+BACKENDS = relpos.available_backends()
+
+
+def _mha(K: int, *, share_heads: bool, keys: bool, values: bool, dtype: torch.dtype,
+         implementation: str | None = None, seed: int = 0) -> RelativeMultiheadAttention:
+    torch.manual_seed(seed)
+    return RelativeMultiheadAttention(
+        24, 3, K, relative_keys=keys, relative_values=values, share_heads=share_heads,
+        implementation=implementation, dtype=dtype,  # type: ignore[arg-type]
+    ).eval()
+
+
+def _decode_in_chunks(mha: RelativeMultiheadAttention, x: torch.Tensor, sizes: list[int],
+                      cache: LayerCache | None = None) -> torch.Tensor:
+    cache = LayerCache() if cache is None else cache
+    outs, pos = [], 0
+    for size in sizes:
+        out, _ = mha(x[:, pos : pos + size], is_causal=True, cache=cache)
+        outs.append(out)
+        pos += size
+    assert pos == x.shape[1] and cache.length == pos
+    return torch.cat(outs, dim=1)
+
+
+def _random_sizes(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    sizes, left = [], n
+    while left:
+        s = int(torch.randint(1, min(left, 9) + 1, (1,), generator=g))
+        sizes.append(s)
+        left -= s
+    return sizes
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize(
+    "dtype, K",  # K = 40 > sequence length: no clipping
+    [(F64, 0), (F64, 3), (F64, 40), (torch.float32, 3), (torch.float32, 40)],
+)
+@pytest.mark.parametrize("share_heads", [True, False])
+@pytest.mark.parametrize("terms", [(True, True), (True, False), (False, True)])
+def test_token_by_token_and_chunked_equal_full_pass(dtype, K, share_heads, terms):
+    mha = _mha(K, share_heads=share_heads, keys=terms[0], values=terms[1], dtype=dtype)
+    x = torch.randn(2, 17, 24, dtype=dtype)
+    with torch.no_grad():
+        full, _ = mha(x, is_causal=True)
+        one_by_one = _decode_in_chunks(mha, x, [1] * 17)
+        chunked = _decode_in_chunks(mha, x, _random_sizes(17, seed=K))
+        prefill_then_steps = _decode_in_chunks(mha, x, [11, 1, 1, 4])
+    tol = TOL[dtype]
+    torch.testing.assert_close(one_by_one, full, atol=tol, rtol=0)
+    torch.testing.assert_close(chunked, full, atol=tol, rtol=0)
+    torch.testing.assert_close(prefill_then_steps, full, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize("K", [2, 30])
+def test_cached_decoding_with_every_backend(implementation, K):
+    mha = _mha(K, share_heads=False, keys=True, values=True, dtype=F64,
+               implementation=implementation)
+    ref = _mha(K, share_heads=False, keys=True, values=True, dtype=F64,
+               implementation="reference")
+    x = torch.randn(2, 19, 24, dtype=F64)
+    with torch.no_grad():
+        full, _ = ref(x, is_causal=True)
+        chunks = [5, 1, 1, 7, 1, 4]
+        got = _decode_in_chunks(mha, x, chunks)
+    torch.testing.assert_close(got, full, atol=1e-10, rtol=0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    K=st.integers(0, 12),
+    data=st.data(),
+)
+def test_any_chunk_schedule_equals_full_pass(n, K, data):
+    cuts = data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1) if n > 1 else st.just(set()))
+    bounds = [0, *sorted(cuts), n]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
+    share = data.draw(st.booleans())
+    mha = _mha(K, share_heads=share, keys=True, values=True, dtype=F64)
+    x = torch.randn(2, n, 24, dtype=F64)
+    with torch.no_grad():
+        full, _ = mha(x, is_causal=True)
+        got = _decode_in_chunks(mha, x, sizes)
+    torch.testing.assert_close(got, full, atol=1e-10, rtol=0)
+
+
+def test_growable_cache_equals_preallocated_and_fixed():
+    mha = _mha(4, share_heads=True, keys=True, values=True, dtype=F64)
+    x = torch.randn(1, 150, 24, dtype=F64)  # grows past the default capacity twice
+    with torch.no_grad():
+        full, _ = mha(x, is_causal=True)
+        grown = _decode_in_chunks(mha, x, [1] * 150, LayerCache())
+        fixed = _decode_in_chunks(mha, x, [50] * 3, LayerCache(capacity=150, growable=False))
+    torch.testing.assert_close(grown, full, atol=1e-10, rtol=0)
+    torch.testing.assert_close(fixed, full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_decoder_and_encoder_layers_with_cache(norm_first):
+    torch.manual_seed(0)
+    kw = dict(dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=norm_first,
+              max_distance=3, dtype=F64, share_heads=False)
+    dec = relpos.RelativeTransformerDecoderLayer(24, 3, **kw).eval()  # type: ignore[arg-type]
+    enc = relpos.RelativeTransformerEncoderLayer(24, 3, **kw).eval()  # type: ignore[arg-type]
+    x, mem = torch.randn(2, 13, 24, dtype=F64), torch.randn(2, 5, 24, dtype=F64)
+    with torch.no_grad():
+        full_dec = dec(x, mem, tgt_is_causal=True)
+        full_enc = enc(x, is_causal=True)
+        c1, c2 = LayerCache(), LayerCache()
+        steps_dec, steps_enc, pos = [], [], 0
+        for size in (4, 1, 1, 7):
+            steps_dec.append(dec(x[:, pos : pos + size], mem, tgt_is_causal=True, cache=c1))
+            steps_enc.append(enc(x[:, pos : pos + size], is_causal=True, cache=c2))
+            pos += size
+    torch.testing.assert_close(torch.cat(steps_dec, 1), full_dec, atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.cat(steps_enc, 1), full_enc, atol=1e-10, rtol=0)
+
+
+def test_key_mask_stored_with_the_cache():
+    """Left-padded rows decode like the unpadded sequence (relative positions ignore padding)."""
+    mha = _mha(3, share_heads=True, keys=True, values=True, dtype=F64)
+    x = torch.randn(2, 12, 24, dtype=F64)
+    pad = 4
+    key_mask = torch.ones(2, 12, dtype=torch.bool)
+    key_mask[1, :pad] = False
+    with torch.no_grad():
+        cache = LayerCache()
+        first, _ = mha(x[:, :8], is_causal=True, key_mask=key_mask[:, :8], cache=cache)
+        rest = [mha(x[:, i : i + 1], is_causal=True, cache=cache)[0] for i in range(8, 12)]
+        got = torch.cat([first, *rest], dim=1)
+        alone, _ = mha(x[1:, pad:], is_causal=True)  # row 1 without its padding
+        full_row0, _ = mha(x[:1], is_causal=True)
+    assert cache.key_mask is not None and cache.key_mask.shape == (2, 12)
+    assert torch.equal(cache.key_mask, key_mask)
+    torch.testing.assert_close(got[1:, pad:], alone, atol=1e-10, rtol=0)
+    torch.testing.assert_close(got[:1], full_row0, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------------------- decode backend
+@pytest.mark.parametrize("K", [0, 1, 20])
+@pytest.mark.parametrize("t,S", [(1, 1), (1, 9), (3, 3), (4, 11), (6, 30)])
+@pytest.mark.parametrize(
+    "per_head, terms",
+    [(False, (True, True)), (True, (True, True)), (True, (True, False)), (False, (False, True))],
+)
+def test_decode_backend_matches_reference_forward_and_backward(K, t, S, per_head, terms):
+    p = make_problem(B=2, H=3, L=t, S=S, D=5, K=K, per_head=per_head,
+                     keys_term=terms[0], values_term=terms[1], seed=t * 100 + S)
+    g = torch.Generator().manual_seed(1)
+    key_mask = torch.rand(2, S, generator=g) > 0.3
+    key_mask[:, -1] = True
+    for causal in (True, False):
+        for km in (None, key_mask):
+            kw = dict(max_distance=K, rel_keys=p.rel_keys, rel_values=p.rel_values,
+                      is_causal=causal, key_mask=km)
+            out = relpos.relative_attention(p.query, p.key, p.value, implementation="decode", **kw)
+            ref = relpos.relative_attention(p.query, p.key, p.value, implementation="reference",
+                                            **kw)
+            torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+            grad = torch.randn_like(out)
+            got_g = torch.autograd.grad(out, p.leaves(), grad)
+            ref_g = torch.autograd.grad(ref, p.leaves(), grad)
+            for a, b in zip(got_g, ref_g, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+            with torch.no_grad():  # the inference fast path (flash kernel over the far keys)
+                fast = relpos.relative_attention(
+                    p.query, p.key, p.value, implementation="decode", **kw
+                )
+            torch.testing.assert_close(fast, ref, atol=1e-12, rtol=0)
+
+
+def test_decode_backend_fast_path_float32_and_dead_rows():
+    p = make_problem(B=2, H=2, L=3, S=40, D=8, K=4, dtype=torch.float32, seed=3)
+    key_mask = torch.ones(2, 40, dtype=torch.bool)
+    key_mask[1] = False  # row 1 sees no key at all: zeros, not NaN
+    with torch.no_grad():
+        for km in (None, key_mask):
+            kw = dict(max_distance=4, rel_keys=p.rel_keys, rel_values=p.rel_values,
+                      is_causal=True, key_mask=km)
+            out = relpos.relative_attention(p.query, p.key, p.value, implementation="decode", **kw)
+            ref = relpos.relative_attention(p.query, p.key, p.value, implementation="reference",
+                                            **kw)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert torch.all(out[1] == 0)
+
+
+def test_decode_backend_without_tables_and_gradcheck_masks_dropout():
+    p = make_problem(B=2, H=2, L=3, S=8, D=4, K=2, keys_term=False, values_term=False)
+    for causal in (True, False):
+        torch.testing.assert_close(
+            relpos.relative_attention(p.query, p.key, p.value, max_distance=2,
+                                      is_causal=causal, implementation="decode"),
+            relpos.relative_attention(p.query, p.key, p.value, max_distance=2,
+                                      is_causal=causal, implementation="reference"),
+            atol=1e-12, rtol=0,
+        )
+    p = make_problem(B=1, H=2, L=2, S=7, D=3, K=2, seed=5)
+    mask = torch.randn(2, 7, dtype=F64)
+
+    def fn(q, k, v, ak, av):  # type: ignore[no-untyped-def]
+        return relpos.relative_attention(q, k, v, max_distance=2, rel_keys=ak, rel_values=av,
+                                         is_causal=True, attn_mask=mask, implementation="decode")
+
+    assert torch.autograd.gradcheck(fn, tuple(p.leaves()))
+    bool_mask = torch.rand(1, 2, 2, 7) > 0.4
+    kw = dict(max_distance=2, rel_keys=p.rel_keys, rel_values=p.rel_values, attn_mask=bool_mask)
+    torch.testing.assert_close(
+        relpos.relative_attention(p.query, p.key, p.value, implementation="decode", **kw),
+        relpos.relative_attention(p.query, p.key, p.value, implementation="reference", **kw),
+        atol=1e-12, rtol=0,
+    )
+    torch.manual_seed(7)
+    a = relpos.relative_attention(p.query, p.key, p.value, dropout_p=0.5,
+                                  implementation="decode", **kw)
+    torch.manual_seed(7)
+    b = relpos.relative_attention(p.query, p.key, p.value, dropout_p=0.5,
+                                  implementation="reference", **kw)
+    torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_decode_backend_refuses_what_it_cannot_serve():
+    p = make_problem(L=3, S=9)
+    base = dict(rel_keys=None, rel_values=None, max_distance=2, attn_mask=None, key_mask=None,
+                is_causal=True, dropout_p=0.0, scale=0.5)
+    assert decode.unsupported_reason(p.query, p.key, p.value, query_start=6, **base) is None
+    assert "query_start" in decode.unsupported_reason(  # type: ignore[operator]
+        p.query, p.key, p.value, query_start=2, **base)
+    big = torch.randn(1, 1, decode.MAX_QUERIES + 1, 4)
+    assert "L=" in decode.unsupported_reason(  # type: ignore[operator]
+        big, big, big, query_start=0, **base)
+    with pytest.raises(RuntimeError, match="query_start"):
+        relpos.relative_attention(p.query, p.key, p.value, max_distance=2, query_start=2,
+                                  is_causal=True, implementation="decode")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_decode_step_builds_nothing_of_size_t_by_S_by_D(grad):
+    """No intermediate of a decode step is larger than the cached keys (B·H·S·D): the
+    reference's (t, S, D) relative tensor (4x larger here) never appears, with or without
+    autograd (eager path) and through the inference fast path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    B, H, t, S, D, K = 1, 1, 4, 1000, 8, 50
+    p = make_problem(B=B, H=H, L=t, S=S, D=D, K=K, dtype=torch.float32, seed=4)
+    sizes: list[int] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(o, torch.Tensor):
+                    sizes.append(o.numel())
+            return out
+
+    kw = dict(max_distance=K, rel_keys=p.rel_keys, rel_values=p.rel_values, is_causal=True)
+    with torch.set_grad_enabled(grad), Record():
+        out = relpos.relative_attention(p.query, p.key, p.value, implementation="decode", **kw)
+    assert out.shape == (B, H, t, D)
+    assert max(sizes) <= B * H * S * D
+    sizes.clear()
+    with torch.no_grad(), Record():
+        relpos.relative_attention(p.query, p.key, p.value, implementation="reference", **kw)
+    assert max(sizes) >= t * S * D  # the check above can fail
+
+
+# ----------------------------------------------------------------------------- cache object
+def test_memory_grows_linearly():
+    cache = LayerCache()
+    B, H, D = 2, 3, 4
+    per_position = 2 * B * H * D * 4  # keys + values, float32
+    for n in range(1, 400):
+        cache.append(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D))
+        assert cache.length == n
+        assert n <= cache.capacity <= max(64, 2 * n)
+        assert cache.nbytes() == cache.capacity * per_position
+    fixed = LayerCache(capacity=100, growable=False)
+    fixed.append(torch.randn(B, H, 30, D), torch.randn(B, H, 30, D))
+    assert fixed.capacity == 100 and fixed.nbytes() == 100 * per_position
+
+
+def test_reset_truncate_and_kvcache_layers():
+    cache = KVCache(3, capacity=8)
+    assert len(cache) == 3 and cache.length == 0
+    for layer in cache:
+        layer.append(torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4))
+    assert cache.length == 5 and cache.batch_size == 1
+    cache.truncate(2)
+    assert all(layer.length == 2 for layer in cache)
+    assert cache[0].keys is not None and cache[0].keys.shape == (1, 2, 2, 4)
+    cache.reset()
+    assert cache.length == 0 and cache[1].keys is None and cache.nbytes() == 0
+    cache[0].append(torch.randn(3, 1, 1, 2), torch.randn(3, 1, 1, 5))  # new shapes after reset
+    assert cache[0].values.shape == (3, 1, 1, 5)  # type: ignore[union-attr]
+
+
+def test_beam_reorder_equals_decoding_the_reordered_batch():
+    mha = _mha(3, share_heads=False, keys=True, values=True, dtype=F64)
+    x = torch.randn(3, 10, 24, dtype=F64)
+    beams = torch.tensor([2, 0, 0, 1])
+    cont = torch.randn(4, 5, 24, dtype=F64)  # different continuations per beam
+    with torch.no_grad():
+        cache = KVCache(1)
+        mha(x, is_causal=True, cache=cache[0])
+        cache.reorder(beams)
+        assert cache.batch_size == 4
+        steps = [mha(cont[:, i : i + 1], is_causal=True, cache=cache[0])[0] for i in range(5)]
+        got = torch.cat(steps, dim=1)
+        scratch, _ = mha(torch.cat([x[beams], cont], dim=1), is_causal=True)
+    torch.testing.assert_close(got, scratch[:, 10:], atol=1e-10, rtol=0)
+
+
+def _snapshot(cache: LayerCache) -> tuple:
+    k, v, m = cache.keys, cache.values, cache.key_mask
+    return (cache.length, cache.capacity, None if k is None else k.clone(),
+            None if v is None else v.clone(), None if m is None else m.clone())
+
+
+def _assert_same(cache: LayerCache, snap: tuple) -> None:
+    now = _snapshot(cache)
+    assert now[:2] == snap[:2]
+    for a, b in zip(now[2:], snap[2:], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (lambda: (torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)), ValueError, "capacity of 8"),
+        (lambda: (torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)), ValueError, "batch size"),
+        (lambda: (torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)), ValueError, "heads"),
+        (lambda: (torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 4)), ValueError, "key head dim"),
+        (lambda: (torch.randn(2, 3, 1, 4, dtype=F64),) * 2, TypeError, "dtype"),
+        (lambda: (torch.randn(2, 3, 1, 4), torch.randn(2, 3, 2, 4)), ValueError, "disagree"),
+        (lambda: (torch.randn(2, 3, 0, 4), torch.randn(2, 3, 0, 4)), ValueError, "t >= 1"),
+        (lambda: (torch.randn(3, 1, 4), torch.randn(3, 1, 4)), ValueError, "4-D"),
+        (lambda: (torch.ones(2, 3, 1, 4, dtype=torch.long),) * 2, TypeError, "floating"),
+    ],
+)
+def test_refused_append_leaves_cache_unchanged(bad, error, match):
+    cache = LayerCache(capacity=8, growable=False)
+    cache.append(torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4),
+                 torch.tensor([[True] * 3, [False, True, True]]))
+    snap = _snapshot(cache)
+    with pytest.raises(error, match=match):
+        cache.append(*bad())
+    _assert_same(cache, snap)
+    with pytest.raises(ValueError, match=r"key_mask of an append must have shape"):
+        cache.append(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4), torch.ones(2, 2).bool())
+    with pytest.raises(TypeError, match="bool"):
+        cache.append(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4), torch.ones(2, 1))
+    _assert_same(cache, snap)
+
+
+def test_refused_reorder_and_truncate_leave_cache_unchanged():
+    cache = KVCache(2)
+    for layer in cache:
+        layer.append(torch.randn(3, 2, 4, 4), torch.randn(3, 2, 4, 4))
+    snaps = [_snapshot(layer) for layer in cache]
+    with pytest.raises(IndexError, match=r"contains 3, allowed: 0 <= index < batch size 3"):
+        cache.reorder(torch.tensor([0, 3]))
+    with pytest.raises(IndexError, match="-1"):
+        cache.reorder([0, -1])
+    with pytest.raises(TypeError, match="integer"):
+        cache.reorder(torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="1-D"):
+        cache.reorder(torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(5)
+    with pytest.raises(ValueError, match="empty"):
+        KVCache(1).reorder([0])
+    for layer, snap in zip(cache, snaps, strict=True):
+        _assert_same(layer, snap)
+
+
+def test_refused_module_step_leaves_cache_unchanged():
+    mha = _mha(2, share_heads=True, keys=True, values=True, dtype=F64)
+    cache = LayerCache()
+    with torch.no_grad():
+        mha(torch.randn(2, 5, 24, dtype=F64), is_causal=True, cache=cache)
+        snap = _snapshot(cache)
+        with pytest.raises(ValueError, match="broadcast"):  # a bad attn_mask after the append
+            mha(torch.randn(2, 2, 24, dtype=F64), attn_mask=torch.ones(3, 3, dtype=torch.bool),
+                cache=cache)
+        _assert_same(cache, snap)
+        with pytest.raises(ValueError, match="self-attention"):
+            mha(torch.randn(2, 1, 24, dtype=F64), torch.randn(2, 1, 24, dtype=F64), cache=cache)
+        with pytest.raises(TypeError, match="LayerCache"):
+            mha(torch.randn(2, 1, 24, dtype=F64), cache=KVCache(1))  # type: ignore[arg-type]
+        _assert_same(cache, snap)
+        fresh = LayerCache()
+        with pytest.raises(ValueError, match="broadcast"):
+            mha(torch.randn(2, 2, 24, dtype=F64), attn_mask=torch.ones(3, 3, dtype=torch.bool),
+                cache=fresh)
+        assert fresh.keys is None and fresh.length == 0
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="capacity"):
+        LayerCache(growable=False)
+    with pytest.raises(ValueError, match="positive"):
+        LayerCache(capacity=0)
+    with pytest.raises(TypeError, match="capacity"):
+        LayerCache(capacity=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_layers"):
+        KVCache(0)
+    with pytest.raises(TypeError, match="growable"):
+        KVCache(1, growable=1)  # type: ignore[arg-type]
+
+
+def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch):
+    calls: list[str] = []
+    real = decode.attention
+    monkeypatch.setattr(decode, "attention",
+                        lambda *a, **k: calls.append("decode") or real(*a, **k))
+    step = make_problem(B=1, H=2, L=3, S=600, D=4, K=2, seed=1)
+    kw = dict(max_distance=2, rel_keys=step.rel_keys, rel_values=step.rel_values, is_causal=True)
+    relpos.relative_attention(step.query, step.key, step.value, **kw)
+    assert calls == ["decode"]
+    assert "decode backend is picked first" in str(
+        relpos.why_not_fused(step.query, step.key, step.value, **kw)
+    )
+    calls.clear()
+    whole = make_problem(B=1, H=2, L=9, S=9, D=4, K=2, seed=1)  # not a cache step
+    kw = dict(max_distance=2, rel_keys=whole.rel_keys, rel_values=whole.rel_values, is_causal=True)
+    relpos.relative_attention(whole.query, whole.key, whole.value, **kw)
+    assert calls == []
