@@ -1,0 +1,571 @@
+"""Synthetic tasks (and character-level text) for studying the clip distance K.
+
+Every task generates batches on the fly, deterministically: the batch for
+``(seed, split, step, length)`` is always the same, whatever ran before it, so a resumed
+or distributed run sees exactly the data of an uninterrupted single-process run.
+
+A :class:`Batch` holds ``ids`` (B, L), ``targets`` (B, L), a loss ``mask`` (B, L) (True =
+this position is scored) and ``meta``: named (B, L) integer tensors describing each scored
+position (for example the dependency distance ``d``), ``-1`` where not applicable, so
+accuracy can be broken down by distance.
+
+Tasks:
+
+* :class:`OffsetRecall` (``recall``): random symbols; at a few positions a *probe* token
+  ``P_d`` (one per distance ``d``) asks for the symbol exactly ``d`` positions back. The
+  symbols are uniform and independent, so content gives no hint: only the offset does.
+* :class:`Agreement` (``agree``): clauses "``SUBJ`` noun ... ``VERB``" where the verb must
+  agree in number (``SG``/``PL``) with the most recent marked subject, ``d`` tokens back;
+  unmarked nouns of random number (attractors) and fillers lie in between, and an earlier
+  marked subject always competes, so the nearest one must be found.
+* :class:`SortWindows` (``sort``): windows of ``w`` symbols, a separator, then the same
+  symbols sorted (next-token prediction of the sorted part). The rule does not depend on
+  the sequence length: a test of length generalisation.
+* :class:`TextLM` (``text``): next-character prediction on a user's UTF-8 text file, with
+  a train/validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SPLITS",
+    "TASKS",
+    "Agreement",
+    "Batch",
+    "OffsetRecall",
+    "SortWindows",
+    "Task",
+    "TextLM",
+    "build_task",
+    "task_from_config",
+]
+
+#: Data splits; each draws from its own independent stream.
+SPLITS = ("train", "eval")
+
+#: Default dependency distances of the synthetic tasks (up to 32).
+DEFAULT_RECALL_DISTANCES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+DEFAULT_AGREE_DISTANCES = (2, 4, 6, 8, 12, 16, 24, 32)
+
+
+@dataclass
+class Batch:
+    """One batch of a task.
+
+    Attributes:
+        ids: (B, L) long, the input tokens.
+        targets: (B, L) long, the token to predict at each position (0 where unscored).
+        mask: (B, L) bool, True where the position is scored.
+        meta: name -> (B, L) long, per-position metadata of scored positions (-1 elsewhere).
+    """
+
+    ids: Tensor
+    targets: Tensor
+    mask: Tensor
+    meta: dict[str, Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def slice(self, start: int, stop: int) -> Batch:
+        """Examples ``start..stop-1`` (a rank's share of a global batch)."""
+        return Batch(
+            self.ids[start:stop],
+            self.targets[start:stop],
+            self.mask[start:stop],
+            {k: v[start:stop] for k, v in self.meta.items()},
+        )
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            self.ids.to(device),
+            self.targets.to(device),
+            self.mask.to(device),
+            {k: v.to(device) for k, v in self.meta.items()},
+        )
+
+
+def _stream_seed(*parts: object) -> int:
+    """A 63-bit seed that depends only on ``parts`` (stable across runs and platforms)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _check_distances(distances: Sequence[int], name: str) -> tuple[int, ...]:
+    values = tuple(distances)
+    if not values:
+        raise ValueError(f"{name}: need at least one distance, got {list(values)!r}")
+    for d in values:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"{name}: distances must be ints >= 1, got {list(values)!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{name}: distances must be distinct, got {list(values)!r}")
+    return tuple(sorted(values))
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class Task(ABC):
+    """A source of batches, a pure function of ``(seed, split, step, length)``."""
+
+    #: Registry name (``--task``).
+    name: str = ""
+    #: Targets are next tokens, so a bidirectional model would see the answer.
+    causal_only: bool = False
+    #: The meta key accuracy is broken down by, if any.
+    breakdown: str | None = None
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of distinct token ids."""
+
+    @abstractmethod
+    def min_length(self) -> int:
+        """The shortest sequence length the task can fill."""
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """JSON-able parameters; ``task_from_config(task.config())`` rebuilds the task."""
+
+    @abstractmethod
+    def _example(
+        self, rng: random.Random, length: int, split: str
+    ) -> tuple[list[int], list[int], list[bool], dict[str, list[int]]]:
+        """One example: ids, targets, mask and meta lists of ``length`` items."""
+
+    def batch(self, *, seed: int, step: int, batch_size: int, length: int, split: str) -> Batch:
+        """The batch of ``batch_size`` examples for ``(seed, split, step, length)``.
+
+        Args:
+            seed: the run's seed.
+            step: the step (training) or batch index (evaluation).
+            batch_size: B, the number of examples (the global batch in distributed runs).
+            length: L, the sequence length.
+            split: ``"train"`` or ``"eval"``.
+
+        Returns:
+            A :class:`Batch` of (B, L) tensors.
+
+        Raises:
+            ValueError: on an unknown split or a length below :meth:`min_length`.
+        """
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        _check_int(batch_size, "batch_size", 1)
+        _check_int(length, "length", 1)
+        if length < self.min_length():
+            raise ValueError(
+                f"task {self.name!r} needs sequences of length >= {self.min_length()}, got {length}"
+            )
+        rng = random.Random(_stream_seed(self.name, seed, split, step, length))
+        rows = [self._example(rng, length, split) for _ in range(batch_size)]
+        ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        targets = torch.tensor([r[1] for r in rows], dtype=torch.long)
+        mask = torch.tensor([r[2] for r in rows], dtype=torch.bool)
+        keys = rows[0][3].keys()
+        meta = {k: torch.tensor([r[3][k] for r in rows], dtype=torch.long) for k in keys}
+        return Batch(ids, targets, mask, meta)
+
+
+class OffsetRecall(Task):
+    """Predict the symbol exactly ``d`` positions back, ``d`` named by a probe token.
+
+    Tokens ``0..S-1`` are symbols, drawn uniformly; token ``S + n`` is the probe for the
+    n-th distance. About one position in ``probe_every`` holds a probe ``P_d`` at position
+    ``p >= d``; its target is the symbol at ``p - d`` (never itself a probe). Because the
+    symbols are independent, only the offset ``d`` identifies the answer.
+
+    Args:
+        distances: the dependency distances d (ints >= 1), drawn uniformly per probe.
+        num_symbols: S, the symbol alphabet (chance accuracy is 1/S).
+        probe_every: one probe per this many positions.
+    """
+
+    name = "recall"
+    breakdown = "distance"
+
+    def __init__(
+        self,
+        distances: Sequence[int] = DEFAULT_RECALL_DISTANCES,
+        *,
+        num_symbols: int = 16,
+        probe_every: int = 4,
+    ) -> None:
+        self.distances = _check_distances(distances, "recall")
+        self.num_symbols = _check_int(num_symbols, "num_symbols", 2)
+        self.probe_every = _check_int(probe_every, "probe_every", 2)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_symbols + len(self.distances)
+
+    def probe_token(self, distance: int) -> int:
+        """The token id of the probe asking for the symbol ``distance`` back."""
+        return self.num_symbols + self.distances.index(distance)
+
+    def min_length(self) -> int:
+        return self.distances[-1] + 1
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distances": list(self.distances),
+            "num_symbols": self.num_symbols,
+            "probe_every": self.probe_every,
+        }
+
+    def _example(
+        self, rng: random.Random, length: int, split: str
+    ) -> tuple[list[int], list[int], list[bool], dict[str, list[int]]]:
+        ids = [rng.randrange(self.num_symbols) for _ in range(length)]
+        targets = [0] * length
+        mask = [False] * length
+        dist = [-1] * length
+        sources: set[int] = set()
+        wanted = max(1, length // self.probe_every)
+        placed = 0
+        for _ in range(20 * wanted):
+            if placed == wanted:
+                break
+            d = self.distances[rng.randrange(len(self.distances))]
+            p = rng.randrange(d, length)
+            # p must still hold a symbol that no probe reads; p - d must be a symbol.
+            if mask[p] or p in sources or mask[p - d]:
+                continue
+            targets[p] = ids[p - d]
+            ids[p] = self.probe_token(d)
+            mask[p] = True
+            dist[p] = d
+            sources.add(p - d)
+            placed += 1
+        return ids, targets, mask, {"distance": dist}
+
+
+class Agreement(Task):
+    """Subject-verb number agreement across ``d`` tokens with attractors in between.
+
+    Vocabulary: ``F`` filler words, ``N`` singular and ``N`` plural nouns, and the tokens
+    ``SUBJ`` (marks the next noun as a subject), ``VERB`` (asks for the verb's number) and
+    the answers ``SG``/``PL``. Each example opens with a marked subject, then clauses
+    ``SUBJ noun_s ... VERB`` follow; the verb stands ``d`` tokens after its subject and must
+    agree with it, the most recent marked subject. Between them lie fillers and unmarked
+    nouns of random number (attractors); the earlier marked subject has a random number
+    too, so a model must tell the nearest marked subject from the farther ones.
+
+    Args:
+        distances: the subject-verb distances d (ints >= 2), drawn uniformly per clause.
+        num_nouns: N, nouns per number.
+        num_fillers: F, filler words.
+        attractor_rate: probability that a free position holds an (unmarked) noun.
+    """
+
+    name = "agree"
+    breakdown = "distance"
+
+    def __init__(
+        self,
+        distances: Sequence[int] = DEFAULT_AGREE_DISTANCES,
+        *,
+        num_nouns: int = 8,
+        num_fillers: int = 8,
+        attractor_rate: float = 0.3,
+    ) -> None:
+        self.distances = _check_distances(distances, "agree")
+        if self.distances[0] < 2:
+            raise ValueError(f"agree: distances must be >= 2, got {list(self.distances)!r}")
+        self.num_nouns = _check_int(num_nouns, "num_nouns", 1)
+        self.num_fillers = _check_int(num_fillers, "num_fillers", 1)
+        if not 0.0 <= attractor_rate <= 1.0:
+            raise ValueError(f"attractor_rate must be in [0, 1], got {attractor_rate!r}")
+        self.attractor_rate = float(attractor_rate)
+        base = self.num_fillers + 2 * self.num_nouns
+        self.subj_token = base
+        self.verb_token = base + 1
+        self.sg_token = base + 2
+        self.pl_token = base + 3
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_fillers + 2 * self.num_nouns + 4
+
+    def noun_number(self, token: int) -> str | None:
+        """``"sg"``/``"pl"`` for a noun token, None for anything else."""
+        start = self.num_fillers
+        if start <= token < start + self.num_nouns:
+            return "sg"
+        if start + self.num_nouns <= token < start + 2 * self.num_nouns:
+            return "pl"
+        return None
+
+    def min_length(self) -> int:
+        # The opening subject (2 tokens) + one clause at the largest distance.
+        return 2 + 2 + self.distances[-1]
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distances": list(self.distances),
+            "num_nouns": self.num_nouns,
+            "num_fillers": self.num_fillers,
+            "attractor_rate": self.attractor_rate,
+        }
+
+    def _noun(self, rng: random.Random) -> int:
+        return self.num_fillers + rng.randrange(2 * self.num_nouns)
+
+    def _example(
+        self, rng: random.Random, length: int, split: str
+    ) -> tuple[list[int], list[int], list[bool], dict[str, list[int]]]:
+        rate = self.attractor_rate
+        ids = [
+            self._noun(rng) if rng.random() < rate else rng.randrange(self.num_fillers)
+            for _ in range(length)
+        ]
+        targets = [0] * length
+        mask = [False] * length
+        dist = [-1] * length
+        ids[0] = self.subj_token
+        ids[1] = self._noun(rng)
+        cursor = 2
+        while True:
+            gap = rng.randrange(4)
+            d = self.distances[rng.randrange(len(self.distances))]
+            subject = cursor + gap + 1
+            verb = subject + d
+            if verb >= length:  # the next clause does not fit
+                break
+            ids[subject - 1] = self.subj_token
+            noun = self._noun(rng)
+            ids[subject] = noun
+            ids[verb] = self.verb_token
+            targets[verb] = self.sg_token if self.noun_number(noun) == "sg" else self.pl_token
+            mask[verb] = True
+            dist[verb] = d
+            cursor = verb + 1
+        return ids, targets, mask, {"distance": dist}
+
+
+class SortWindows(Task):
+    """Windows of ``w`` symbols, a separator, then the symbols in sorted order.
+
+    Each block is ``x_1 .. x_w SEP y_1 .. y_w`` with ``y = sorted(x)``; the sequence holds
+    as many whole blocks as fit and is padded with ``PAD``. Scored positions predict the
+    next sorted symbol: ``SEP`` predicts ``y_1`` and ``y_k`` predicts ``y_(k+1)``. The rule
+    is the same at every length. Meta ``slot`` is the index k of the predicted symbol.
+
+    Args:
+        window: w, symbols per window.
+        num_symbols: S, the symbol alphabet.
+    """
+
+    name = "sort"
+    causal_only = True
+    breakdown = "slot"
+
+    def __init__(self, *, window: int = 4, num_symbols: int = 16) -> None:
+        self.window = _check_int(window, "window", 1)
+        self.num_symbols = _check_int(num_symbols, "num_symbols", 2)
+        self.sep_token = self.num_symbols
+        self.pad_token = self.num_symbols + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.num_symbols + 2
+
+    def min_length(self) -> int:
+        return 2 * self.window + 1
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, "window": self.window, "num_symbols": self.num_symbols}
+
+    def _example(
+        self, rng: random.Random, length: int, split: str
+    ) -> tuple[list[int], list[int], list[bool], dict[str, list[int]]]:
+        w = self.window
+        ids = [self.pad_token] * length
+        targets = [0] * length
+        mask = [False] * length
+        slot = [-1] * length
+        block = 2 * w + 1
+        for start in range(0, length - block + 1, block):
+            xs = [rng.randrange(self.num_symbols) for _ in range(w)]
+            ys = sorted(xs)
+            ids[start : start + w] = xs
+            ids[start + w] = self.sep_token
+            ids[start + w + 1 : start + block] = ys
+            for k in range(w):
+                pos = start + w + k  # SEP (k = 0) or y_k predicts y_(k+1)
+                targets[pos] = ys[k]
+                mask[pos] = True
+                slot[pos] = k
+        return ids, targets, mask, {"slot": slot}
+
+
+class TextLM(Task):
+    """Next-character prediction on a UTF-8 text file.
+
+    The vocabulary is the sorted set of characters of the whole file. The first
+    ``1 - valid_fraction`` of the text is the train split, the rest the eval split; each
+    example is a random window of the split.
+
+    Args:
+        path: the text file.
+        valid_fraction: the share of the text held out for evaluation, in (0, 1).
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if it is not UTF-8 text or too short to split.
+    """
+
+    name = "text"
+    causal_only = True
+    breakdown = None
+
+    def __init__(self, path: str | Path, *, valid_fraction: float = 0.1) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"text file {str(self.path)!r} does not exist")
+        if not 0.0 < valid_fraction < 1.0:
+            raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction!r}")
+        self.valid_fraction = float(valid_fraction)
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"text file {str(self.path)!r} is not UTF-8: {err}") from None
+        self.chars = sorted(set(text))
+        if len(self.chars) < 2:
+            raise ValueError(
+                f"text file {str(self.path)!r} needs at least 2 distinct characters, "
+                f"got {len(self.chars)}"
+            )
+        index = {c: n for n, c in enumerate(self.chars)}
+        data = [index[c] for c in text]
+        cut = int(len(data) * (1.0 - self.valid_fraction))
+        self._splits = {"train": data[:cut], "eval": data[cut:]}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def min_length(self) -> int:
+        return 1
+
+    def max_length(self) -> int:
+        """The longest length both splits can fill (each example needs L + 1 chars)."""
+        return min(len(s) for s in self._splits.values()) - 1
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "valid_fraction": self.valid_fraction,
+            "chars": "".join(self.chars),
+        }
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def batch(self, *, seed: int, step: int, batch_size: int, length: int, split: str) -> Batch:
+        if split in SPLITS and length > self.max_length():
+            raise ValueError(
+                f"text file {str(self.path)!r} is too short for length {length}: each split "
+                f"must hold length + 1 characters (the longest possible length is "
+                f"{max(self.max_length(), 0)})"
+            )
+        return super().batch(
+            seed=seed, step=step, batch_size=batch_size, length=length, split=split
+        )
+
+    def _example(
+        self, rng: random.Random, length: int, split: str
+    ) -> tuple[list[int], list[int], list[bool], dict[str, list[int]]]:
+        data = self._splits[split]
+        start = rng.randrange(len(data) - length)
+        window = data[start : start + length + 1]
+        return window[:-1], window[1:], [True] * length, {}
+
+
+#: Task names accepted by ``--task`` and :func:`build_task`.
+TASKS = ("recall", "agree", "sort", "text")
+
+
+def build_task(
+    name: str,
+    *,
+    distances: Sequence[int] | None = None,
+    text: str | Path | None = None,
+    num_symbols: int | None = None,
+    window: int | None = None,
+) -> Task:
+    """Build a task by name (the ``--task`` choices).
+
+    Args:
+        name: one of :data:`TASKS`.
+        distances: dependency distances for ``recall``/``agree`` (default: the task's).
+        text: the text file of ``text``.
+        num_symbols: symbol alphabet of ``recall``/``sort``.
+        window: window size of ``sort``.
+
+    Raises:
+        ValueError: on an unknown name or a missing/unexpected option.
+    """
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+    if name == "text":
+        if text is None:
+            raise ValueError("task 'text' needs a text file (--text FILE)")
+        return TextLM(text)
+    if text is not None:
+        raise ValueError(f"--text FILE is for task 'text', not {name!r}")
+    if name == "recall":
+        kw: dict[str, Any] = {} if num_symbols is None else {"num_symbols": num_symbols}
+        return OffsetRecall(distances or DEFAULT_RECALL_DISTANCES, **kw)
+    if name == "agree":
+        return Agreement(distances or DEFAULT_AGREE_DISTANCES)
+    kw = {} if num_symbols is None else {"num_symbols": num_symbols}
+    if window is not None:
+        kw["window"] = window
+    return SortWindows(**kw)
+
+
+def task_from_config(config: dict[str, Any]) -> Task:
+    """Rebuild a task from :meth:`Task.config`.
+
+    Raises:
+        ValueError: if the config names an unknown task, or (``text``) the file's
+            characters changed since the config was written.
+    """
+    params = dict(config)
+    name = params.pop("name", None)
+    if name == "recall":
+        return OffsetRecall(**params)
+    if name == "agree":
+        return Agreement(**params)
+    if name == "sort":
+        return SortWindows(**params)
+    if name == "text":
+        chars = params.pop("chars", None)
+        task = TextLM(**params)
+        if chars is not None and "".join(task.chars) != chars:
+            raise ValueError(
+                f"text file {params.get('path')!r} has changed: its characters differ from "
+                "those the checkpoint was trained on"
+            )
+        return task
+    raise ValueError(f"unknown task {name!r} in config; allowed: {', '.join(TASKS)}")

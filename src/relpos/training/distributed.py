@@ -1,0 +1,137 @@
+"""Data-parallel training with ``torch.distributed`` (gloo on CPU, nccl on CUDA).
+
+A run started by ``torchrun`` (environment ``WORLD_SIZE`` > 1) joins the process group;
+every rank builds the same global batch for ``(seed, step)`` and takes its own contiguous
+slice (a deterministic distributed sampler), DDP averages the gradients, and only rank 0
+evaluates, reports and writes files. ``relpos train --nproc N`` starts torchrun itself via
+:func:`launch`, on ``127.0.0.1`` and a free port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistContext", "free_port", "init_distributed", "launch", "rank_slice", "shutdown"]
+
+#: Default limit of :func:`launch` (None = no limit); a stuck run is killed after it.
+LAUNCH_TIMEOUT_S: float | None = None
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands in a (possibly one-process) run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but CUDA is not available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+
+
+def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> DistContext:
+    """Join the process group if launched by torchrun; otherwise a one-process context.
+
+    Args:
+        device: ``"auto"`` (CUDA if available), ``"cpu"`` or ``"cuda"``.
+        timeout_s: collective timeout.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _pick_device(device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Leave the process group (if one was joined)."""
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_slice(global_batch: int, ctx: DistContext) -> tuple[int, int]:
+    """The ``[start, stop)`` examples of the global batch this rank trains on.
+
+    Raises:
+        ValueError: if the global batch does not split evenly over the ranks.
+    """
+    if global_batch % ctx.world_size:
+        raise ValueError(
+            f"the global batch size {global_batch} must be divisible by the number of "
+            f"processes {ctx.world_size}"
+        )
+    share = global_batch // ctx.world_size
+    return ctx.rank * share, (ctx.rank + 1) * share
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -> int:
+    """Run ``python -m relpos <argv>`` in ``nproc`` processes under torchrun on this host.
+
+    Args:
+        nproc: number of processes (>= 1).
+        argv: the ``relpos`` arguments (without ``--nproc``).
+        timeout_s: kill the run after this many seconds (None = no limit).
+
+    Returns:
+        torchrun's exit status.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "relpos",
+        *argv,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    limit = LAUNCH_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        return subprocess.run(command, env=env, timeout=limit, check=False).returncode
+    except subprocess.TimeoutExpired:
+        return 124

@@ -1,0 +1,306 @@
+"""Training loop, checkpoints (round trip, crash safety), exact resume and CLI errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from relpos.cli import main
+from relpos.models import ModelConfig, build_model
+from relpos.tasks import OffsetRecall
+from relpos.training import TrainConfig, load_checkpoint, lr_at, save_checkpoint, train
+from relpos.training import checkpoint as ckpt_mod
+from relpos.training.checkpoint import CheckpointError, rng_state
+
+TASK = OffsetRecall((1, 2, 4), num_symbols=8)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Training is reproducible per thread count; one thread is also fastest on a busy machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny(k: int = 4, **kw) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=TASK.vocab_size, d_model=16, num_layers=1, num_heads=2, max_distance=k, **kw
+    )
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = {
+        "steps": 8,
+        "batch_size": 4,
+        "length": 16,
+        "warmup": 2,
+        "eval_lengths": (16,),
+        "eval_tokens": 64,
+    }
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.55)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 100))
+
+
+def test_tiny_model_learns_offset_recall_within_k():
+    torch.set_num_threads(1)
+    cfg = ModelConfig(
+        vocab_size=TASK.vocab_size, d_model=32, num_layers=1, num_heads=2, max_distance=6
+    )
+    _, metrics = train(
+        cfg,
+        TASK,
+        TrainConfig(
+            steps=120,
+            batch_size=16,
+            length=32,
+            lr=1e-2,
+            warmup=10,
+            eval_lengths=(32,),
+            eval_tokens=2048,
+        ),
+        progress=False,
+    )
+    by = metrics["eval"][0]["by"]["distance"]
+    assert set(by) == {"1", "2", "4"}
+    for d, v in by.items():
+        assert v["accuracy"] > 0.9, (d, v)
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _save(tmp_path, model, opt, step):
+    return save_checkpoint(
+        tmp_path,
+        model_state=model.state_dict(),
+        optimizer_state=opt.state_dict(),
+        rng_state=rng_state(),
+        state={"step": step, "model": {}, "history": {}},
+    )
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = build_model(_tiny())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, TASK.vocab_size, (2, 16))
+    model(ids).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    model, opt = _model_and_optimizer()
+    torch.manual_seed(123)
+    _save(tmp_path, model, opt, step=5)
+    expected_rng = torch.rand(3)
+    ck = load_checkpoint(tmp_path)
+    assert ck.step == 5
+    fresh = build_model(_tiny())
+    fresh.load_state_dict(ck.model_state)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    opt2.load_state_dict(ck.optimizer_state)
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert a["param_groups"] == b["param_groups"]
+    for i, st in a["state"].items():
+        for name, value in st.items():
+            assert torch.equal(value, b["state"][i][name]), (i, name)
+    torch.set_rng_state(ck.rng_state["torch"])
+    assert torch.equal(torch.rand(3), expected_rng)
+
+
+@pytest.mark.parametrize("fail_at", ["replace", "write"])
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_at):
+    model, opt = _model_and_optimizer()
+    _save(tmp_path, model, opt, step=1)
+    before = _state(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    if fail_at == "replace":
+
+        def boom(*args, **kwargs):
+            raise OSError("simulated crash in os.replace")
+
+        monkeypatch.setattr(ckpt_mod.os, "replace", boom)
+    else:
+        real = ckpt_mod._write_synced
+
+        def half(path, data):
+            if path.name == ckpt_mod.OPTIMIZER_FILE:  # the model file is already written
+                path.write_bytes(data[: len(data) // 2])
+                raise OSError("simulated crash while writing")
+            real(path, data)
+
+        monkeypatch.setattr(ckpt_mod, "_write_synced", half)
+    with pytest.raises(OSError, match="simulated crash"):
+        _save(tmp_path, model, opt, step=2)
+    monkeypatch.undo()
+    ck = load_checkpoint(tmp_path)
+    assert ck.step == 1
+    for k, v in before.items():
+        assert torch.equal(ck.model_state[k], v), k
+    # The next save works and leaves no temporary directories behind.
+    _save(tmp_path, model, opt, step=3)
+    assert load_checkpoint(tmp_path).step == 3
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_damaged_checkpoint_is_detected(tmp_path):
+    model, opt = _model_and_optimizer()
+    step_dir = _save(tmp_path, model, opt, step=1)
+    data = bytearray((step_dir / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (step_dir / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its hash"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_checkpoint(tmp_path / "nothing")
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    cfg = _cfg(steps=10, checkpoint_every=4, eval_every=3)
+    full, full_metrics = train(_tiny(), TASK, cfg, out_dir=tmp_path / "a", progress=False)
+
+    def crash(step, stats):
+        if step == 6:  # after the checkpoint of step 4, before the one of step 8
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        train(_tiny(), TASK, cfg, out_dir=tmp_path / "b", progress=False, on_step=crash)
+    assert load_checkpoint(tmp_path / "b" / "checkpoints").step == 4
+    resumed, metrics = train(
+        _tiny(), TASK, cfg, out_dir=tmp_path / "b", resume=True, progress=False
+    )
+    assert metrics["resumed_from"] == 4
+    for k, v in full.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k
+    assert metrics["history"]["train"] == full_metrics["history"]["train"]
+    assert metrics["eval"] == full_metrics["eval"]
+    on_disk = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert on_disk["history"]["train"] == full_metrics["history"]["train"]
+
+
+def test_resume_rejects_an_incompatible_config(tmp_path):
+    train(_tiny(), TASK, _cfg(steps=2), out_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match=r"max_distance 4 \(checkpoint\) vs 8"):
+        train(_tiny(k=8), TASK, _cfg(steps=2), out_dir=tmp_path, resume=True, progress=False)
+
+
+def _one_error_line(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relpos: error:"), err
+    assert match in err, err
+
+
+def test_cli_bad_input(capsys, tmp_path):
+    _one_error_line(capsys, ["train", "--task", "nope"], "unknown task 'nope'")
+    _one_error_line(capsys, ["train", "-k", "-1"], "must be an int >= 0")
+    _one_error_line(capsys, ["train", "--text", str(tmp_path / "missing.txt")], "does not exist")
+    _one_error_line(
+        capsys,
+        [
+            "train",
+            "--task",
+            "sort",
+            "--bidirectional",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "s"),
+        ],
+        "bidirectional",
+    )
+    _one_error_line(capsys, ["train", "--resume", "--out", str(tmp_path / "none")], "no checkpoint")
+    out = str(tmp_path / "run")
+    small = [
+        "train",
+        "--task",
+        "recall",
+        "--distances",
+        "1,2",
+        "--length",
+        "8",
+        "--steps",
+        "2",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--no-progress",
+        "--out",
+        out,
+    ]
+    assert main([*small, "-k", "2"]) == 0
+    capsys.readouterr()
+    _one_error_line(capsys, [*small, "-k", "3", "--resume"], "different configuration")
+
+
+def test_cli_train_writes_metrics_and_text_task(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--text",
+        str(text),
+        "--length",
+        "16",
+        "--steps",
+        "3",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["task"]["name"] == "text" and len(metrics["history"]["train"]) == 3
+    assert load_checkpoint(out / "checkpoints").step == 3
+
+
+def test_cli_error_in_a_subprocess():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "relpos", "train", "--task", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "relpos: error: unknown task 'nope'; allowed: recall, agree, sort, text"
+    ]
