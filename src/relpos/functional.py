@@ -174,6 +174,8 @@ def _validate(
         )
     if k.shape[3] != D:
         raise ValueError(f"key head dim {k.shape[3]} != query head dim {D}")
+    if D == 0:
+        raise ValueError(f"query head dim D must be >= 1, got shape {tuple(q.shape)}")
     S = k.shape[2]
     if v.shape[2] != S:
         raise ValueError(f"value has {v.shape[2]} positions but key has {S}")
@@ -229,15 +231,19 @@ def _validate(
         if kmask.dtype != torch.bool:
             raise TypeError(f"key_mask must be bool (True = real token), got dtype {kmask.dtype}")
         if tuple(kmask.shape) != (B, S):
-            raise ValueError(f"key_mask must have shape (B, S) = {(B, S)}, got {tuple(kmask.shape)}")
+            raise ValueError(
+                f"key_mask must have shape (B, S) = {(B, S)}, got {tuple(kmask.shape)}"
+            )
         if kmask.device != q.device:
             raise ValueError(f"key_mask is on {kmask.device}, but query is on {q.device}")
 
     positional = ak is not None or av is not None or is_causal
     if positional:
         start = resolve_query_start(L, S, query_start)  # type: ignore[arg-type]
-    else:
-        start = 0 if query_start is None else int(query_start)  # type: ignore[call-overload]
+    elif query_start is None:
+        start = 0
+    else:  # no relative positions: query_start has no effect, but is still checked
+        start = resolve_query_start(L, S, query_start)  # type: ignore[arg-type]
     return dict(
         query=q, key=k, value=v, rel_keys=ak, rel_values=av, max_distance=kk,
         attn_mask=mask, key_mask=kmask, is_causal=is_causal, dropout_p=p, scale=sc,
@@ -275,6 +281,18 @@ def relative_attention(
         key j:    0 1 2 3
         query 0   1 1 1 0      (p_0 = 2)
         query 1   1 1 1 1      (p_1 = 3)
+
+    Non-finite values propagate predictably: a NaN or infinity in query row ``i`` gives a
+    non-finite output row ``i`` and leaves every other row unchanged; a NaN or infinity in key
+    or value ``j`` makes non-finite every row that can see ``j`` (masks do not sanitize: a
+    hidden non-finite value may still reach other rows, through ``0 * inf`` in the value
+    product, and through hidden keys in the fused backend). ``-inf`` in a float ``attn_mask``
+    means masked, exactly like ``False`` in a bool mask; ``+inf`` or NaN in it makes that row
+    NaN. Rows that see no key return zeros with zero gradients, never NaN.
+
+    Half precision (``float16``/``bfloat16``, native or under ``torch.autocast``) keeps the
+    softmax statistics in float32. Under autocast, float32 inputs and tables are cast to the
+    autocast dtype (as for a matmul) and the backend runs in that dtype.
 
     Args:
         query: ``(B, H, L, D)``.

@@ -33,13 +33,35 @@ def _activation(activation: Activation) -> Callable[[Tensor], Tensor]:
     raise ValueError(f"activation must be 'relu', 'gelu' or a callable, got {activation!r}")
 
 
+def _batch_size(x: object, batch_first: bool) -> int:
+    """B of a layer input, after checking it is a 3-D tensor."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"layer inputs must be torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        layout = "(B, L, E)" if batch_first else "(L, B, E)"
+        raise ValueError(f"layer inputs must be 3-D {layout}, got shape {tuple(x.shape)}")
+    return x.shape[0] if batch_first else x.shape[1]
+
+
 def _torch_masks(
     mask: Tensor | None, padding_mask: Tensor | None, batch: int, heads: int
 ) -> tuple[Tensor | None, Tensor | None]:
     """PyTorch's mask meanings -> relpos's: (attn_mask True = may attend, key_mask True = real)."""
+    for name, m in (("attention mask", mask), ("key padding mask", padding_mask)):
+        if m is not None and not isinstance(m, Tensor):
+            raise TypeError(f"the {name} must be a torch.Tensor or None, got {type(m).__name__}")
+    if padding_mask is not None and padding_mask.dim() != 2:
+        raise ValueError(
+            f"the key padding mask must have shape (B, S), got {tuple(padding_mask.shape)}"
+        )
     attn_mask = None
     if mask is not None:
         if mask.dim() == 3:  # (B * H, L, S), as nn.MultiheadAttention accepts
+            if mask.shape[0] != batch * heads:
+                raise ValueError(
+                    f"a 3-D attention mask must have shape (B * H, L, S) with B * H = "
+                    f"{batch} * {heads} = {batch * heads}, got {tuple(mask.shape)}"
+                )
             mask = mask.view(batch, heads, *mask.shape[-2:])  # (B, H, L, S)
         attn_mask = ~mask if mask.dtype == torch.bool else mask
     key_mask = None
@@ -87,10 +109,11 @@ class _LayerBase(nn.Module):
 class RelativeTransformerEncoderLayer(_LayerBase):
     """``nn.TransformerEncoderLayer`` with relative self-attention.
 
+    ``d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+    norm_first, bias, device, dtype`` are as in ``nn.TransformerEncoderLayer`` (inputs are
+    ``(L, B, E)`` unless ``batch_first``, as in PyTorch).
+
     Args:
-        d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-            norm_first, bias, device, dtype: as ``nn.TransformerEncoderLayer`` (inputs are
-            ``(L, B, E)`` unless ``batch_first``, as in PyTorch).
         max_distance: K, the clip distance.
         relative_keys, relative_values, share_heads: see :class:`RelativeMultiheadAttention`.
         implementation: backend (None = auto).
@@ -171,7 +194,7 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         *,
         cache: LayerCache | None = None,
     ) -> Tensor:
-        batch = x.shape[0] if self.self_attn.batch_first else x.shape[1]
+        batch = _batch_size(x, self.self_attn.batch_first)
         attn_mask, key_mask = _torch_masks(mask, padding, batch, self.self_attn.num_heads)
         out, _ = self.self_attn(
             x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
@@ -182,9 +205,10 @@ class RelativeTransformerEncoderLayer(_LayerBase):
 class RelativeTransformerDecoderLayer(_LayerBase):
     """``nn.TransformerDecoderLayer`` with relative self-attention.
 
+    ``d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+    norm_first, bias, device, dtype`` are as in ``nn.TransformerDecoderLayer``.
+
     Args:
-        d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-            norm_first, bias, device, dtype: as ``nn.TransformerDecoderLayer``.
         max_distance: K, the clip distance.
         relative_keys, relative_values, share_heads: see :class:`RelativeMultiheadAttention`.
         relative_cross_attention: also use relative positions in cross-attention (queries
@@ -275,7 +299,7 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         return x
 
     def _batch(self, x: Tensor) -> int:
-        return int(x.shape[0] if self.self_attn.batch_first else x.shape[1])
+        return _batch_size(x, self.self_attn.batch_first)
 
     def _sa_block(
         self,

@@ -59,7 +59,11 @@ def attention_and_weights(
     out = probs @ value  # (B, H, L, Dv)
     if rel_values is not None:
         assert index_BHLS is not None
-        buckets = probs.new_zeros(B, H, L, R).scatter_add(-1, index_BHLS, probs)  # (B, H, L, R)
+        # A bucket sums up to S probabilities: accumulate half precision in float32.
+        acc = torch.float32 if probs.dtype in (torch.float16, torch.bfloat16) else probs.dtype
+        buckets = probs.new_zeros(B, H, L, R, dtype=acc).scatter_add(
+            -1, index_BHLS, probs.to(acc)
+        ).to(probs.dtype)  # (B, H, L, R)
         out = out + buckets @ rel_values  # (B, H, L, R) @ (Hr, R, Dv)
     return out, weights
 

@@ -38,14 +38,21 @@ def visibility_mask(
 
 
 def masked_softmax(scores_BHLS: Tensor, keep: Tensor | None) -> Tensor:
-    """Softmax over the last dim; rows with nothing visible give all-zero probabilities."""
+    """Softmax over the last dim; rows with nothing visible give all-zero probabilities.
+
+    Half-precision scores get their softmax statistics (row max and sum) in float32; the
+    probabilities come back in the scores' dtype.
+    """
+    if scores_BHLS.shape[-1] == 0:  # no keys at all: every row sees nothing
+        return scores_BHLS.new_zeros(scores_BHLS.shape)
     if keep is not None:
         scores_BHLS = scores_BHLS.masked_fill(~keep, float("-inf"))
     row_max = scores_BHLS.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
     dead = row_max == float("-inf")
     scores_BHLS = scores_BHLS.masked_fill(dead, 0.0)
-    probs = torch.softmax(scores_BHLS, dim=-1)
-    return probs.masked_fill(dead, 0.0)
+    low = scores_BHLS.dtype in (torch.float16, torch.bfloat16)
+    probs = torch.softmax(scores_BHLS, dim=-1, dtype=torch.float32 if low else None)
+    return probs.masked_fill(dead, 0.0).to(scores_BHLS.dtype)
 
 
 def attention(

@@ -1,0 +1,532 @@
+"""Saving relpos modules and exporting them to ONNX.
+
+A saved module is ONE file written by :func:`save_module` with ``torch.save`` (loaded back with
+``torch.load(..., weights_only=True)``, so loading runs no pickled code)::
+
+    {"format": "relpos.module", "format_version": 1, "relpos_version": "0.1.0",
+     "class": "RelativeTransformerEncoderLayer", "config": {...constructor arguments...},
+     "state_dict": {...CPU tensors, including each attention's _extra_state...}}
+
+:func:`load_module` rebuilds the module from ``class`` and ``config`` and loads the state (the
+state's format version, clip distance and offset convention are checked, see
+:mod:`relpos.versioning`). It also reads a training checkpoint directory written by
+``relpos train`` (``latest.json`` + ``model.safetensors`` + ``state.json``).
+
+:func:`export_onnx` exports with the ``torch.export``-based exporter
+(``torch.onnx.export(..., dynamo=True)``) with dynamic batch and sequence axes: the ONNX graph
+computes the relative index from the runtime length, so it serves every length, not only the
+example's. It runs the bucketed backend. ONNX needs the ``onnx`` extra
+(``pip install 'relpos[onnx]'``: onnx, onnxscript, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from relpos.modules import (
+    RelativeMultiheadAttention,
+    RelativeTransformerDecoderLayer,
+    RelativeTransformerEncoderLayer,
+)
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ModuleFormatError",
+    "build_module",
+    "check_onnx",
+    "export_onnx",
+    "load_module",
+    "module_config",
+    "require_onnx",
+    "save_module",
+]
+
+FORMAT = "relpos.module"
+FORMAT_VERSION = 1
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+_MODEL_CLASSES = ("RelativeTransformerLM", "RelativeTransformerEncoderModel")
+
+
+class ModuleFormatError(ValueError):
+    """A file is not a saved relpos module, or describes one relpos cannot rebuild."""
+
+
+# ---------------------------------------------------------------------------------------------
+# configs
+
+
+def _attention_config(m: RelativeMultiheadAttention) -> dict[str, Any]:
+    return {
+        "embed_dim": m.embed_dim, "num_heads": m.num_heads, "max_distance": m.max_distance,
+        "relative_keys": m.relative_keys, "relative_values": m.relative_values,
+        "share_heads": m.share_heads, "dropout": m.dropout, "bias": m.q_proj.bias is not None,
+        "kdim": m.kdim, "vdim": m.vdim, "batch_first": m.batch_first,
+        "implementation": m.implementation,
+    }
+
+
+def _activation_name(fn: object) -> str:
+    if fn is F.relu:
+        return "relu"
+    if fn is F.gelu:
+        return "gelu"
+    raise ModuleFormatError(
+        f"cannot save a layer with a custom activation {fn!r}; allowed: 'relu' or 'gelu'"
+    )
+
+
+def _layer_config(m: RelativeTransformerEncoderLayer | RelativeTransformerDecoderLayer) -> dict:
+    attn = m.self_attn
+    config: dict[str, Any] = {
+        "d_model": attn.embed_dim, "nhead": attn.num_heads,
+        "dim_feedforward": m.linear1.out_features, "dropout": m.dropout.p,
+        "activation": _activation_name(m.activation), "layer_norm_eps": m.norm1.eps,
+        "batch_first": attn.batch_first, "norm_first": m.norm_first,
+        "bias": m.linear1.bias is not None, "max_distance": attn.max_distance,
+        "relative_keys": attn.relative_keys, "relative_values": attn.relative_values,
+        "share_heads": attn.share_heads, "implementation": attn.implementation,
+    }
+    if isinstance(m, RelativeTransformerDecoderLayer):
+        cross = m.multihead_attn
+        config["relative_cross_attention"] = cross.relative_keys or cross.relative_values
+    return config
+
+
+def module_config(module: nn.Module) -> dict[str, Any]:
+    """``{"class": name, "config": {...}}`` from which :func:`build_module` rebuilds ``module``.
+
+    Supported: :class:`relpos.RelativeMultiheadAttention`,
+    :class:`relpos.RelativeTransformerEncoderLayer`,
+    :class:`relpos.RelativeTransformerDecoderLayer`,
+    ``nn.TransformerEncoder`` of relpos encoder layers and the models of :mod:`relpos.models`.
+
+    Raises:
+        ModuleFormatError: for any other module, or a layer with a custom activation.
+    """
+    if isinstance(module, RelativeMultiheadAttention):
+        return {"class": "RelativeMultiheadAttention", "config": _attention_config(module)}
+    if isinstance(module, RelativeTransformerEncoderLayer):
+        return {"class": "RelativeTransformerEncoderLayer", "config": _layer_config(module)}
+    if isinstance(module, RelativeTransformerDecoderLayer):
+        return {"class": "RelativeTransformerDecoderLayer", "config": _layer_config(module)}
+    if isinstance(module, nn.TransformerEncoder):
+        first = module.layers[0] if len(module.layers) else None
+        if not isinstance(first, RelativeTransformerEncoderLayer):
+            raise ModuleFormatError(
+                "can only save an nn.TransformerEncoder of relpos.RelativeTransformerEncoderLayer"
+            )
+        norm = module.norm
+        if norm is not None and not isinstance(norm, nn.LayerNorm):
+            raise ModuleFormatError(f"unsupported final norm {type(norm).__name__}")
+        return {
+            "class": "TransformerEncoder",
+            "config": {
+                "layer": _layer_config(first), "num_layers": len(module.layers),
+                "norm_eps": None if norm is None else norm.eps,
+                "norm_bias": None if norm is None else norm.bias is not None,
+            },
+        }
+    if type(module).__name__ in _MODEL_CLASSES and hasattr(module, "config"):
+        config: Any = module.config
+        return {"class": type(module).__name__, "config": config.to_dict()}
+    raise ModuleFormatError(
+        f"cannot save a {type(module).__name__}; allowed: RelativeMultiheadAttention, "
+        f"RelativeTransformerEncoderLayer, RelativeTransformerDecoderLayer, nn.TransformerEncoder "
+        f"of relpos layers, {', '.join(_MODEL_CLASSES)}"
+    )
+
+
+def build_module(spec: Mapping[str, Any]) -> nn.Module:
+    """Build a freshly initialized module from a :func:`module_config` dict.
+
+    Raises:
+        ModuleFormatError: if ``spec`` names an unknown class or holds bad arguments.
+    """
+    try:
+        cls, config = spec["class"], dict(spec["config"])
+    except (KeyError, TypeError):
+        raise ModuleFormatError("a module spec needs 'class' and 'config' entries") from None
+    try:
+        if cls == "RelativeMultiheadAttention":
+            config = dict(config)
+            return RelativeMultiheadAttention(
+                config.pop("embed_dim"), config.pop("num_heads"), config.pop("max_distance"),
+                **config,
+            )
+        if cls == "RelativeTransformerEncoderLayer":
+            return RelativeTransformerEncoderLayer(**config)
+        if cls == "RelativeTransformerDecoderLayer":
+            return RelativeTransformerDecoderLayer(**config)
+        if cls == "TransformerEncoder":
+            layer = RelativeTransformerEncoderLayer(**config["layer"])
+            norm = None
+            if config.get("norm_eps") is not None:
+                norm = nn.LayerNorm(
+                    layer.self_attn.embed_dim, eps=config["norm_eps"],
+                    bias=bool(config.get("norm_bias", True)),
+                )
+            return nn.TransformerEncoder(
+                layer,  # type: ignore[arg-type]  # any layer with the same forward works
+                int(config["num_layers"]), norm=norm, enable_nested_tensor=False,
+            )
+        if cls in _MODEL_CLASSES:
+            from relpos.models import ModelConfig, build_model
+
+            return build_model(ModelConfig.from_dict(config))
+    except (KeyError, TypeError) as err:
+        raise ModuleFormatError(f"bad config for {cls}: {err}") from None
+    raise ModuleFormatError(f"unknown module class {cls!r} in a saved relpos module")
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load
+
+
+def _atomic_write(path: Path, write: Any) -> Path:
+    """Call ``write(tmp_path)``, fsync, then rename over ``path`` (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return path
+
+
+def save_module(path: str | os.PathLike[str], module: nn.Module) -> Path:
+    """Save ``module`` (configuration + weights) to one file, atomically.
+
+    Args:
+        path: destination file (conventionally ``*.pt``).
+        module: a module :func:`module_config` supports.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ModuleFormatError: if the module type cannot be saved.
+
+    Example:
+        >>> layer = relpos.RelativeTransformerEncoderLayer(16, 2, 32, max_distance=4)
+        >>> path = save_module(Path(tempfile.mkdtemp()) / "layer.pt", layer)
+        >>> type(load_module(path)).__name__
+        'RelativeTransformerEncoderLayer'
+    """
+    from relpos import __version__
+
+    spec = module_config(module)
+    payload = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "relpos_version": __version__,
+        "class": spec["class"],
+        # JSON text: the config is plain data, and weights_only loading accepts a str.
+        "config": json.dumps(spec["config"]),
+        "state_dict": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+    }
+    return _atomic_write(Path(path), lambda tmp: torch.save(payload, tmp))
+
+
+def load_module(path: str | os.PathLike[str]) -> nn.Module:
+    """Load a module saved by :func:`save_module` (or a ``relpos train`` checkpoint directory).
+
+    The module comes back on CPU, in eval mode.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ModuleFormatError: if it is not a saved relpos module of a known format version.
+        relpos.versioning.RelativeStateError: if its tables use another convention.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return _load_checkpoint_dir(p)
+    if not p.exists():
+        raise FileNotFoundError(f"no such file: {str(p)!r}")
+    try:
+        payload = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ModuleFormatError(
+            f"{str(p)!r} is not a saved relpos module (relpos.export.save_module): "
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ModuleFormatError(
+            f"{str(p)!r} is not a saved relpos module (relpos.export.save_module); a bare "
+            f"state_dict does not say which module to build"
+        )
+    version = payload.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ModuleFormatError(
+            f"{str(p)!r} has relpos module format version {version!r}; this relpos reads "
+            f"version {FORMAT_VERSION}"
+        )
+    try:
+        config = json.loads(payload["config"])
+        state = payload["state_dict"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise ModuleFormatError(f"damaged relpos module file {str(p)!r}: {err}") from None
+    module = build_module({"class": payload.get("class"), "config": config})
+    module.load_state_dict(state)
+    return module.eval()
+
+
+def _load_checkpoint_dir(root: Path) -> nn.Module:
+    if not (root / "latest.json").is_file():
+        raise ModuleFormatError(
+            f"{str(root)!r} is a directory without a training checkpoint (latest.json)"
+        )
+    from relpos.training.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(root)
+    config = ckpt.state.get("model")
+    if not isinstance(config, dict):
+        raise ModuleFormatError(f"checkpoint {str(ckpt.path)!r} has no model config")
+    cls = _MODEL_CLASSES[0] if config.get("causal", True) else _MODEL_CLASSES[1]
+    module = build_module({"class": cls, "config": config})
+    module.load_state_dict(ckpt.model_state)
+    return module.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX
+
+
+def require_onnx() -> None:
+    """Raise a one-line ``ImportError`` naming the ``onnx`` extra if a package is missing."""
+    missing = [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"ONNX export needs the 'onnx' extra: pip install 'relpos[onnx]' "
+            f"(missing: {', '.join(missing)})"
+        )
+
+
+class _OnnxWrapper(nn.Module):
+    """One tensor in (features or token ids, optional key mask), one tensor out."""
+
+    def __init__(self, module: nn.Module, *, is_causal: bool) -> None:
+        super().__init__()
+        self.module = module
+        self.is_causal = is_causal
+
+    def forward(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
+        m = self.module
+        if isinstance(m, RelativeMultiheadAttention):
+            out, _ = m(x, key_mask=key_mask, is_causal=self.is_causal)
+            return out
+        if isinstance(m, RelativeTransformerEncoderLayer):
+            padding = None if key_mask is None else ~key_mask
+            return m(x, src_key_padding_mask=padding, is_causal=self.is_causal)
+        if isinstance(m, nn.TransformerEncoder):
+            padding = None if key_mask is None else ~key_mask
+            return m(x, src_key_padding_mask=padding, is_causal=self.is_causal)
+        # relpos.models: skip the id range check of forward (data-dependent, not exportable).
+        model: Any = m
+        return model.logits(model.hidden(x, key_mask, None, is_causal=model.config.causal))
+
+
+def _io_layout(module: nn.Module) -> tuple[str, int, int, int | None, torch.dtype]:
+    """(input name, batch axis, length axis, feature size or None for ids, input dtype)."""
+    if type(module).__name__ in _MODEL_CLASSES:
+        return "ids", 0, 1, None, torch.long
+    if isinstance(module, RelativeMultiheadAttention):
+        attn = module
+    elif isinstance(module, RelativeTransformerEncoderLayer):
+        attn = module.self_attn
+    elif isinstance(module, nn.TransformerEncoder) and isinstance(
+        module.layers[0], RelativeTransformerEncoderLayer
+    ):
+        attn = module.layers[0].self_attn
+    else:
+        raise TypeError(
+            f"cannot export a {type(module).__name__} to ONNX; allowed: "
+            f"RelativeMultiheadAttention (self-attention), RelativeTransformerEncoderLayer, "
+            f"nn.TransformerEncoder of those, {', '.join(_MODEL_CLASSES)}"
+        )
+    dtype = attn.q_proj.weight.dtype
+    if attn.kdim != attn.embed_dim or attn.vdim != attn.embed_dim:
+        raise ValueError("ONNX export serves self-attention: needs kdim == vdim == embed_dim")
+    batch, length = (0, 1) if attn.batch_first else (1, 0)
+    return "x", batch, length, attn.embed_dim, dtype
+
+
+def _example(module: nn.Module, batch_size: int, length: int) -> Tensor:
+    _, b_axis, l_axis, features, dtype = _io_layout(module)
+    if features is None:
+        config: Any = module.config
+        vocab = int(config.vocab_size)
+        return torch.randint(0, vocab, (batch_size, length))
+    shape = [0, 0, features]
+    shape[b_axis], shape[l_axis] = batch_size, length
+    return torch.randn(*shape, dtype=dtype)
+
+
+def export_onnx(
+    module: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    is_causal: bool = False,
+    key_mask: bool = False,
+    example_length: int = 7,
+    example_batch: int = 2,
+    opset_version: int | None = None,
+    optimize: bool = True,
+) -> Path:
+    """Export ``module`` to an ONNX file with dynamic batch and sequence axes, atomically.
+
+    The graph takes ``x`` (features, laid out as the module's ``batch_first`` says) or ``ids``
+    (``(B, L)`` token ids, for the models of :mod:`relpos.models`), plus ``key_mask``
+    (``(B, L)`` bool, True = real token) when ``key_mask`` is set, and returns ``out``. Attention
+    runs the bucketed backend whatever the module's ``implementation``; it gives the same
+    numbers as the other backends.
+
+    Args:
+        module: see :func:`module_config` (decoder layers and cross-attention are not exported).
+        path: destination ``.onnx`` file.
+        is_causal: export causal self-attention (the models use their own config).
+        key_mask: add the ``key_mask`` input.
+        example_length: L of the tracing example; the exported graph serves every length.
+        example_batch: B of the tracing example (>= 2, so the batch axis stays dynamic).
+        opset_version: ONNX opset (None = the exporter's default).
+        optimize: run the exporter's graph optimizer.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: if the ``onnx`` extra is not installed (one line).
+        TypeError, ValueError: for a module that cannot be exported or bad sizes.
+    """
+    require_onnx()
+    if isinstance(example_length, bool) or not isinstance(example_length, int) or (
+        example_length < 2
+    ):
+        raise ValueError(f"example_length must be an int >= 2, got {example_length!r}")
+    if isinstance(example_batch, bool) or not isinstance(example_batch, int) or (
+        example_batch < 2
+    ):
+        raise ValueError(f"example_batch must be an int >= 2, got {example_batch!r}")
+    name, b_axis, l_axis, _, _ = _io_layout(module)
+    x = _example(module, example_batch, example_length)
+    wrapper = _OnnxWrapper(module, is_causal=bool(is_causal))
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    length = torch.export.Dim("length", min=1, max=1 << 20)
+    args: tuple[Tensor, ...] = (x,)
+    dynamic: dict[str, Any] = {"x": {b_axis: batch, l_axis: length}}
+    input_names = [name]
+    if key_mask:
+        args = (x, torch.ones(example_batch, example_length, dtype=torch.bool))
+        dynamic["key_mask"] = {0: batch, 1: length}
+        input_names.append("key_mask")
+    was_training = module.training
+    wrapper.eval()
+    try:
+        with _backend("bucketed", module), torch.no_grad(), warnings.catch_warnings():
+            # x and key_mask share their axes on purpose; the exporter says so at length.
+            warnings.filterwarnings("ignore", message=".*shares the same shape constraints")
+            program = torch.onnx.export(
+                wrapper, args, dynamo=True, dynamic_shapes=dynamic, input_names=input_names,
+                output_names=["out"], opset_version=opset_version, optimize=optimize,
+                verbose=False,
+            )
+    except Exception as err:
+        raise RuntimeError(
+            f"ONNX export of {type(module).__name__} failed: {_summary(err)}"
+        ) from err
+    finally:
+        module.train(was_training)
+    assert program is not None
+    return _atomic_write(Path(path), lambda tmp: program.save(tmp))
+
+
+def _summary(err: BaseException) -> str:
+    """The informative line of a (long, multi-section) exporter error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("<class '"):
+            return line
+    return lines[0] if lines else type(err).__name__
+
+
+@contextlib.contextmanager
+def _backend(name: str, module: nn.Module) -> Any:
+    """Temporarily route every relpos attention in ``module`` to backend ``name``."""
+    attns = [m for m in module.modules() if isinstance(m, RelativeMultiheadAttention)]
+    saved = [m.implementation for m in attns]
+    for m in attns:
+        m.implementation = name
+    try:
+        yield
+    finally:
+        for m, impl in zip(attns, saved, strict=True):
+            m.implementation = impl
+
+
+def check_onnx(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    lengths: Iterable[int] = (1, 5, 16),
+    *,
+    batch_size: int = 3,
+    is_causal: bool = False,
+    key_mask: bool = False,
+    seed: int = 0,
+) -> float:
+    """Run an exported file in onnxruntime and compare it to ``module`` at several lengths.
+
+    Returns:
+        The largest absolute difference over all lengths.
+
+    Raises:
+        ImportError: if onnxruntime is missing (one line).
+    """
+    require_onnx()
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    torch_module = _OnnxWrapper(module, is_causal=is_causal).eval()
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for n in lengths:
+        with torch.random.fork_rng():
+            torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+            x = _example(module, batch_size, n)
+        feeds = {names[0]: x.numpy()}
+        args: tuple[Tensor, ...] = (x,)
+        if key_mask:
+            km = torch.rand(batch_size, n, generator=gen) > 0.3
+            km[:, -1] = True
+            feeds[names[1]] = km.numpy()
+            args = (x, km)
+        got = torch.from_numpy(session.run(None, feeds)[0])
+        with torch.no_grad():
+            want = torch_module(*args)
+        worst = max(worst, float((got.to(want.dtype) - want).abs().max()))
+    return worst

@@ -1,0 +1,289 @@
+"""The fused backend against the reference: forward, all five gradients, masks, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relpos
+from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
+from relpos.ops import _fused_kernels, _fused_math, fused
+
+# ----------------------------------------------------------------------------------------------
+# Internal torch ops: fail loudly when a torch release changes them.
+
+
+@pytest.mark.parametrize("name", sorted(_fused_kernels.EXPECTED_SCHEMAS))
+def test_internal_op_schema_unchanged(name: str) -> None:
+    op = getattr(torch.ops.aten, name, None)
+    assert op is not None, (
+        f"torch {torch.__version__} has no aten::{name}; the fused backend "
+        "(relpos/ops/_fused_kernels.py) needs porting to this torch version"
+    )
+    got = str(op.default._schema)
+    want = _fused_kernels.EXPECTED_SCHEMAS[name]
+    assert got == want, (
+        f"the schema of aten::{name} changed in torch {torch.__version__}; the fused backend "
+        f"was written against\n  {want}\nbut this torch has\n  {got}\n"
+        "check relpos/ops/_fused_kernels.py before updating EXPECTED_SCHEMAS"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Exactness (float64, forward and every gradient)
+
+
+CASES = [
+    # (B, H, L, S, K, extra) -- odd sizes, n < K, n = K, n = K + 1, L != S, L = 1, K = 0
+    dict(L=7, K=2),
+    dict(L=7, K=0),
+    dict(L=7, K=1),
+    dict(L=3, K=5),  # n < K
+    dict(L=5, K=5),  # n = K
+    dict(L=6, K=5),  # n = K + 1
+    dict(L=9, K=8),  # K = n - 1
+    dict(L=3, S=11, K=2),  # KV-cache step: L < S, bottom-right aligned
+    dict(L=1, S=13, K=3),
+    dict(L=1, S=13, K=0),
+    dict(L=4, S=11, K=2, query_start=3),
+    dict(L=4, S=11, K=3, query_start=0),
+    dict(L=70, K=6, B=1, H=2),  # several tiles (last one partial)
+    dict(L=67, S=140, K=9, B=1, H=2),
+]
+
+
+def _split(case: dict) -> tuple[dict, dict]:
+    case = dict(case)
+    extra = {k: case.pop(k) for k in ("query_start",) if k in case}
+    return case, extra
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_matches_reference(case: dict, causal: bool) -> None:
+    shape, extra = _split(case)
+    problem = make_problem(**shape)
+    assert_same_as_reference(problem, "fused", is_causal=causal, **extra)
+
+
+@pytest.mark.parametrize("keys_term,values_term", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_term_off(keys_term: bool, values_term: bool, causal: bool) -> None:
+    problem = make_problem(L=9, K=3, keys_term=keys_term, values_term=values_term)
+    assert_same_as_reference(problem, "fused", is_causal=causal)
+
+
+@pytest.mark.parametrize("K", [0, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_per_head_tables(K: int, causal: bool) -> None:
+    problem = make_problem(L=10, S=13, K=K, per_head=True)
+    assert_same_as_reference(problem, "fused", is_causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("K", [0, 1, 3])
+def test_key_mask(causal: bool, K: int) -> None:
+    # Per-row key lengths (prefix masks) and an irregular pattern, one row fully masked.
+    key_mask = torch.tensor([
+        [True] * 11,
+        [True] * 6 + [False] * 5,
+        [True, False, True, True, False, False, True, True, False, True, True],
+        [False] * 11,
+    ])
+    problem = make_problem(B=4, H=2, L=8, S=11, K=K)
+    assert_same_as_reference(problem, "fused", key_mask=key_mask, is_causal=causal)
+
+
+def test_fully_masked_rows_give_zeros_and_finite_grads() -> None:
+    problem = make_problem(B=2, H=2, L=6, K=2)
+    key_mask = torch.tensor([[True] * 6, [False] * 6])
+    out, grads = forward_backward(problem, "fused", key_mask=key_mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    for g in grads:
+        assert torch.isfinite(g).all()
+    dq = grads[0]
+    assert torch.equal(dq[1], torch.zeros_like(dq[1]))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_band_chunking_paths(monkeypatch: pytest.MonkeyPatch, per_head: bool) -> None:
+    # Small tiles and chunks: several heads per chunk, and a single head split into tile ranges.
+    monkeypatch.setattr(_fused_math, "TILE", 8)
+    monkeypatch.setattr(_fused_math, "REGION_CHUNK_ELEMS", 1)  # far regions head by head
+    for chunk in (8 * 40, 8 * 12 * 3):
+        monkeypatch.setattr(_fused_math, "CHUNK_ELEMS", chunk)
+        problem = make_problem(B=2, H=3, L=45, S=50, K=3, per_head=per_head)
+        key_mask = torch.ones(2, 50, dtype=torch.bool)
+        key_mask[1, 37:] = False
+        assert_same_as_reference(problem, "fused", key_mask=key_mask)
+        assert_same_as_reference(problem, "fused", is_causal=True)
+
+
+def test_matches_plain_sdpa_with_zero_tables() -> None:
+    problem = make_problem(L=20, K=3)
+    with torch.no_grad():
+        problem.rel_keys.zero_()  # type: ignore[union-attr]
+        problem.rel_values.zero_()  # type: ignore[union-attr]
+    out = run(problem, "fused")
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        problem.query, problem.key, problem.value
+    )
+    torch.testing.assert_close(out, sdpa, atol=1e-12, rtol=0)
+
+
+def test_gradcheck() -> None:
+    for causal, S in ((False, 5), (True, 6)):
+        problem = make_problem(B=1, H=1, L=4, S=S, D=2, K=1, seed=3)
+        key_mask = torch.tensor([[True] * (S - 1) + [False]])
+
+        def f(q, k, v, ak, av, causal=causal, key_mask=key_mask):  # type: ignore[no-untyped-def]
+            return relpos.relative_attention(
+                q, k, v, max_distance=1, rel_keys=ak, rel_values=av, is_causal=causal,
+                key_mask=key_mask, implementation="fused",
+            )
+
+        assert torch.autograd.gradcheck(f, tuple(problem.leaves()), fast_mode=True)
+
+
+def test_backward_is_deterministic() -> None:
+    problem = make_problem(B=2, H=3, L=150, K=9, D=8, dtype=torch.float32, per_head=True)
+    _, first = forward_backward(problem, "fused")
+    _, second = forward_backward(problem, "fused")
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_opcheck() -> None:
+    problem = make_problem(B=1, H=2, L=9, S=11, D=4, K=2)
+    q, k, v, ak, av = problem.leaves()
+    key_mask = torch.tensor([[True] * 9 + [False] * 2])
+    args = (q, k, v, ak[None], av[None], key_mask, 2, False, 0.5, 2)
+    torch.library.opcheck(torch.ops.relpos.fused_attention.default, args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Low precision: error at most 2x that of the reference in the same precision (+ epsilon).
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision(dtype: torch.dtype) -> None:
+    shape = dict(B=1, H=2, L=140, K=6, D=16, seed=5)
+    truth_out, truth_grads = forward_backward(make_problem(**shape), "reference")
+    errors = {}
+    for impl in ("reference", "fused"):
+        out, grads = forward_backward(make_problem(**shape, dtype=dtype), impl)
+        errors[impl] = [(out.to(F64) - truth_out).abs().max().item()] + [
+            (g.to(F64) - t).abs().max().item() for g, t in zip(grads, truth_grads, strict=True)
+        ]
+    for name, e_fused, e_ref in zip(
+        ["out", "dq", "dk", "dv", "drel_keys", "drel_values"], errors["fused"],
+        errors["reference"], strict=True,
+    ):
+        assert e_fused <= 2 * e_ref + 1e-5, f"{dtype} {name}: fused {e_fused} vs reference {e_ref}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _args(problem: object, **kw: object) -> dict:
+    p = problem
+    return dict(query=p.query, key=p.key, value=p.value, max_distance=p.max_distance,  # type: ignore[attr-defined]
+                rel_keys=p.rel_keys, rel_values=p.rel_values, **kw)  # type: ignore[attr-defined]
+
+
+def test_why_not_fused_reasons() -> None:
+    short = make_problem(B=1, H=1, L=8, K=2)
+    reason = relpos.why_not_fused(**_args(short))
+    assert reason is not None and "below the fused crossover" in reason and "S=8" in reason
+    long = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, K=2)
+    assert relpos.why_not_fused(**_args(long)) is None
+    assert "dropout" in str(relpos.why_not_fused(**_args(long, dropout_p=0.1)))
+    mask = torch.ones(fused.CROSSOVER_KEYS, fused.CROSSOVER_KEYS, dtype=torch.bool)
+    assert "attn_mask" in str(relpos.why_not_fused(**_args(long, attn_mask=mask)))
+    other_dv = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, Dv=3, K=2)
+    assert "Dv=3" in str(relpos.why_not_fused(**_args(other_dv)))
+
+
+def test_explicit_fused_ignores_the_speed_threshold_but_not_hard_limits() -> None:
+    short = make_problem(B=1, H=1, L=8, K=2)
+    assert fused.unsupported_reason(**_validated(short)) is None
+    run(short, "fused")  # does not raise
+    with pytest.raises(RuntimeError, match="dropout"):
+        run(short, "fused", dropout_p=0.5)
+
+
+def _validated(problem: object) -> dict:
+    from relpos.functional import _validate
+
+    return _validate(**_args(problem), attn_mask=None, key_mask=None, is_causal=False,
+                     dropout_p=0.0, scale=None, query_start=None)
+
+
+def test_auto_picks_what_why_not_fused_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    calls: list[str] = []
+    for name in relpos.available_backends():
+        module = importlib.import_module(f"relpos.ops.{name}")
+        real = module.attention
+
+        def spy(*a: object, _real=real, _name=name, **kw: object) -> object:  # type: ignore[no-untyped-def]
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(module, "attention", spy)
+    long = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, K=2)
+    assert relpos.why_not_fused(**_args(long)) is None
+    run(long, None)
+    assert calls == ["fused"]
+    calls.clear()
+    short = make_problem(B=1, H=1, L=8, K=2)
+    assert relpos.why_not_fused(**_args(short)) is not None
+    run(short, None)
+    assert calls and calls[0] != "fused"
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA (skipped without a GPU; benchmarks/cuda_check.py is the fuller check)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_matches_reference(causal: bool) -> None:
+    problem = make_problem(B=2, H=2, L=70, S=75, D=16, K=5, dtype=torch.float32)
+    for t in problem.leaves():
+        t.data = t.data.cuda()
+    out_ref, grads_ref = forward_backward(problem, "reference", is_causal=causal)
+    out, grads = forward_backward(problem, "fused", is_causal=causal)
+    torch.testing.assert_close(out, out_ref, atol=2e-5, rtol=1e-4)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------
+# relpos bench (smoke test at tiny sizes)
+
+
+def test_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    status = main([
+        "bench", "--lengths", "40", "--max-distances", "3", "--heads", "1", "--head-dim", "8",
+        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "fused,reference,sdpa",
+        "--out", str(tmp_path),
+    ])
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "fused" in table and "sdpa" in table
+    report = (tmp_path / "attention.md").read_text()
+    assert "torch" in report and "relpos bench" in report
+    rows = (tmp_path / "attention.csv").read_text().splitlines()
+    assert rows[0].startswith("n,K,backend") and len(rows) == 4
+
+
+def test_bench_cli_rejects_unknown_backend(capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    assert main(["bench", "--backends", "nope", "--no-memory"]) == 2
+    assert "nope" in capsys.readouterr().err

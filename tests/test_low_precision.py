@@ -1,0 +1,121 @@
+"""bfloat16 / float16, native and under autocast: accuracy against a float64 truth.
+
+Criterion (flash-attention's): for the output and every gradient, the error of a backend in a
+precision is at most twice the error of the reference backend run in the same precision, plus
+1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import relpos
+from relpos.ops import fused
+from relpos.ops.reference import masked_softmax
+
+F64 = torch.float64
+HALF = (torch.bfloat16, torch.float16)
+B, H, L, D, K = 2, 2, 96, 16, 6
+
+
+@functools.cache
+def _inputs() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(B, H, L, D, generator=g, dtype=F64) for _ in range(3)]
+    tables = [0.5 * torch.randn(2 * K + 1, D, generator=g, dtype=F64) for _ in range(2)]
+    return (*qkv, *tables)
+
+
+def _key_mask() -> torch.Tensor:
+    km = torch.ones(B, L, dtype=torch.bool)
+    km[1, :13] = False  # left padding in one sequence
+    return km
+
+
+@functools.cache
+def _run(implementation: str, dtype: torch.dtype, mode: str, causal: bool) -> list[torch.Tensor]:
+    """Output and gradients (q, k, v, rel_keys, rel_values), as float64."""
+    if mode == "native":
+        leaves = [t.detach().to(dtype).clone().requires_grad_(True) for t in _inputs()]
+        ctx = torch.autocast("cpu", enabled=False)
+    else:  # float32 tensors (activations and parameters) under autocast
+        leaves = [t.detach().float().requires_grad_(True) for t in _inputs()]
+        ctx = torch.autocast("cpu", dtype=dtype)
+    q, k, v, rk, rv = leaves
+    with ctx:
+        out = relpos.relative_attention(
+            q, k, v, max_distance=K, rel_keys=rk, rel_values=rv, is_causal=causal,
+            key_mask=_key_mask(), implementation=implementation,
+        )
+    assert out.dtype == dtype
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    out.backward(grad.to(out.dtype))
+    return [out.detach().double()] + [t.grad.double() for t in leaves]  # type: ignore[union-attr]
+
+
+@functools.cache
+def _errors(implementation: str, dtype: torch.dtype, mode: str, causal: bool) -> list[float]:
+    truth = _run("reference", F64, "native", causal)
+    got = _run(implementation, dtype, mode, causal)
+    return [float((a - b).abs().max()) for a, b in zip(got, truth, strict=True)]
+
+
+NAMES = ("out", "dq", "dk", "dv", "drel_keys", "drel_values")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mode", ["native", "autocast"])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("implementation", ["bucketed", "fused"])
+def test_error_at_most_twice_the_reference_in_same_precision(implementation, dtype, mode, causal):
+    if implementation == "fused":
+        x = _inputs()[0].to(dtype)
+        reason = fused.unsupported_reason(
+            x, x, x, rel_keys=x[0, :1, : 2 * K + 1], rel_values=x[0, :1, : 2 * K + 1],
+            max_distance=K, attn_mask=None, key_mask=_key_mask(), is_causal=causal,
+            dropout_p=0.0, scale=D**-0.5, query_start=0,
+        )
+        if reason is not None:  # an unsupported dtype must say which one
+            assert str(dtype).split(".")[-1] in reason
+            with pytest.raises(RuntimeError, match="cannot serve"):
+                _run(implementation, dtype, mode, causal)
+            return
+    ref = _errors("reference", dtype, mode, causal)
+    got = _errors(implementation, dtype, mode, causal)
+    for name, e, r in zip(NAMES, got, ref, strict=True):
+        assert e <= 2 * r + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {r:.3g} + 1e-5"
+    # The criterion must be able to fail: half precision is measurably off the truth.
+    assert ref[0] > 1e-4
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_softmax_statistics_in_float32(dtype):
+    g = torch.Generator().manual_seed(0)
+    scores = (4 * torch.randn(2, 3, 5, 700, generator=g)).to(dtype)
+    keep = torch.rand(2, 1, 5, 700, generator=g) > 0.2
+    keep[0, 0, 1] = False  # a row that sees nothing
+    got = masked_softmax(scores, keep)
+    want = torch.softmax(scores.float().masked_fill(~keep, float("-inf")), dim=-1)
+    want = want.nan_to_num(0.0).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not got[0, :, 1].any()
+
+
+def test_module_under_autocast_keeps_float32_parameters():
+    torch.manual_seed(0)
+    layer = relpos.RelativeTransformerEncoderLayer(
+        16, 2, 32, dropout=0.0, batch_first=True, max_distance=3
+    )
+    x = torch.randn(2, 11, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x, is_causal=True)
+    out.float().square().sum().backward()
+    attn = layer.self_attn
+    assert attn.rel_keys is not None and attn.rel_keys.grad is not None
+    assert attn.rel_keys.dtype == attn.rel_keys.grad.dtype == torch.float32
+    want = layer(x, is_causal=True)
+    torch.testing.assert_close(out.float(), want, rtol=0.05, atol=0.05)
