@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import relpos
+from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
 from relpos.ops import reference
 
 # (L, S, query_start) with L != S, odd sizes.

@@ -130,5 +130,5 @@ def test_bad_module_input_shape():
     mha = RelativeMultiheadAttention(8, 2, 2)
     with pytest.raises(ValueError, match=r"F=8, got \(2, 5, 7\)"):
         mha(torch.randn(2, 5, 7))
-    with pytest.raises(TypeError, match="ndarray|list"):
+    with pytest.raises(TypeError, match="got list"):
         mha([[1.0]])

@@ -480,7 +480,7 @@ def _backend(name: str, module: nn.Module) -> Any:
     attns = [m for m in module.modules() if isinstance(m, RelativeMultiheadAttention)]
     saved = [m.implementation for m in attns]
     for m in attns:
-        m.implementation = name
+        m.implementation = name  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -46,7 +46,7 @@ def _auto_reason(backend: ModuleType, args: dict[str, Any]) -> str | None:
     """Why auto-selection skips ``backend``: its ``auto_reason`` (hard limits and speed) if it
     has one, else its ``unsupported_reason``."""
     check = getattr(backend, "auto_reason", backend.unsupported_reason)
-    return check(**args)  # type: ignore[no-any-return]
+    return check(**args)
 
 
 def available_backends() -> tuple[str, ...]:
@@ -92,6 +92,7 @@ def _check_table(
     if table is None:
         return None
     t = _check_tensor(name, table)
+    given = tuple(t.shape)
     if t.dim() == 2:
         t = t.unsqueeze(0)  # (1, R, D): shared by all heads
     elif t.dim() != 3:
@@ -101,18 +102,18 @@ def _check_table(
         )
     if t.shape[0] not in (1, heads):
         raise ValueError(
-            f"{name} has {t.shape[0]} heads (shape {tuple(table.shape)}), "  # type: ignore[union-attr]
+            f"{name} has {t.shape[0]} heads (shape {given}), "
             f"allowed: shared (2-D) or one per head, H={heads}"
         )
     if t.shape[1] != rows:
         raise ValueError(
-            f"{name} has {t.shape[1]} rows (shape {tuple(table.shape)}), "  # type: ignore[union-attr]
+            f"{name} has {t.shape[1]} rows (shape {given}), "
             f"but max_distance={(rows - 1) // 2} needs 2K+1 = {rows}"
         )
     if t.shape[2] != dim:
         raise ValueError(
             f"{name} has embedding size {t.shape[2]}, but {dim_name} = {dim} "
-            f"(shape {tuple(table.shape)})"  # type: ignore[union-attr]
+            f"(shape {given})"
         )
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} has dtype {t.dtype}, but query has dtype {ref.dtype}")
@@ -416,7 +417,7 @@ def relative_attention_with_weights(
         attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, dropout_p=dropout_p,
         scale=scale, query_start=query_start,
     )
-    return _call(bucketed.attention_and_weights, args)  # type: ignore[no-any-return]
+    return _call(bucketed.attention_and_weights, args)
 
 
 for _name in _AUTO_ORDER:

@@ -45,6 +45,25 @@ class RelativeMultiheadAttention(nn.Module):
         torch.Size([2, 10, 64])
     """
 
+    embed_dim: int
+    num_heads: int
+    head_dim: int
+    max_distance: int
+    relative_keys: bool
+    relative_values: bool
+    share_heads: bool
+    dropout: float
+    batch_first: bool
+    kdim: int
+    vdim: int
+    implementation: Implementation | None
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    out_proj: nn.Linear
+    rel_keys: nn.Parameter | None
+    rel_values: nn.Parameter | None
+
     def __init__(
         self,
         embed_dim: int,
@@ -130,7 +149,7 @@ class RelativeMultiheadAttention(nn.Module):
     def set_extra_state(self, state: object) -> None:
         check_state(state, max_distance=self.max_distance, where=type(self).__name__)
 
-    def _load_from_state_dict(  # type: ignore[no-untyped-def]
+    def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
         error_msgs,
     ) -> None:

@@ -91,9 +91,9 @@ class _LayerBase(nn.Module):
         bias: bool,
         factory: dict[str, object],
     ) -> None:
-        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)  # type: ignore[arg-type]
+        self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
-        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)  # type: ignore[arg-type]
+        self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
         self.norm_first = norm_first
         self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)  # type: ignore[arg-type]
         self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)  # type: ignore[arg-type]
@@ -103,7 +103,7 @@ class _LayerBase(nn.Module):
 
     def _ff_block(self, x: Tensor) -> Tensor:
         x = self.linear2(self.dropout(self.activation(self.linear1(x))))
-        return self.dropout2(x)  # type: ignore[no-any-return]
+        return self.dropout2(x)
 
 
 class RelativeTransformerEncoderLayer(_LayerBase):
@@ -199,7 +199,7 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         out, _ = self.self_attn(
             x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
         )
-        return self.dropout1(out)  # type: ignore[no-any-return]
+        return self.dropout1(out)
 
 
 class RelativeTransformerDecoderLayer(_LayerBase):
@@ -314,7 +314,7 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         out, _ = self.self_attn(
             x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
         )
-        return self.dropout1(out)  # type: ignore[no-any-return]
+        return self.dropout1(out)
 
     def _mha_block(
         self,
@@ -328,8 +328,8 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         out, _ = self.multihead_attn(
             x, mem, mem, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal
         )
-        return self.dropout2(out)  # type: ignore[no-any-return]
+        return self.dropout2(out)
 
     def _ff_block(self, x: Tensor) -> Tensor:
         x = self.linear2(self.dropout(self.activation(self.linear1(x))))
-        return self.dropout3(x)  # type: ignore[no-any-return]
+        return self.dropout3(x)
