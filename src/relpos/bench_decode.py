@@ -18,7 +18,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from relpos._io import atomic_write_text
 
 __all__ = ["DecodeResult", "measure_step", "run_decode"]
 
@@ -166,21 +167,6 @@ def _ints(value: object, default: Sequence[int], name: str) -> list[int]:
     return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _hardware() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -294,8 +280,9 @@ def run_decode(args: Any) -> int:
             "command": command,
         }
         md_path, csv_path = paths
-        _atomic_write(csv_path, _csv(results, methods))
-        _atomic_write(md_path, _markdown(results, methods, meta, csv_path.name))
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(csv_path, _csv(results, methods))
+        atomic_write_text(md_path, _markdown(results, methods, meta, csv_path.name))
         print(f"wrote {md_path} and {csv_path}")
     return 0
 

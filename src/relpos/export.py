@@ -26,7 +26,6 @@ import importlib
 import importlib.util
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relpos._io import atomic_save
 from relpos.modules import (
     RelativeMultiheadAttention,
     RelativeTransformerDecoderLayer,
@@ -196,29 +196,6 @@ def build_module(spec: Mapping[str, Any]) -> nn.Module:
 # save / load
 
 
-def _atomic_write(path: Path, write: Any) -> Path:
-    """Call ``write(tmp_path)``, fsync, then rename over ``path`` (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    return path
-
-
 def save_module(path: str | os.PathLike[str], module: nn.Module) -> Path:
     """Save ``module`` (configuration + weights) to one file, atomically.
 
@@ -250,7 +227,8 @@ def save_module(path: str | os.PathLike[str], module: nn.Module) -> Path:
         "config": json.dumps(spec["config"]),
         "state_dict": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
     }
-    return _atomic_write(Path(path), lambda tmp: torch.save(payload, tmp))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_save(Path(path), lambda tmp: torch.save(payload, tmp))
 
 
 def load_module(path: str | os.PathLike[str]) -> nn.Module:
@@ -462,7 +440,8 @@ def export_onnx(
     finally:
         module.train(was_training)
     assert program is not None
-    return _atomic_write(Path(path), lambda tmp: program.save(tmp))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_save(Path(path), lambda tmp: program.save(tmp))
 
 
 def _summary(err: BaseException) -> str:

@@ -13,15 +13,14 @@ or a display: figures are plain :class:`matplotlib.figure.Figure` objects drawn 
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from relpos._io import atomic_write
 from relpos.positions import check_max_distance, relative_position_index
 
 if TYPE_CHECKING:
@@ -284,27 +283,9 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: float = 150.0
     directory = target.parent
     if not directory.is_dir():
         raise FileNotFoundError(f"output directory {str(directory)!r} does not exist")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    try:
-        # mkstemp makes the file private (0600); give it the mode a plain open() would.
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as handle:
-            fig.savefig(handle, format=fmt, dpi=dpi, metadata=_metadata(fmt))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    return target
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    return atomic_write(
+        target, lambda handle: fig.savefig(handle, format=fmt, dpi=dpi, metadata=_metadata(fmt))
+    )
 
 
 def _metadata(fmt: str) -> dict[str, Any]:

@@ -19,7 +19,6 @@ damaged later. Older checkpoints are removed only after the manifest moved on.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -34,6 +33,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
+
+from relpos._io import atomic_write_bytes, fsync_dir
 
 __all__ = [
     "FORMAT_VERSION",
@@ -82,44 +83,11 @@ class Checkpoint:
         return int(self.state["step"])
 
 
-def _fsync_dir(path: Path) -> None:
-    # Directory fsync makes a rename durable; not every platform can open a directory.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_synced(path: Path, data: bytes) -> None:
     with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, rename, directory fsync)."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(target.parent)
-    return target
 
 
 def atomic_write_json(path: str | os.PathLike[str], document: Any) -> Path:
@@ -206,9 +174,9 @@ def save_checkpoint(
         _write_synced(tmp / MODEL_FILE, model_bytes)
         _write_synced(tmp / OPTIMIZER_FILE, opt_bytes)
         _write_synced(tmp / STATE_FILE, (json.dumps(document, indent=2) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.replace(tmp, root / name)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
