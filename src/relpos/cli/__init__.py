@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order ``relpos --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("table", "heatmap", "export_onnx", "bench", "train", "experiment")
+SUBCOMMANDS: tuple[str, ...] = ("experiment", "train", "table", "heatmap", "bench", "export_onnx")
 
 
 class CLIError(Exception):
