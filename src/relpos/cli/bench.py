@@ -111,6 +111,9 @@ def add_parser(subparsers: Any) -> None:
                    help="a small smoke run (n=256,512, K=16, 1 warm-up, 2 repeats)")
     p.add_argument("--no-memory", dest="memory", action="store_false",
                    help="skip the per-case peak-memory subprocesses")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
+                   help="skip cases whose estimated peak exceeds this many GiB "
+                        "(default: 60%% of the available memory)")
     p.add_argument("--decode", action="store_true",
                    help="run the KV-cache decode benchmark instead")
     p.set_defaults(func=run)
@@ -348,7 +351,10 @@ def run_attention(args: argparse.Namespace) -> int:
     cases = [(n, K, b) for n in cfg.lengths for K in cfg.max_distances for b in cfg.backends]
     results: list[Result] = []
     sdpa_cache: dict[int, Result] = {}
-    budget = int(0.6 * _available_bytes())
+    budget_gib = getattr(args, "memory_budget", None)
+    if budget_gib is not None and not budget_gib > 0:
+        raise CLIError(f"--memory-budget must be a positive number of GiB, got {budget_gib}")
+    budget = int(0.6 * _available_bytes()) if budget_gib is None else int(budget_gib * 2**30)
     try:
         from tqdm import tqdm
 

@@ -186,14 +186,17 @@ def _far_backward(
     _, BH, L, D = q.shape
     S = k.shape[2]
     for hs in _head_chunks(BH, max(L, S), D):
-        out_s = out[:, hs] if av_row is None else out[:, hs] - av_row[None, hs, None, :]
-        args = (grad_out[:, hs], q[:, hs], k[:, hs], v[:, hs], out_s, lse_shifted[:, hs])
+        go, qq, kk, vv, oo = grad_out[:, hs], q[:, hs], k[:, hs], v[:, hs], out[:, hs]
+        ll = lse_shifted[:, hs]
         b = None if bias is None else bias[:, hs]
-        go, qq, kk, vv, oo, ll = args
-        if reverse:
+        if reverse:  # fresh reversed copies of this chunk only
             go, qq, kk, vv, oo = (_reverse(t, 2) for t in (go, qq, kk, vv, oo))
             ll = _reverse(ll, -1)
             b = None if b is None else _reverse(b, -1)
+            if av_row is not None:
+                oo = oo.sub_(av_row[None, hs, None, :])
+        elif av_row is not None:
+            oo = oo - av_row[None, hs, None, :]
         for p in lower_pieces(L, S, c):
             gq, gk, gv = flash_backward(
                 go[:, :, p.q0 : p.q1], qq[:, :, p.q0 : p.q1], kk[:, :, p.k0 : p.k1],
@@ -546,7 +549,7 @@ def fused_forward(
         out = out.addcmul_(m_right, o_right)
     if rel_values is not None:
         av = rel_values[:, [0, 2 * K]].to(acc)  # (Hr, 2, Dv)
-        out += torch.matmul(masses, av)
+        _add_rows_times_table(out, masses, av, 1.0)
     return out.to(q.dtype).contiguous(), lse.contiguous(), o_left, masses.contiguous()
 
 
@@ -566,7 +569,7 @@ def fused_backward(
     c_left, c_right = _regions(L, S, K, causal, query_start)
     grad_out = grad_out.contiguous()
     go_acc = grad_out.to(acc)
-    delta = (go_acc * out.to(acc)).sum(-1)  # (B, H, L)
+    delta = _row_dot(go_acc, out, acc)  # (B, H, L)
     dk = torch.zeros(B * H, S, D, dtype=acc, device=dev)
     dv = torch.zeros(B * H, S, Dv, dtype=acc, device=dev)
     dak = None if rel_keys is None else torch.zeros(rel_keys.shape, dtype=acc, device=dev)
@@ -608,7 +611,7 @@ def fused_backward(
 
     # Closed-form gradients of the far regions' constant terms: dc_X = sum of dS over region X.
     # FL directly; FR from "dS sums to zero over each row".
-    dot = (go_acc * o_left.to(acc)).sum(-1)  # (B, H, L)
+    dot = _row_dot(go_acc, o_left, acc)  # (B, H, L)
     if rel_values is not None:
         av = rel_values[:, [0, 2 * K]].to(acc)  # (Hr, 2, Dv)
         dot = dot + torch.matmul(go_acc, av[:, 0, :, None]).squeeze(-1)
@@ -618,7 +621,7 @@ def fused_backward(
     n_far = dc.shape[-1]
     if rel_keys is not None and dak is not None:
         ak = rel_keys[:, [0, 2 * K]].to(acc)  # (Hr, 2, D)
-        dq += torch.matmul(dc, ak[:, :n_far]).mul_(scale)  # (B, H, L, D)
+        _add_rows_times_table(dq, dc, ak[:, :n_far], scale)  # (B, H, L, D)
         g_rows = torch.einsum("bhlf,bhld->hfd", dc, q.to(acc)) * scale  # (H, n_far, D)
         _add_far_rows(dak, g_rows, K)
     if rel_values is not None and dav is not None:
@@ -629,6 +632,32 @@ def fused_backward(
         dq.to(dt), dk.view(B, H, S, D).to(dt), dv.view(B, H, S, Dv).to(dt),
         None if dak is None else dak.to(dt), None if dav is None else dav.to(dt),
     )
+
+
+def _row_dot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """``(a * b).sum(-1)`` of ``(B, H, L, X)`` tensors in ``acc``, one head at a time, so no
+    temporary as large as ``a`` is made."""
+    B, H, L, X = a.shape
+    af, bf = a.reshape(B * H, L, X), b.reshape(B * H, L, X)
+    res = torch.empty(B * H, L, dtype=acc, device=a.device)
+    for h in range(B * H):
+        res[h] = (af[h].to(acc) * bf[h].to(acc)).sum(-1)
+    return res.view(B, H, L)
+
+
+def _add_rows_times_table(x: Tensor, w: Tensor, table: Tensor, alpha: float) -> None:
+    """``x += alpha * w @ table[head]`` in place, one head at a time (no full-size temporary).
+
+    Args:
+        x: ``(B, H, L, X)``, updated in place.
+        w: ``(B, H, L, F)``.
+        table: ``(Hr, F, X)``, Hr in {1, H}.
+    """
+    B, H = x.shape[:2]
+    tab = table.to(x.dtype)
+    for b in range(B):
+        for h in range(H):
+            x[b, h].addmm_(w[b, h].to(x.dtype), tab[0 if tab.shape[0] == 1 else h], alpha=alpha)
 
 
 def _add_far_rows(table_grad: Tensor, g_rows: Tensor, K: int) -> None:
