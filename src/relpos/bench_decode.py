@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import datetime
 import io
-import os
 import platform
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos._io import atomic_write_text
+from relpos._sysinfo import hardware
 
 __all__ = ["DecodeResult", "measure_step", "run_decode"]
 
@@ -167,19 +167,6 @@ def _ints(value: object, default: Sequence[int], name: str) -> list[int]:
     return out
 
 
-def _hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}"
-
-
 def _output_paths(out: object) -> tuple[Path, Path] | None:
     if out is None or out == "":
         return None
@@ -269,7 +256,7 @@ def run_decode(args: Any) -> int:
         command = getattr(args, "command_line", None) or "relpos " + " ".join(sys.argv[1:])
         meta = {
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "hardware": _hardware(),
+            "hardware": hardware(),
             "torch": torch.__version__,
             "relpos": __version__,
             "python": platform.python_version(),

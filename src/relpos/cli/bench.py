@@ -25,13 +25,14 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from relpos._io import atomic_write, atomic_write_text
+from relpos._sysinfo import hardware
 from relpos.cli import CLIError
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -399,8 +400,9 @@ def run_attention(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         meta = _meta(args, cfg, threads, load_start, os.getloadavg(), elapsed)
-        _atomic_write(out / "attention.csv", _csv(results))
-        _atomic_write(out / "attention.md", _markdown(results, meta))
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "attention.csv", _csv(results))
+        atomic_write_text(out / "attention.md", _markdown(results, meta))
         wrote = [out / "attention.md", out / "attention.csv"]
         png = _plot(results, out / "attention.png")
         if png is not None:
@@ -466,19 +468,6 @@ def _csv(results: list[Result]) -> str:
     return buf.getvalue()
 
 
-def _hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}"
-
-
 def _meta(
     args: argparse.Namespace, cfg: Config, threads: int, load_start: tuple[float, ...],
     load_end: tuple[float, ...], elapsed: float,
@@ -501,7 +490,7 @@ def _meta(
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": typed or effective,
         "equivalent command": effective,
-        "hardware": _hardware(),
+        "hardware": hardware(),
         "torch": torch.__version__,
         "relpos": __version__,
         "python": platform.python_version(),
@@ -554,32 +543,8 @@ def _plot(results: list[Result], path: Path) -> Path | None:
         ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=80)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=80))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
