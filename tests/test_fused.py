@@ -109,7 +109,8 @@ def test_fully_masked_rows_give_zeros_and_finite_grads() -> None:
 def test_band_chunking_paths(monkeypatch: pytest.MonkeyPatch, per_head: bool) -> None:
     # Small tiles and chunks: several heads per chunk, and a single head split into tile ranges.
     monkeypatch.setattr(_fused_math, "TILE", 8)
-    monkeypatch.setattr(_fused_math, "REGION_CHUNK_ELEMS", 1)  # far regions head by head
+    monkeypatch.setattr(_fused_math, "FAR_BLOCK", 7)  # several far blocks
+    monkeypatch.setattr(_fused_math, "FAR_KEY_ELEMS", 1)  # key ranges of one block
     for chunk in (8 * 40, 8 * 12 * 3):
         monkeypatch.setattr(_fused_math, "CHUNK_ELEMS", chunk)
         problem = make_problem(B=2, H=3, L=45, S=50, K=3, per_head=per_head)
@@ -117,6 +118,25 @@ def test_band_chunking_paths(monkeypatch: pytest.MonkeyPatch, per_head: bool) ->
         key_mask[1, 37:] = False
         assert_same_as_reference(problem, "fused", key_mask=key_mask)
         assert_same_as_reference(problem, "fused", is_causal=True)
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_far_region_blocks(monkeypatch: pytest.MonkeyPatch, block: int, causal: bool) -> None:
+    # Far regions block by block (non-causal prefixes cut into key ranges of one block, causal
+    # pieces of far-right on reversed copies), with padding that empties whole far rows.
+    monkeypatch.setattr(_fused_math, "FAR_BLOCK", block)
+    monkeypatch.setattr(_fused_math, "FAR_KEY_ELEMS", 1)
+    key_mask = torch.ones(3, 23, dtype=torch.bool)
+    key_mask[1, 15:] = False
+    key_mask[2, :9] = False
+    for case in (dict(L=23, K=2), dict(L=23, K=0), dict(L=9, S=23, K=3, query_start=5),
+                 dict(L=5, S=23, K=4)):
+        shape, extra = _split(case)
+        problem = make_problem(B=3, H=2, per_head=True, **shape)
+        assert_same_as_reference(problem, "fused", key_mask=key_mask, is_causal=causal,
+                                 **extra)
+        assert_same_as_reference(problem, "fused", is_causal=causal, **extra)
 
 
 def test_matches_plain_sdpa_with_zero_tables() -> None:
