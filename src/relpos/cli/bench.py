@@ -4,7 +4,8 @@ For every sequence length n and clip distance K it times, in this one process, t
 (under ``torch.no_grad``) and the forward + backward of each backend (``fused``,
 ``bucketed``, ``reference``) on self-attention with both relative terms, and of
 ``F.scaled_dot_product_attention`` without relative terms (the floor): warm-up calls, then
-the median of the measured calls. Peak memory of one forward + backward is measured per case
+the median of measured rounds, each of which runs every backend of one n in turn, so that a
+slow spell of a shared machine hits all backends alike. Peak memory of one forward + backward is measured per case
 in a fresh ``spawn`` subprocess: peak RSS (``VmHWM``) minus the RSS after the inputs were
 created. Cases that would not fit in memory are skipped with the estimate.
 
@@ -248,15 +249,46 @@ def _fwdbwd(backend: str, x: dict[str, Any], K: int) -> None:
     _call(backend, x, K).backward(x["grad"])
 
 
-def _median_ms(fn: Callable[[], None], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def _timed_ms(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def _time_interleaved(
+    cases: list[tuple[Result, dict[str, Any]]], cfg: Config, tick: Callable[[str], None]
+) -> None:
+    """Time the cases of one sequence length round-robin: each case's warm-up calls, then
+    ``repeats`` rounds that run every case's forward and forward + backward once. A slow spell
+    of a shared machine then hits every backend alike, so the ratios stay meaningful; each
+    case reports its median. A case whose call raises ``RuntimeError`` is marked failed."""
+    times: dict[int, tuple[list[float], list[float]]] = {id(r): ([], []) for r, _ in cases}
+    live = list(cases)
+
+    def attempt(r: Result, x: dict[str, Any], record: bool) -> None:
+        try:
+            fwd = _timed_ms(functools.partial(_fwd, r.backend, x, r.K))
+            both = _timed_ms(functools.partial(_fwdbwd, r.backend, x, r.K))
+        except RuntimeError as err:
+            r.skipped = f"failed: {str(err).splitlines()[0][:80]}"
+            live.remove((r, x))
+            return
+        if record:
+            times[id(r)][0].append(fwd)
+            times[id(r)][1].append(both)
+
+    for r, x in list(live):
+        for _ in range(cfg.warmup):
+            if (r, x) in live:
+                tick(f"n={r.n} K={r.K} {r.backend} warm-up")
+                attempt(r, x, record=False)
+    for i in range(cfg.repeats):
+        for r, x in list(live):
+            tick(f"n={r.n} round {i + 1}/{cfg.repeats} K={r.K} {r.backend}")
+            attempt(r, x, record=True)
+    for r, _ in live:
+        fwd, both = times[id(r)]
+        r.fwd_ms, r.fwdbwd_ms = statistics.median(fwd), statistics.median(both)
 
 
 def _proc_status_kib(field: str) -> int | None:
@@ -349,50 +381,69 @@ def run_attention(args: argparse.Namespace) -> int:
     have = set(available_backends()) | {"sdpa"}
     load_start = os.getloadavg()
     started = time.time()
-    cases = [(n, K, b) for n in cfg.lengths for K in cfg.max_distances for b in cfg.backends]
-    results: list[Result] = []
-    sdpa_cache: dict[int, Result] = {}
     budget_gib = getattr(args, "memory_budget", None)
     if budget_gib is not None and not budget_gib > 0:
         raise CLIError(f"--memory-budget must be a positive number of GiB, got {budget_gib}")
     budget = int(0.6 * _available_bytes()) if budget_gib is None else int(budget_gib * 2**30)
+    results: list[Result] = []
+    groups: list[list[tuple[Result, dict[str, Any] | None]]] = []
+    for n in cfg.lengths:
+        group: list[tuple[Result, dict[str, Any] | None]] = []
+        sdpa: Result | None = None
+        for K in cfg.max_distances:
+            for backend in cfg.backends:
+                r = Result(n, K, backend)
+                results.append(r)
+                if backend == "sdpa" and sdpa is not None:  # SDPA has no K: once per n
+                    group.append((r, None))
+                    continue
+                if backend not in have:
+                    r.skipped = "skipped: backend not available in this build"
+                elif (need := estimate_bytes(backend, n, K, cfg)) > budget:
+                    r.skipped = f"skipped: would need {need / 2**30:.1f} GiB"
+                else:
+                    group.append((r, {}))
+                    if backend == "sdpa":
+                        sdpa = r
+        groups.append(group)
+    runnable = [len([1 for _, x in g if x is not None]) for g in groups]
+    calls = sum(k * (cfg.warmup + cfg.repeats) for k in runnable)
+    total = calls + (sum(runnable) if cfg.memory else 0)
     try:
         from tqdm import tqdm
 
-        bar: Any = tqdm(cases, desc="bench", unit="case", file=sys.stderr, leave=False)
+        bar: Any = tqdm(total=total, desc="bench", unit="call", file=sys.stderr, leave=False)
     except ImportError:  # pragma: no cover - tqdm is an optional dependency
-        bar = cases
-    for n, K, backend in bar:
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(f"n={n} K={K} {backend}")
-        r = Result(n, K, backend)
-        if backend not in have:
-            r.skipped = "skipped: backend not available in this build"
-        elif backend == "sdpa" and n in sdpa_cache:
-            cached = sdpa_cache[n]
-            r.fwd_ms, r.fwdbwd_ms, r.peak_mib = cached.fwd_ms, cached.fwdbwd_ms, cached.peak_mib
-        elif (need := estimate_bytes(backend, n, K, cfg)) > budget:
-            r.skipped = f"skipped: would need {need / 2**30:.1f} GiB"
-        else:
-            x = _make_inputs(n, K, cfg)
-            try:
-                r.fwd_ms = _median_ms(functools.partial(_fwd, backend, x, K), cfg.warmup,
-                                      cfg.repeats)
-                r.fwdbwd_ms = _median_ms(functools.partial(_fwdbwd, backend, x, K), cfg.warmup,
-                                         cfg.repeats)
-            except RuntimeError as err:
-                r.skipped = f"failed: {str(err).splitlines()[0][:80]}"
-            del x
-            if cfg.memory and not r.skipped:
-                mem = measure_memory(backend, n, K, cfg, threads)
-                if isinstance(mem, str):
-                    r.skipped = mem[:80]
-                else:
-                    r.peak_mib = mem
-            if backend == "sdpa":
-                sdpa_cache[n] = r
-        results.append(r)
-    if hasattr(bar, "close"):
+        bar = None
+
+    def tick(label: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(label)
+            bar.update(1)
+
+    for group in groups:
+        timed = [(r, y) for r, y in group if y is not None]
+        for r, inputs in timed:  # one set of inputs per K, shared by the backends
+            twin = next((y for other, y in timed if other.K == r.K and y), None)
+            inputs.update(twin if twin else _make_inputs(r.n, r.K, cfg))
+        _time_interleaved(timed, cfg, tick)
+        for _, inputs in timed:
+            inputs.clear()  # free the inputs before the memory subprocesses
+        for r, maybe in group:
+            if maybe is None or r.skipped or not cfg.memory:
+                continue
+            tick(f"n={r.n} K={r.K} {r.backend} memory")
+            mem = measure_memory(r.backend, r.n, r.K, cfg, threads)
+            if isinstance(mem, str):
+                r.skipped = mem[:80]
+            else:
+                r.peak_mib = mem
+        first = next((r for r, y in group if r.backend == "sdpa" and y is not None), None)
+        for r, maybe in group:
+            if maybe is None and first is not None:
+                r.fwd_ms, r.fwdbwd_ms = first.fwd_ms, first.fwdbwd_ms
+                r.peak_mib, r.skipped = first.peak_mib, first.skipped
+    if bar is not None:
         bar.close()
     elapsed = time.time() - started
     table = _text_table(results)
@@ -497,8 +548,10 @@ def _meta(
         "threads": str(threads),
         "shape": f"B={cfg.batch}, H={cfg.heads}, D={cfg.head_dim}, self-attention (L = S = n), "
                  f"{cfg.dtype}, keys and values terms, shared tables, not causal",
-        "timing": f"{cfg.warmup} warm-up call(s), median of {cfg.repeats}; forward under "
-                  "torch.no_grad(); fwd+bwd = forward + backward of a random upstream gradient",
+        "timing": f"{cfg.warmup} warm-up call(s), then median of {cfg.repeats} rounds that run "
+                  "every backend of one n in turn (interleaved, so a slow spell of the machine "
+                  "hits all alike); forward under torch.no_grad(); fwd+bwd = forward + "
+                  "backward of a random upstream gradient",
         "memory": MEMORY_METHOD if cfg.memory else "not measured (--no-memory)",
         "load": f"1-min load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end",
         "duration": f"{elapsed / 60:.1f} min",
