@@ -111,7 +111,7 @@ def test_band_chunking_paths(monkeypatch: pytest.MonkeyPatch, per_head: bool) ->
     monkeypatch.setattr(_fused_math, "TILE", 8)
     monkeypatch.setattr(_fused_math, "FAR_BLOCK", 7)  # several far blocks
     monkeypatch.setattr(_fused_math, "FAR_KEY_ELEMS", 1)  # key ranges of one block
-    for chunk in (8 * 40, 8 * 12 * 3):
+    for chunk in (8 * 16, 8 * 40, 8 * 12 * 3):  # forward chunks are 4x these
         monkeypatch.setattr(_fused_math, "CHUNK_ELEMS", chunk)
         problem = make_problem(B=2, H=3, L=45, S=50, K=3, per_head=per_head)
         key_mask = torch.ones(2, 50, dtype=torch.bool)

@@ -5,9 +5,9 @@ For every sequence length n and clip distance K it times, in this one process, t
 ``bucketed``, ``reference``) on self-attention with both relative terms, and of
 ``F.scaled_dot_product_attention`` without relative terms (the floor): warm-up calls, then
 the median of measured rounds, each of which runs every backend of one n in turn, so that a
-slow spell of a shared machine hits all backends alike. Peak memory of one forward + backward is measured per case
-in a fresh ``spawn`` subprocess: peak RSS (``VmHWM``) minus the RSS after the inputs were
-created. Cases that would not fit in memory are skipped with the estimate.
+slow spell of a shared machine hits all backends alike. Peak memory of one forward + backward
+is measured per case in a fresh ``spawn`` subprocess: peak RSS (``VmHWM``) minus the RSS
+after the inputs were created. Cases that would not fit in memory are skipped with the estimate.
 
 ``relpos bench --decode`` runs the KV-cache decode benchmark instead
 (:mod:`relpos.bench_decode`).

@@ -43,7 +43,8 @@ __all__ = ["fused_backward", "fused_forward"]
 TILE = 32
 """Queries per band tile."""
 CHUNK_ELEMS = 1 << 19
-"""Band scores computed at once (elements): bounds the band's temporaries."""
+"""Band scores computed at once in the backward (elements): bounds the band's temporaries.
+The forward, whose peak memory is lower, takes four times as many (fewer, larger matmuls)."""
 FAR_BLOCK = 1024
 """Far regions: queries per block (each flash call spans all heads and one block)."""
 FAR_KEY_ELEMS = 1 << 20
@@ -340,6 +341,7 @@ class _Band:
         self.Ls = (nT + self.segments - 1) * T  # source rows per head
         self.j_start = query_start + lo  # key position of window column 0 of tile 0
         self.S = S
+        self.chunk_elems = CHUNK_ELEMS * (1 if for_backward else 4)
         self.qb = _pad_rows(q.reshape(B * H, L, D).to(acc), self.Lp)  # (BH, Lp, D)
         self.k_flat = k.reshape(B * H, S, D)
         self.v_flat = v.reshape(B * H, S, Dv)
@@ -366,7 +368,7 @@ class _Band:
 
     def chunks(self) -> list[tuple[int, int, int]]:
         """``(h, t0, t1)``: one flat head and a range of its tiles."""
-        per = max(1, CHUNK_ELEMS // (self.T * self.W))
+        per = max(1, self.chunk_elems // (self.T * self.W))
         return [(h, t0, min(self.nT, t0 + per))
                 for h in range(self.B * self.H) for t0 in range(0, self.nT, per)]
 
