@@ -46,7 +46,8 @@ __all__ = ["CROSSOVER_KEYS", "attention", "auto_reason", "unsupported_reason"]
 
 CROSSOVER_KEYS = 1024
 """Below this many keys (S) the bucketed backend is faster on CPU for forward + backward
-(benchmarks/attention.md: bucketed 0.85x fused at S=512, fused 3.2x faster at S=1024)."""
+(benchmarks/attention.md, K = 16 and 64: bucketed takes 0.72-0.74x the fused time at S=512,
+fused is 2.3x faster at S=1024)."""
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
