@@ -302,6 +302,19 @@ def test_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: ignore[no-u
     assert rows[0].startswith("n,K,backend") and len(rows) == 4
 
 
+def test_bench_cli_causal(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    status = main([
+        "bench", "--lengths", "33", "--max-distances", "2", "--heads", "2", "--head-dim", "8",
+        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "fused,sdpa",
+        "--causal", "--out", str(tmp_path),
+    ])
+    assert status == 0
+    report = (tmp_path / "attention.md").read_text()
+    assert ", causal" in report and "--causal" in report
+
+
 def test_bench_cli_rejects_unknown_backend(capsys) -> None:  # type: ignore[no-untyped-def]
     from relpos.cli import main
 

@@ -116,6 +116,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--memory-budget", type=float, default=None, metavar="GIB",
                    help="skip cases whose estimated peak exceeds this many GiB "
                         "(default: 60%% of the available memory)")
+    p.add_argument("--causal", action="store_true",
+                   help="causal self-attention (is_causal=True) for every backend and SDPA")
     p.add_argument("--decode", action="store_true",
                    help="run the KV-cache decode benchmark instead")
     p.set_defaults(func=run)
@@ -137,6 +139,7 @@ class Config:
     warmup: int
     backends: list[str]
     memory: bool
+    causal: bool = False
 
 
 @dataclass
@@ -174,6 +177,7 @@ def _config(args: argparse.Namespace) -> Config:
         warmup=args.warmup if args.warmup is not None else 1,
         backends=list(backends),
         memory=bool(getattr(args, "memory", True)),
+        causal=bool(getattr(args, "causal", False)),
     )
 
 
@@ -219,7 +223,7 @@ def _make_inputs(n: int, K: int, cfg: Config, seed: int = 0) -> dict[str, Any]:
 
     return dict(q=rnd(B, H, n, D), k=rnd(B, H, n, D), v=rnd(B, H, n, D),
                 ak=rnd(2 * K + 1, D), av=rnd(2 * K + 1, D),
-                grad=torch.randn(B, H, n, D, generator=g).to(dtype))
+                grad=torch.randn(B, H, n, D, generator=g).to(dtype), causal=cfg.causal)
 
 
 def _call(backend: str, x: dict[str, Any], K: int) -> Any:
@@ -228,10 +232,10 @@ def _call(backend: str, x: dict[str, Any], K: int) -> Any:
     import relpos
 
     if backend == "sdpa":
-        return F.scaled_dot_product_attention(x["q"], x["k"], x["v"])
+        return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=x["causal"])
     return relpos.relative_attention(
         x["q"], x["k"], x["v"], max_distance=K, rel_keys=x["ak"], rel_values=x["av"],
-        implementation=backend,  # type: ignore[arg-type]
+        is_causal=x["causal"], implementation=backend,  # type: ignore[arg-type]
     )
 
 
@@ -532,7 +536,8 @@ def _meta(
         f"{','.join(map(str, cfg.max_distances))} --batch {cfg.batch} --heads {cfg.heads} "
         f"--head-dim {cfg.head_dim} --dtype {cfg.dtype} --repeats {cfg.repeats} "
         f"--warmup {cfg.warmup} --backends {','.join(cfg.backends)} --threads {threads}"
-        + ("" if cfg.memory else " --no-memory") + (f" --out {args.out}" if args.out else "")
+        + ("" if cfg.memory else " --no-memory") + (" --causal" if cfg.causal else "")
+        + (f" --out {args.out}" if args.out else "")
     )
     typed = getattr(args, "command_line", None)
     if typed is None and Path(sys.argv[0]).name in ("relpos", "__main__.py"):
@@ -547,7 +552,8 @@ def _meta(
         "python": platform.python_version(),
         "threads": str(threads),
         "shape": f"B={cfg.batch}, H={cfg.heads}, D={cfg.head_dim}, self-attention (L = S = n), "
-                 f"{cfg.dtype}, keys and values terms, shared tables, not causal",
+                 f"{cfg.dtype}, keys and values terms, shared tables, "
+                 + ("causal" if cfg.causal else "not causal"),
         "timing": f"{cfg.warmup} warm-up call(s), then median of {cfg.repeats} rounds that run "
                   "every backend of one n in turn (interleaved, so a slow spell of the machine "
                   "hits all alike); forward under torch.no_grad(); fwd+bwd = forward + "
