@@ -427,12 +427,15 @@ def run_attention(args: argparse.Namespace) -> int:
 
     for group in groups:
         timed = [(r, y) for r, y in group if y is not None]
-        for r, inputs in timed:  # one set of inputs per K, shared by the backends
-            twin = next((y for other, y in timed if other.K == r.K and y), None)
-            inputs.update(twin if twin else _make_inputs(r.n, r.K, cfg))
+        by_K: dict[int, dict[str, Any]] = {}  # one set of inputs per K, shared by the backends
+        for r, inputs in timed:
+            if r.K not in by_K:
+                by_K[r.K] = _make_inputs(r.n, r.K, cfg)
+            inputs.update(by_K[r.K])
         _time_interleaved(timed, cfg, tick)
         for _, inputs in timed:
             inputs.clear()  # free the inputs before the memory subprocesses
+        by_K.clear()
         for r, maybe in group:
             if maybe is None or r.skipped or not cfg.memory:
                 continue

@@ -235,11 +235,10 @@ def _far_backward(
     key_step = max(FAR_BLOCK, FAR_KEY_ELEMS // max(1, N * D))
     for a, b, pieces in region.blocks():
         block = region.rows(a, b)
-        go_b = grad_out[:, :, block].contiguous()
-        lse_b = lse_shifted[:, :, block].contiguous()
-        out_b = out[:, :, block]
-        out_b = out_b - av_row[None, :, None, :] if av_row is not None else out_b.contiguous()
-        q_b = q[:, :, block]
+        go_b, lse_b, q_b = grad_out[:, :, block], lse_shifted[:, :, block], q[:, :, block]
+        out_b = out[:, :, block]  # the kernel reads strided outputs; a copy only when shifted
+        if av_row is not None:
+            out_b = out_b - av_row[None, :, None, :]
         base = block.start
         for p in pieces:
             flip = region.flipped(p)
