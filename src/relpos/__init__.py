@@ -2,42 +2,75 @@
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 E model dim, K clip distance (``max_distance``), R = 2K + 1 table rows.
+
+The public names load on first use (PEP 562), so ``import relpos`` and the command line's
+``relpos --help`` do not import torch. The first use of any name below loads the core
+(positions, functional, ops, modules, cache, tables, versioning); the lab (``relpos.models``,
+``relpos.training``, ``relpos.tasks``) and the benchmark harness (``relpos.bench``) load only
+when they are used.
 """
 
-from relpos import models
-from relpos.cache import KVCache, LayerCache
-from relpos.functional import (
-    available_backends,
-    relative_attention,
-    relative_attention_with_weights,
-    why_not_fused,
-)
-from relpos.modules import (
-    RelativeMultiheadAttention,
-    RelativeTransformerDecoderLayer,
-    RelativeTransformerEncoderLayer,
-)
-from relpos.positions import clip_relative_position, relative_position_index
-from relpos.tables import load_state_dict_resized, resize_relative_table
-from relpos.versioning import RelativeStateError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "KVCache",
-    "LayerCache",
-    "RelativeMultiheadAttention",
-    "RelativeStateError",
-    "RelativeTransformerDecoderLayer",
-    "RelativeTransformerEncoderLayer",
-    "__version__",
-    "available_backends",
-    "clip_relative_position",
-    "load_state_dict_resized",
-    "models",
-    "relative_attention",
-    "relative_attention_with_weights",
-    "relative_position_index",
-    "resize_relative_table",
-    "why_not_fused",
-]
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "KVCache": "relpos.cache",
+    "LayerCache": "relpos.cache",
+    "RelativeMultiheadAttention": "relpos.modules",
+    "RelativeStateError": "relpos.versioning",
+    "RelativeTransformerDecoderLayer": "relpos.modules",
+    "RelativeTransformerEncoderLayer": "relpos.modules",
+    "available_backends": "relpos.functional",
+    "clip_relative_position": "relpos.positions",
+    "load_state_dict_resized": "relpos.tables",
+    "relative_attention": "relpos.functional",
+    "relative_attention_with_weights": "relpos.functional",
+    "relative_position_index": "relpos.positions",
+    "resize_relative_table": "relpos.tables",
+    "select_backend": "relpos.functional",
+    "why_not_fused": "relpos.functional",
+}
+# Subpackages reachable as attributes (``relpos.models.ModelConfig``).
+_SUBMODULES = ("models",)
+
+__all__ = ["__version__", *sorted(_EXPORTS), *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"relpos.{name}")
+    else:
+        raise AttributeError(f"module 'relpos' has no attribute {name!r}")
+    globals()[name] = value  # later lookups are plain attribute reads (and trace under compile)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # static analysers see the eager imports
+    from relpos import models
+    from relpos.cache import KVCache, LayerCache
+    from relpos.functional import (
+        available_backends,
+        relative_attention,
+        relative_attention_with_weights,
+        select_backend,
+        why_not_fused,
+    )
+    from relpos.modules import (
+        RelativeMultiheadAttention,
+        RelativeTransformerDecoderLayer,
+        RelativeTransformerEncoderLayer,
+    )
+    from relpos.positions import clip_relative_position, relative_position_index
+    from relpos.tables import load_state_dict_resized, resize_relative_table
+    from relpos.versioning import RelativeStateError

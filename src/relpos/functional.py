@@ -18,7 +18,13 @@ from torch import Tensor
 from relpos.ops import BACKENDS
 from relpos.positions import check_max_distance, resolve_query_start
 
-__all__ = ["Implementation", "available_backends", "relative_attention", "why_not_fused"]
+__all__ = [
+    "Implementation",
+    "available_backends",
+    "relative_attention",
+    "select_backend",
+    "why_not_fused",
+]
 
 Implementation = Literal["reference", "bucketed", "fused", "decode"]
 
@@ -385,6 +391,16 @@ def why_not_fused(
             L, S = args["query"].shape[-2], args["key"].shape[-2]
             return f"the {name} backend is picked first for L={L} queries over S={S} keys"
     return _auto_reason(backend, args)
+
+
+def select_backend(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> str:
+    """Name of the backend ``relative_attention(..., implementation=None)`` runs for this call."""
+    args = _validate(query, key, value, **kwargs)
+    for name in _AUTO_ORDER:
+        backend = _backend(name)
+        if backend is not None and _auto_reason(backend, args) is None:
+            return name
+    return "reference"
 
 
 def relative_attention_with_weights(
