@@ -395,7 +395,12 @@ def why_not_fused(
 
 def select_backend(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> str:
     """Name of the backend ``relative_attention(..., implementation=None)`` runs for this call."""
-    args = _validate(query, key, value, **kwargs)
+    options: dict[str, Any] = dict(
+        rel_keys=None, rel_values=None, attn_mask=None, key_mask=None, is_causal=False,
+        dropout_p=0.0, scale=None, query_start=None,
+    )
+    options.update(kwargs)
+    args = _validate(query, key, value, **options)
     for name in _AUTO_ORDER:
         backend = _backend(name)
         if backend is not None and _auto_reason(backend, args) is None:
