@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import relpos
 from helpers import make_problem
 from relpos import KVCache, LayerCache, RelativeMultiheadAttention
+from relpos.functional import AttentionCall
 from relpos.ops import decode
 
 F64 = torch.float64
@@ -243,12 +244,13 @@ def test_decode_backend_refuses_what_it_cannot_serve():
     p = make_problem(L=3, S=9)
     base = dict(rel_keys=None, rel_values=None, max_distance=2, attn_mask=None, key_mask=None,
                 is_causal=True, dropout_p=0.0, scale=0.5)
-    assert decode.unsupported_reason(p.query, p.key, p.value, query_start=6, **base) is None
+    assert decode.unsupported_reason(
+        AttentionCall(p.query, p.key, p.value, query_start=6, **base)) is None
     assert "query_start" in decode.unsupported_reason(  # type: ignore[operator]
-        p.query, p.key, p.value, query_start=2, **base)
+        AttentionCall(p.query, p.key, p.value, query_start=2, **base))
     big = torch.randn(1, 1, decode.MAX_QUERIES + 1, 4)
     assert "L=" in decode.unsupported_reason(  # type: ignore[operator]
-        big, big, big, query_start=0, **base)
+        AttentionCall(big, big, big, query_start=0, **base))
     with pytest.raises(RuntimeError, match="query_start"):
         relpos.relative_attention(p.query, p.key, p.value, max_distance=2, query_start=2,
                                   is_causal=True, implementation="decode")

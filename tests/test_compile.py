@@ -94,37 +94,37 @@ def _rand(*shape: int, transposed: bool = False) -> torch.Tensor:
     return x.requires_grad_(True)
 
 
-def _fused_inputs(transposed: bool, causal: bool) -> tuple[object, ...]:
+def _fused_inputs(transposed: bool, causal: bool) -> tuple[tuple[object, ...], dict[str, object]]:
     B, H, L, S, D, K = 2, 3, 5, 7, 4, 2
     key_mask = torch.rand(B, S, generator=torch.Generator().manual_seed(0)) > 0.3
     key_mask[:, -1] = True
     return (
         _rand(B, H, L, D, transposed=transposed), _rand(B, H, S, D, transposed=transposed),
         _rand(B, H, S, D, transposed=transposed), _rand(2 * K + 1, D).unsqueeze(0),
-        _rand(H, 2 * K + 1, D), key_mask, K, causal, 0.5, S - L,
-    )
+        _rand(H, 2 * K + 1, D), key_mask,
+    ), dict(max_distance=K, is_causal=causal, scale=0.5, query_start=S - L)
 
 
 @pytest.mark.parametrize(("transposed", "causal"), [(False, False), (True, True)])
 def test_opcheck_fused_forward_op(transposed, causal):
     import relpos.ops.fused  # noqa: F401  (registers relpos::fused_attention)
 
-    args = _fused_inputs(transposed, causal)
-    torch.library.opcheck(torch.ops.relpos.fused_attention.default, args)
+    args, options = _fused_inputs(transposed, causal)
+    torch.library.opcheck(torch.ops.relpos.fused_attention.default, args, options)
 
 
 def test_opcheck_fused_backward_op():
     import relpos.ops.fused  # noqa: F401
 
-    args = _fused_inputs(True, False)
+    args, options = _fused_inputs(True, False)
     with torch.no_grad():
-        outs = torch.ops.relpos.fused_attention(*args)
-    q, k, v, rk, rv, km, *params = args
+        outs = torch.ops.relpos.fused_attention(*args, **options)
+    q, k, v, rk, rv, km = args
     grad_out = torch.randn_like(outs[0])
     detached = [t.detach() for t in (q, k, v, rk, rv)]  # type: ignore[union-attr]
     torch.library.opcheck(
         torch.ops.relpos.fused_attention_backward.default,
-        (grad_out, *detached, km, *outs, *params),
+        (grad_out, *detached, km, *outs), options,
     )
 
 

@@ -7,25 +7,27 @@ import torch
 
 import relpos
 from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
-from relpos.ops import _fused_kernels, _fused_math, fused
+from relpos.functional import AttentionCall, validate_call
+from relpos.ops import fused
+from relpos.ops.fused import band, far, kernels
 
 # ----------------------------------------------------------------------------------------------
 # Internal torch ops: fail loudly when a torch release changes them.
 
 
-@pytest.mark.parametrize("name", sorted(_fused_kernels.EXPECTED_SCHEMAS))
+@pytest.mark.parametrize("name", sorted(kernels.EXPECTED_SCHEMAS))
 def test_internal_op_schema_unchanged(name: str) -> None:
     op = getattr(torch.ops.aten, name, None)
     assert op is not None, (
         f"torch {torch.__version__} has no aten::{name}; the fused backend "
-        "(relpos/ops/_fused_kernels.py) needs porting to this torch version"
+        "(relpos/ops/fused/kernels.py) needs porting to this torch version"
     )
     got = str(op.default._schema)
-    want = _fused_kernels.EXPECTED_SCHEMAS[name]
+    want = kernels.EXPECTED_SCHEMAS[name]
     assert got == want, (
         f"the schema of aten::{name} changed in torch {torch.__version__}; the fused backend "
         f"was written against\n  {want}\nbut this torch has\n  {got}\n"
-        "check relpos/ops/_fused_kernels.py before updating EXPECTED_SCHEMAS"
+        "check relpos/ops/fused/kernels.py before updating EXPECTED_SCHEMAS"
     )
 
 
@@ -108,11 +110,11 @@ def test_fully_masked_rows_give_zeros_and_finite_grads() -> None:
 @pytest.mark.parametrize("per_head", [False, True])
 def test_band_chunking_paths(monkeypatch: pytest.MonkeyPatch, per_head: bool) -> None:
     # Small tiles and chunks: several heads per chunk, and a single head split into tile ranges.
-    monkeypatch.setattr(_fused_math, "TILE", 8)
-    monkeypatch.setattr(_fused_math, "FAR_BLOCK", 7)  # several far blocks
-    monkeypatch.setattr(_fused_math, "FAR_KEY_ELEMS", 1)  # key ranges of one block
+    monkeypatch.setattr(band, "TILE", 8)
+    monkeypatch.setattr(far, "FAR_BLOCK", 7)  # several far blocks
+    monkeypatch.setattr(far, "FAR_KEY_ELEMS", 1)  # key ranges of one block
     for chunk in (8 * 16, 8 * 40, 8 * 12 * 3):  # forward chunks are 4x these
-        monkeypatch.setattr(_fused_math, "CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(band, "CHUNK_ELEMS", chunk)
         problem = make_problem(B=2, H=3, L=45, S=50, K=3, per_head=per_head)
         key_mask = torch.ones(2, 50, dtype=torch.bool)
         key_mask[1, 37:] = False
@@ -125,8 +127,8 @@ def test_band_chunking_paths(monkeypatch: pytest.MonkeyPatch, per_head: bool) ->
 def test_far_region_blocks(monkeypatch: pytest.MonkeyPatch, block: int, causal: bool) -> None:
     # Far regions block by block (non-causal prefixes cut into key ranges of one block, causal
     # pieces of far-right on reversed copies), with padding that empties whole far rows.
-    monkeypatch.setattr(_fused_math, "FAR_BLOCK", block)
-    monkeypatch.setattr(_fused_math, "FAR_KEY_ELEMS", 1)
+    monkeypatch.setattr(far, "FAR_BLOCK", block)
+    monkeypatch.setattr(far, "FAR_KEY_ELEMS", 1)
     key_mask = torch.ones(3, 23, dtype=torch.bool)
     key_mask[1, 15:] = False
     key_mask[2, :9] = False
@@ -177,8 +179,9 @@ def test_opcheck() -> None:
     problem = make_problem(B=1, H=2, L=9, S=11, D=4, K=2)
     q, k, v, ak, av = problem.leaves()
     key_mask = torch.tensor([[True] * 9 + [False] * 2])
-    args = (q, k, v, ak[None], av[None], key_mask, 2, False, 0.5, 2)
-    torch.library.opcheck(torch.ops.relpos.fused_attention.default, args)
+    args = (q, k, v, ak[None], av[None], key_mask)
+    options = dict(max_distance=2, is_causal=False, scale=0.5, query_start=2)
+    torch.library.opcheck(torch.ops.relpos.fused_attention.default, args, options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,17 +230,14 @@ def test_why_not_fused_reasons() -> None:
 
 def test_explicit_fused_ignores_the_speed_threshold_but_not_hard_limits() -> None:
     short = make_problem(B=1, H=1, L=8, K=2)
-    assert fused.unsupported_reason(**_validated(short)) is None
+    assert fused.unsupported_reason(_validated(short)) is None
     run(short, "fused")  # does not raise
     with pytest.raises(RuntimeError, match="dropout"):
         run(short, "fused", dropout_p=0.5)
 
 
-def _validated(problem: object) -> dict:
-    from relpos.functional import _validate
-
-    return _validate(**_args(problem), attn_mask=None, key_mask=None, is_causal=False,
-                     dropout_p=0.0, scale=None, query_start=None)
+def _validated(problem: object) -> AttentionCall:
+    return validate_call(**_args(problem))
 
 
 def test_auto_picks_what_why_not_fused_says(monkeypatch: pytest.MonkeyPatch) -> None:

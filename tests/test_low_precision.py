@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import relpos
+from relpos.functional import AttentionCall
 from relpos.ops import fused
 from relpos.ops.reference import masked_softmax
 
@@ -73,11 +74,11 @@ NAMES = ("out", "dq", "dk", "dv", "drel_keys", "drel_values")
 def test_error_at_most_twice_the_reference_in_same_precision(implementation, dtype, mode, causal):
     if implementation == "fused":
         x = _inputs()[0].to(dtype)
-        reason = fused.unsupported_reason(
+        reason = fused.unsupported_reason(AttentionCall(
             x, x, x, rel_keys=x[0, :1, : 2 * K + 1], rel_values=x[0, :1, : 2 * K + 1],
             max_distance=K, attn_mask=None, key_mask=_key_mask(), is_causal=causal,
             dropout_p=0.0, scale=D**-0.5, query_start=0,
-        )
+        ))
         if reason is not None:  # an unsupported dtype must say which one
             assert str(dtype).split(".")[-1] in reason
             with pytest.raises(RuntimeError, match="cannot serve"):

@@ -38,7 +38,26 @@ _EXPORTS: dict[str, str] = {
 # Subpackages reachable as attributes (``relpos.models.ModelConfig``).
 _SUBMODULES = ("models",)
 
-__all__ = ["__version__", *sorted(_EXPORTS), *_SUBMODULES]
+__all__ = [
+    "KVCache",
+    "LayerCache",
+    "RelativeMultiheadAttention",
+    "RelativeStateError",
+    "RelativeTransformerDecoderLayer",
+    "RelativeTransformerEncoderLayer",
+    "__version__",
+    "available_backends",
+    "clip_relative_position",
+    "load_state_dict_resized",
+    "models",
+    "relative_attention",
+    "relative_attention_with_weights",
+    "relative_position_index",
+    "resize_relative_table",
+    "select_backend",
+    "why_not_fused",
+]
+assert set(__all__) == {"__version__", *_EXPORTS, *_SUBMODULES}
 
 
 def __getattr__(name: str) -> Any:

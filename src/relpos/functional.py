@@ -1,4 +1,8 @@
-"""``relative_attention``: the public function. Validates the call, then runs a backend.
+"""``relative_attention``: the public function. Validates the call once, then runs a backend.
+
+:func:`validate_call` turns the user's arguments into one frozen
+:class:`~relpos.ops.call.AttentionCall`; backend selection, :func:`select_backend`,
+:func:`why_not_fused` and every backend read that same object.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 K clip distance (``max_distance``), R = 2K + 1 table rows.
@@ -6,58 +10,44 @@ K clip distance (``max_distance``), R = 2K + 1 table rows.
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import math
 import numbers
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Literal
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
-from relpos.ops import BACKENDS
+from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, reference
+from relpos.ops.call import AttentionCall
 from relpos.positions import check_max_distance, resolve_query_start
 
 __all__ = [
+    "AttentionCall",
     "Implementation",
     "available_backends",
     "relative_attention",
+    "relative_attention_with_weights",
     "select_backend",
+    "validate_call",
     "why_not_fused",
 ]
 
-Implementation = Literal["reference", "bucketed", "fused", "decode"]
-
-# Tried in this order when ``implementation=None``; the first that serves the call wins.
-_AUTO_ORDER: tuple[str, ...] = ("decode", "fused", "bucketed", "reference")
-
-
-# Backend modules by name (None = not in this build). Filled once at import so that
-# ``torch.compile`` traces a dict lookup, not ``importlib`` (which it cannot trace).
-_LOADED: dict[str, ModuleType | None] = {}
-
-
-def _backend(name: str) -> ModuleType | None:
-    if name not in _LOADED:
-        try:
-            _LOADED[name] = importlib.import_module(f"relpos.ops.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"relpos.ops.{name}":
-                raise
-            _LOADED[name] = None
-    return _LOADED[name]
-
-
-def _auto_reason(backend: ModuleType, args: dict[str, Any]) -> str | None:
-    """Why auto-selection skips ``backend``: its ``auto_reason`` (hard limits and speed) if it
-    has one, else its ``unsupported_reason``."""
-    check = getattr(backend, "auto_reason", backend.unsupported_reason)
-    return check(**args)
+_MODULES: dict[str, ModuleType] = {
+    "reference": reference, "bucketed": bucketed, "fused": fused, "decode": decode,
+}
+assert set(_MODULES) == set(BACKENDS)
 
 
 def available_backends() -> tuple[str, ...]:
-    """Names of the backends installed in this build, in auto-selection order."""
-    return tuple(n for n in _AUTO_ORDER if _backend(n) is not None)
+    """Names of the backends, in auto-selection order."""
+    return BACKENDS
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: once, at the public boundary
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -73,17 +63,6 @@ def _to_autocast(t: object, dtype: torch.dtype) -> object:
     if isinstance(t, Tensor) and t.dtype == torch.float32:
         return t.to(dtype)
     return t
-
-
-def _call(fn: Any, args: dict[str, Any]) -> Any:
-    """Run a backend. Under autocast the inputs were already cast (see ``_validate``); the
-    backend then runs as in native half precision (its own float32 statistics), not with
-    autocast re-casting its internal float32 accumulators."""
-    device_type = args["query"].device.type
-    if _autocast_dtype(device_type) is None:
-        return fn(**args)
-    with torch.autocast(device_type, enabled=False):
-        return fn(**args)
 
 
 def _check_tensor(name: str, t: object) -> Tensor:
@@ -128,30 +107,7 @@ def _check_table(
     return t
 
 
-def _validate(
-    query: object,
-    key: object,
-    value: object,
-    *,
-    max_distance: object,
-    rel_keys: object,
-    rel_values: object,
-    attn_mask: object,
-    key_mask: object,
-    is_causal: object,
-    dropout_p: object,
-    scale: object,
-    query_start: object,
-) -> dict[str, Any]:
-    q = _check_tensor("query", query)
-    k = _check_tensor("key", key)
-    v = _check_tensor("value", value)
-    low = _autocast_dtype(q.device.type)
-    if low is not None:
-        q, k, v = (_to_autocast(t, low) for t in (q, k, v))  # type: ignore[assignment]
-        rel_keys, rel_values, attn_mask = (
-            _to_autocast(t, low) for t in (rel_keys, rel_values, attn_mask)
-        )
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -168,31 +124,28 @@ def _validate(
         raise ValueError(
             f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}"
         )
-    B, H, L, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B:
+    shapes = f"(shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})"
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(
-            f"batch sizes differ: query {B}, key {k.shape[0]}, value {v.shape[0]} "
-            f"(shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})"
+            f"batch sizes differ: query {q.shape[0]}, key {k.shape[0]}, value {v.shape[0]} "
+            + shapes
         )
-    if k.shape[1] != H or v.shape[1] != H:
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
         raise ValueError(
-            f"head counts differ: query {H}, key {k.shape[1]}, value {v.shape[1]} "
-            f"(shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})"
+            f"head counts differ: query {q.shape[1]}, key {k.shape[1]}, value {v.shape[1]} "
+            + shapes
         )
-    if k.shape[3] != D:
-        raise ValueError(f"key head dim {k.shape[3]} != query head dim {D}")
-    if D == 0:
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"key head dim {k.shape[3]} != query head dim {q.shape[3]}")
+    if q.shape[3] == 0:
         raise ValueError(f"query head dim D must be >= 1, got shape {tuple(q.shape)}")
-    S = k.shape[2]
-    if v.shape[2] != S:
-        raise ValueError(f"value has {v.shape[2]} positions but key has {S}")
-    Dv = v.shape[3]
+    if v.shape[2] != k.shape[2]:
+        raise ValueError(f"value has {v.shape[2]} positions but key has {k.shape[2]}")
 
-    kk = check_max_distance(max_distance)
-    rows = 2 * kk + 1
-    ak = _check_table("rel_keys", rel_keys, rows=rows, dim=D, dim_name="D", heads=H, ref=q)
-    av = _check_table("rel_values", rel_values, rows=rows, dim=Dv, dim_name="Dv", heads=H, ref=q)
 
+def _check_scalars(is_causal: object, dropout_p: object, scale: object, D: int) -> tuple[
+    float, float
+]:
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
@@ -201,14 +154,18 @@ def _validate(
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {p}")
     if scale is None:
-        sc = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        return p, 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
-    else:
-        sc = float(scale)
-        if not math.isfinite(sc):
-            raise ValueError(f"scale must be finite, got {sc}")
+    sc = float(scale)
+    if not math.isfinite(sc):
+        raise ValueError(f"scale must be finite, got {sc}")
+    return p, sc
 
+
+def _check_masks(
+    attn_mask: object, key_mask: object, q: Tensor, B: int, H: int, L: int, S: int
+) -> tuple[Tensor | None, Tensor | None]:
     mask = None
     if attn_mask is not None:
         mask = _check_tensor("attn_mask", attn_mask)
@@ -222,10 +179,9 @@ def _validate(
         if mask.device != q.device:
             raise ValueError(f"attn_mask is on {mask.device}, but query is on {q.device}")
         try:
-            if mask.dim() > 4:
-                raise RuntimeError
-            torch.broadcast_shapes(tuple(mask.shape), (B, H, L, S))
-            if torch.broadcast_shapes(tuple(mask.shape), (B, H, L, S)) != (B, H, L, S):
+            if mask.dim() > 4 or torch.broadcast_shapes(
+                tuple(mask.shape), (B, H, L, S)
+            ) != (B, H, L, S):
                 raise RuntimeError
         except RuntimeError:
             raise ValueError(
@@ -243,22 +199,10 @@ def _validate(
             )
         if kmask.device != q.device:
             raise ValueError(f"key_mask is on {kmask.device}, but query is on {q.device}")
-
-    positional = ak is not None or av is not None or is_causal
-    if positional:
-        start = resolve_query_start(L, S, query_start)  # type: ignore[arg-type]
-    elif query_start is None:
-        start = 0
-    else:  # no relative positions: query_start has no effect, but is still checked
-        start = resolve_query_start(L, S, query_start)  # type: ignore[arg-type]
-    return dict(
-        query=q, key=k, value=v, rel_keys=ak, rel_values=av, max_distance=kk,
-        attn_mask=mask, key_mask=kmask, is_causal=is_causal, dropout_p=p, scale=sc,
-        query_start=start,
-    )
+    return mask, kmask
 
 
-def relative_attention(
+def validate_call(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -273,7 +217,118 @@ def relative_attention(
     scale: float | None = None,
     query_start: int | None = None,
     implementation: Implementation | None = None,
-) -> Tensor:
+) -> AttentionCall:
+    """Check the arguments of :func:`relative_attention` and return them as one call object.
+
+    Under autocast, float32 inputs and tables are cast to the autocast dtype here (as for a
+    matmul), so every backend sees one dtype. Tables come back 3-D, ``(Hr, R, D)``.
+
+    Raises:
+        TypeError, ValueError: on bad input, naming what was received and what is allowed.
+    """
+    q = _check_tensor("query", query)
+    k = _check_tensor("key", key)
+    v = _check_tensor("value", value)
+    low = _autocast_dtype(q.device.type)
+    if low is not None:
+        q, k, v = (_to_autocast(t, low) for t in (q, k, v))  # type: ignore[assignment]
+        rel_keys, rel_values, attn_mask = (  # type: ignore[assignment]
+            _to_autocast(t, low) for t in (rel_keys, rel_values, attn_mask)
+        )
+    _check_qkv(q, k, v)
+    B, H, L, D = q.shape
+    S, Dv = k.shape[2], v.shape[3]
+    K = check_max_distance(max_distance)
+    rows = 2 * K + 1
+    ak = _check_table("rel_keys", rel_keys, rows=rows, dim=D, dim_name="D", heads=H, ref=q)
+    av = _check_table("rel_values", rel_values, rows=rows, dim=Dv, dim_name="Dv", heads=H, ref=q)
+    p, sc = _check_scalars(is_causal, dropout_p, scale, D)
+    mask, kmask = _check_masks(attn_mask, key_mask, q, B, H, L, S)
+    if implementation is not None and implementation not in BACKENDS:
+        raise ValueError(
+            f"unknown implementation {implementation!r}; allowed: None (auto), "
+            + ", ".join(repr(b) for b in reversed(BACKENDS))  # the definition first
+        )
+    positional = ak is not None or av is not None or is_causal
+    # Without relative positions query_start has no effect, but a given one is still checked.
+    start = resolve_query_start(L, S, query_start) if positional or query_start is not None else 0
+    return AttentionCall(
+        query=q, key=k, value=v, max_distance=K, rel_keys=ak, rel_values=av, attn_mask=mask,
+        key_mask=kmask, is_causal=is_causal, dropout_p=p, scale=sc, query_start=start,
+        implementation=implementation,
+    )
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _with_arguments_of(
+    template: Callable[_P, AttentionCall],
+) -> Callable[[Callable[[AttentionCall], _R]], Callable[_P, _R]]:
+    """Give ``body(call)`` the public arguments of ``template`` (:func:`validate_call`): the
+    wrapper validates them into one :class:`AttentionCall` and hands that over, so the
+    argument list is written once. ``help()`` and the API reference show the full signature."""
+
+    def decorate(body: Callable[[AttentionCall], _R]) -> Callable[_P, _R]:
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            return body(template(*args, **kwargs))
+
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(wrapper, attr, getattr(body, attr))
+        wrapper.__signature__ = inspect.signature(template).replace(  # type: ignore[attr-defined]
+            return_annotation=inspect.signature(body).return_annotation
+        )
+        return wrapper
+
+    return decorate
+
+
+# ----------------------------------------------------------------------------------------------
+# Backend selection
+
+
+def _auto_reason(name: str, call: AttentionCall) -> str | None:
+    """Why auto-selection passes backend ``name`` by: its ``auto_reason`` (hard limits and
+    speed) if it has one, else its ``unsupported_reason``."""
+    backend = _MODULES[name]
+    check = getattr(backend, "auto_reason", backend.unsupported_reason)
+    return check(call)
+
+
+def _backend_for(call: AttentionCall) -> str:
+    """The backend that runs ``call``: the one asked for (if it can serve the call) or the
+    first in :data:`~relpos.ops.BACKENDS` order whose auto-selection check passes."""
+    if call.implementation is not None:
+        reason = _MODULES[call.implementation].unsupported_reason(call)
+        if reason is not None:
+            raise RuntimeError(
+                f"implementation {call.implementation!r} cannot serve this call: {reason}"
+            )
+        return call.implementation
+    for name in BACKENDS:
+        if _auto_reason(name, call) is None:
+            return name
+    raise AssertionError("the reference backend serves every call")
+
+
+def _run(fn: Callable[[AttentionCall], _R], call: AttentionCall) -> _R:
+    """Run a backend function. Under autocast the inputs were already cast (see
+    :func:`validate_call`); the backend then runs as in native half precision (its own float32
+    statistics), not with autocast re-casting its internal float32 accumulators."""
+    device_type = call.query.device.type
+    if _autocast_dtype(device_type) is None:
+        return fn(call)
+    with torch.autocast(device_type, enabled=False):
+        return fn(call)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public functions
+
+
+@_with_arguments_of(validate_call)
+def relative_attention(call: AttentionCall) -> Tensor:
     r"""Scaled dot-product attention with clipped relative positions (Shaw et al., 2018).
 
     For query ``i`` at position ``p_i`` and key ``j``, with ``r = clip(j - p_i, -K, K)``::
@@ -317,7 +372,8 @@ def relative_attention(
         query_start: position of query 0, ``0 <= query_start <= S - L``; default ``S - L``.
         implementation: ``"reference"`` (the definition, O(L·S·D) memory), ``"bucketed"``
             (O(B·H·L·(2K+1)) extra), ``"fused"`` (exact region decomposition, O(n) extra
-            memory) or None for the best backend that serves the call.
+            memory), ``"decode"`` (KV-cache steps) or None for the best backend that serves
+            the call (:func:`select_backend` names it).
 
     Returns:
         ``(B, H, L, Dv)``. Query rows that see no key are zeros.
@@ -332,114 +388,56 @@ def relative_attention(
         >>> relative_attention(q, k, v, max_distance=3, rel_keys=table, rel_values=table).shape
         torch.Size([2, 4, 7, 16])
     """
-    args = _validate(
-        query, key, value, max_distance=max_distance, rel_keys=rel_keys, rel_values=rel_values,
-        attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, dropout_p=dropout_p,
-        scale=scale, query_start=query_start,
-    )
-    if implementation is None:
-        for name in _AUTO_ORDER:
-            backend = _backend(name)
-            if backend is not None and _auto_reason(backend, args) is None:
-                return _call(backend.attention, args)
-        raise AssertionError("the reference backend serves every call")
-    if implementation not in BACKENDS:
-        raise ValueError(
-            f"unknown implementation {implementation!r}; allowed: None (auto), "
-            + ", ".join(repr(b) for b in BACKENDS)
-        )
-    backend = _backend(implementation)
-    if backend is None:
-        raise RuntimeError(f"implementation {implementation!r} is not available in this build")
-    reason = backend.unsupported_reason(**args)
-    if reason is not None:
-        raise RuntimeError(f"implementation {implementation!r} cannot serve this call: {reason}")
-    return _call(backend.attention, args)
+    return _run(_MODULES[_backend_for(call)].attention, call)
 
 
-def why_not_fused(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    max_distance: int,
-    rel_keys: Tensor | None = None,
-    rel_values: Tensor | None = None,
-    attn_mask: Tensor | None = None,
-    key_mask: Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    query_start: int | None = None,
-) -> str | None:
-    """Why ``relative_attention(..., implementation=None)`` would not run the fused backend.
+@_with_arguments_of(validate_call)
+def select_backend(call: AttentionCall) -> str:
+    """The name of the backend :func:`relative_attention` runs for these arguments.
+
+    Takes the same arguments as :func:`relative_attention`. With ``implementation`` named it
+    returns that name, or raises ``RuntimeError`` with the reason it cannot serve the call.
+
+    Example:
+        >>> q = torch.randn(1, 2, 5, 8)
+        >>> select_backend(q, q, q, max_distance=2, rel_keys=torch.randn(5, 8))
+        'bucketed'
+    """
+    return _backend_for(call)
+
+
+@_with_arguments_of(validate_call)
+def why_not_fused(call: AttentionCall) -> str | None:
+    """Why :func:`relative_attention` would not run the fused backend for these arguments.
 
     Takes the same arguments as :func:`relative_attention` and returns None when the call
     goes fused, else one reason (like ``nn.MultiheadAttention``'s fast-path reasons).
     """
-    args = _validate(
-        query, key, value, max_distance=max_distance, rel_keys=rel_keys, rel_values=rel_values,
-        attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, dropout_p=dropout_p,
-        scale=scale, query_start=query_start,
-    )
-    backend = _backend("fused")
-    if backend is None:
-        return "the fused backend is not available in this build"
-    for name in _AUTO_ORDER[: _AUTO_ORDER.index("fused")]:
-        earlier = _backend(name)
-        if earlier is not None and _auto_reason(earlier, args) is None:
-            L, S = args["query"].shape[-2], args["key"].shape[-2]
-            return f"the {name} backend is picked first for L={L} queries over S={S} keys"
-    return _auto_reason(backend, args)
+    if call.implementation is not None and call.implementation != "fused":
+        return f"implementation={call.implementation!r} was asked for"
+    for name in BACKENDS[: BACKENDS.index("fused")]:
+        if call.implementation is None and _auto_reason(name, call) is None:
+            return (f"the {name} backend is picked first for L={call.query_len} queries over "
+                    f"S={call.key_len} keys")
+    if call.implementation == "fused":
+        return fused.unsupported_reason(call)
+    return _auto_reason("fused", call)
 
 
-def select_backend(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> str:
-    """Name of the backend ``relative_attention(..., implementation=None)`` runs for this call."""
-    options: dict[str, Any] = dict(
-        rel_keys=None, rel_values=None, attn_mask=None, key_mask=None, is_causal=False,
-        dropout_p=0.0, scale=None, query_start=None,
-    )
-    options.update(kwargs)
-    args = _validate(query, key, value, **options)
-    for name in _AUTO_ORDER:
-        backend = _backend(name)
-        if backend is not None and _auto_reason(backend, args) is None:
-            return name
-    return "reference"
-
-
-def relative_attention_with_weights(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    *,
-    max_distance: int,
-    rel_keys: Tensor | None = None,
-    rel_values: Tensor | None = None,
-    attn_mask: Tensor | None = None,
-    key_mask: Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    query_start: int | None = None,
-) -> tuple[Tensor, Tensor]:
+@_with_arguments_of(validate_call)
+def relative_attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
     """:func:`relative_attention` that also returns the attention probabilities.
 
-    Materializes the ``(B, H, L, S)`` probabilities, so it always runs the bucketed backend.
+    Takes the same arguments as :func:`relative_attention`. Materializes the ``(B, H, L, S)``
+    probabilities, so it always runs the bucketed backend.
 
     Returns:
         ``(out, weights)``: ``(B, H, L, Dv)`` and ``(B, H, L, S)`` (before dropout; rows that see
         no key are zeros).
     """
-    from relpos.ops import bucketed
-
-    args = _validate(
-        query, key, value, max_distance=max_distance, rel_keys=rel_keys, rel_values=rel_values,
-        attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, dropout_p=dropout_p,
-        scale=scale, query_start=query_start,
-    )
-    return _call(bucketed.attention_and_weights, args)
-
-
-for _name in _AUTO_ORDER:
-    _backend(_name)
+    if call.implementation not in (None, "bucketed"):
+        raise ValueError(
+            f"relative_attention_with_weights always runs the bucketed backend, got "
+            f"implementation={call.implementation!r} (allowed: None or 'bucketed')"
+        )
+    return _run(bucketed.attention_and_weights, call)

@@ -1,10 +1,12 @@
-"""Attention backends. Every backend module exposes the same two functions:
+"""Attention backends. Every backend module exposes the same two functions of one
+:class:`~relpos.ops.call.AttentionCall`:
 
-``attention(query, key, value, *, rel_keys, rel_values, max_distance, attn_mask, key_mask,
-is_causal, dropout_p, scale, query_start) -> Tensor`` and ``unsupported_reason(...)`` with the
-same arguments, returning ``None`` when the backend can serve the call, else one reason.
+``attention(call) -> Tensor`` (``(B, H, L, Dv)``) and ``unsupported_reason(call) -> str | None``
+(None when the backend can serve the call, else one reason). A backend may also define
+``auto_reason(call)``: why auto-selection should pass it by although it could serve the call
+(speed); without one, auto-selection uses ``unsupported_reason``.
 
-The inputs arrive validated by :func:`relpos.relative_attention`:
+The call arrives validated by :func:`relpos.functional.validate_call`:
 
 - ``query (B, H, L, D)``, ``key (B, H, S, D)``, ``value (B, H, S, Dv)``;
 - ``rel_keys`` ``None`` or ``(Hr, R, D)`` and ``rel_values`` ``None`` or ``(Hr, R, Dv)``, with
@@ -18,4 +20,11 @@ Rows with no visible key return zeros (and zero gradients), never NaN.
 
 from __future__ import annotations
 
-BACKENDS = ("reference", "bucketed", "fused", "decode")
+from typing import Literal, get_args
+
+__all__ = ["BACKENDS", "Implementation"]
+
+Implementation = Literal["decode", "fused", "bucketed", "reference"]
+"""Backend names, in the order auto-selection tries them: the first that serves a call wins."""
+
+BACKENDS: tuple[str, ...] = get_args(Implementation)

@@ -8,6 +8,10 @@ plain attention output, its logsumexp, and a backward that takes an arbitrary ``
 - CUDA: ``aten::_efficient_attention_forward`` / ``_efficient_attention_backward``
   (``num_splits_key=1`` for a deterministic backward).
 
+The CPU kernels read rows through the tensors' strides but assume a unit stride in the last
+dimension (a transposed or otherwise strided input gives silently wrong numbers):
+:func:`kernel_layout` copies exactly those inputs, and every call below goes through it.
+
 Both apply ``is_causal`` top-left aligned (query ``a`` sees key ``b <= a``), so a region with
 an offset is cut into at most two pieces (:func:`lower_pieces`). Internal ops change between
 torch releases: :data:`EXPECTED_SCHEMAS` holds the signatures this module was written
@@ -30,6 +34,7 @@ __all__ = [
     "Piece",
     "flash_backward",
     "flash_forward",
+    "kernel_layout",
     "lower_pieces",
 ]
 
@@ -69,13 +74,13 @@ _LSE_ALIGN_CUDA = 32  # the CUDA memory-efficient kernel pads logsumexp rows to 
 
 @dataclass(frozen=True)
 class Piece:
-    """Queries ``[q0, q1)`` against keys ``[k0, k1)``; ``causal``: top-left causal mask."""
+    """Queries ``[q0, q1)`` against keys ``[k0, k1)``; ``is_causal``: top-left causal mask."""
 
     q0: int
     q1: int
     k0: int
     k1: int
-    causal: bool
+    is_causal: bool
 
 
 def lower_pieces(L: int, S: int, c: int) -> list[Piece]:
@@ -107,6 +112,12 @@ def lower_pieces(L: int, S: int, c: int) -> list[Piece]:
     return pieces
 
 
+def kernel_layout(x: Tensor) -> Tensor:
+    """``x`` as the flash kernels read it: unit stride in the last dimension (a copy only when
+    it is not; expanded and sliced batch, head and row strides are kept)."""
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
 def _cuda_lse_pad(lse_BHL: Tensor) -> Tensor:
     L = lse_BHL.shape[-1]
     padded = math.ceil(L / _LSE_ALIGN_CUDA) * _LSE_ALIGN_CUDA
@@ -114,23 +125,24 @@ def _cuda_lse_pad(lse_BHL: Tensor) -> Tensor:
 
 
 def flash_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, bias: Tensor | None, scale: float
+    q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, bias: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
     """Plain attention ``(B, H, L, D) x (B, H, S, D) -> (B, H, L, Dv)`` and logsumexp ``(B, H, L)``.
 
     ``bias`` is ``None`` or an additive ``(B, 1, 1, S)`` key bias (0 or -inf). Rows whose keys
     are all masked come back as zeros with a meaningless logsumexp: the caller guards them.
     """
+    q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     if q.device.type == "cuda":
         if bias is not None:  # pragma: no cover - refused by unsupported_reason
             raise RuntimeError("key bias is not supported on CUDA")
         out, lse, _, _, _, _ = torch.ops.aten._efficient_attention_forward(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None,
-            q.shape[2], k.shape[2], 0.0, 1 if causal else 0, True, scale=scale,
+            q.shape[2], k.shape[2], 0.0, 1 if is_causal else 0, True, scale=scale,
         )
         return out.transpose(1, 2), lse[..., : q.shape[2]]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+        q, k, v, 0.0, is_causal, attn_mask=bias, scale=scale
     )
     return out, lse
 
@@ -143,7 +155,7 @@ def flash_backward(
     out: Tensor,
     lse: Tensor,
     *,
-    causal: bool,
+    is_causal: bool,
     bias: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -153,6 +165,7 @@ def flash_backward(
     returns ``dq = scale * dS k``, ``dk = scale * dS^T q``, ``dv = P^T grad_out`` for
     ``dS_ij = P_ij (grad_out_i . v_j - delta_i)``.
     """
+    grad_out, q, k, v, out = (kernel_layout(t) for t in (grad_out, q, k, v, out))
     if q.device.type == "cuda":
         if bias is not None:  # pragma: no cover - refused by unsupported_reason
             raise RuntimeError("key bias is not supported on CUDA")
@@ -160,11 +173,11 @@ def flash_backward(
         dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
             grad_out.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             None, out.transpose(1, 2), None, None, q.shape[2], k.shape[2],
-            _cuda_lse_pad(lse.float()), 0.0, empty, empty, 1 if causal else 0, False,
+            _cuda_lse_pad(lse.float()), 0.0, empty, empty, 1 if is_causal else 0, False,
             scale=scale, num_splits_key=1,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=bias, scale=scale
+        grad_out, q, k, v, out, lse.contiguous(), 0.0, is_causal, attn_mask=bias, scale=scale
     )
     return dq, dk, dv

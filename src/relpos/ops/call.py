@@ -1,0 +1,99 @@
+"""The validated call every backend receives, and the numerics choices all backends share.
+
+:func:`relpos.functional.validate_call` checks the user's arguments once, at the public
+boundary, and returns an :class:`AttentionCall`; backends read it and never re-validate.
+
+Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
+K clip distance (``max_distance``), R = 2K + 1 table rows, Hr table heads (1 or H).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["AttentionCall", "accumulation_dtype"]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and softmax statistics are kept in: float32 for half precision
+    (``float16``, ``bfloat16``), the input dtype otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One validated call of :func:`relpos.relative_attention`.
+
+    Attributes:
+        query: ``(B, H, L, D)``.
+        key: ``(B, H, S, D)``.
+        value: ``(B, H, S, Dv)``.
+        max_distance: K >= 0.
+        rel_keys: ``(Hr, R, D)`` or None (the keys term is off).
+        rel_values: ``(Hr, R, Dv)`` or None (the values term is off).
+        attn_mask: None, or a bool (True = may attend) / float (added) tensor broadcastable
+            to ``(B, H, L, S)``.
+        key_mask: None or ``(B, S)`` bool, True = real token.
+        is_causal: key ``j`` is visible to query ``i`` iff ``j <= query_start + i``.
+        dropout_p: in ``[0, 1)``.
+        scale: multiplies the content and the relative key term.
+        query_start: position of query 0 (bottom-right alignment resolved).
+        implementation: the backend asked for by name, or None for auto-selection.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    max_distance: int
+    rel_keys: Tensor | None
+    rel_values: Tensor | None
+    attn_mask: Tensor | None
+    key_mask: Tensor | None
+    is_causal: bool
+    dropout_p: float
+    scale: float
+    query_start: int
+    implementation: str | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.query.shape[0]
+
+    @property
+    def num_heads(self) -> int:
+        return self.query.shape[1]
+
+    @property
+    def query_len(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def key_len(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.query.shape[3]
+
+    @property
+    def value_dim(self) -> int:
+        return self.value.shape[3]
+
+    @property
+    def has_relative_terms(self) -> bool:
+        """Whether a keys or a values table takes part."""
+        return self.rel_keys is not None or self.rel_values is not None
+
+    @property
+    def is_cache_step(self) -> bool:
+        """Fewer queries than keys, aligned to the end of the keys (a KV-cache step)."""
+        return self.query_len < self.key_len and self.query_start == self.key_len - self.query_len
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the result has no elements or no query sees a key (B, H, L or S is 0)."""
+        q = self.query
+        return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or self.key_len == 0

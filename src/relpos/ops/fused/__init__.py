@@ -1,0 +1,114 @@
+"""Fused backend: exact clipped relative attention at about the cost of one flash attention.
+
+Exact region decomposition (DESIGN.md §3): for query ``i`` at position ``p_i`` every key with
+``j - p_i <= -K`` sees the relative row ``-K`` and every key with ``j - p_i >= K`` the row
+``+K``, so those two far regions are plain attention plus one constant per row, served by a
+flash kernel that returns its logsumexp (O(n) memory); the band ``|j - p_i| < K`` is computed
+explicitly in tiles, and the three parts are merged by logsumexp. The backward hands each flash
+backward the global output and logsumexp, so the whole backward is exact too, and
+deterministic (no atomics, no scatter with duplicate indices). Equivalent to
+:mod:`relpos.ops.reference`.
+
+Registered as the custom op ``relpos::fused_attention`` (:mod:`~relpos.ops.fused.op`, with a
+fake implementation and an autograd formula through ``relpos::fused_attention_backward``), so
+it can be traced by ``torch.compile(fullgraph=True)``.
+
+Files: ``kernels.py`` the guarded flash-kernel wrappers, ``far.py`` the far regions,
+``band.py`` the band, ``merge.py`` the logsumexp merge, ``decomposition.py`` the forward and
+backward that put them together, ``op.py`` the custom op; this module is the backend
+(:func:`attention` and the reasons it passes a call by).
+
+Serves: keys term and values term (each optional), shared or per-head tables, ``is_causal``,
+``key_mask`` (any pattern, as an O(B·S) key bias, never an L x S mask), ``query_start`` and
+``L != S``, every ``K >= 0``; float32, float64, bfloat16 and float16 on CPU; float32, bfloat16
+and float16 on CUDA (without ``key_mask``). Not served (see :func:`unsupported_reason`):
+dropout, a dense ``attn_mask``, ``Dv != D``.
+
+Internal torch ops: ``aten::_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``) on
+CPU and ``aten::_efficient_attention_forward`` / ``_backward`` on CUDA. Tested torch range:
+2.13.x on CPU (the CUDA path is checked separately by ``benchmarks/cuda_check.py`` and is only
+used when asked for by name). ``tests/ops/test_fused.py`` compares the ops' schemas with the ones
+this module was written against and fails loudly when a torch release changes them.
+
+Auto-selection (:func:`auto_reason`) also leaves short sequences (``S < CROSSOVER_KEYS``) to
+the bucketed backend, which is faster there; asking for ``implementation="fused"`` by name
+only refuses the hard limitations of :func:`unsupported_reason`.
+
+Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
+K clip distance, R = 2K + 1 table rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relpos.ops.call import AttentionCall
+from relpos.ops.fused import op  # noqa: F401  (registers relpos::fused_attention)
+
+__all__ = ["CROSSOVER_KEYS", "attention", "auto_reason", "unsupported_reason"]
+
+CROSSOVER_KEYS = 1024
+"""Below this many keys (S) the bucketed backend is faster on CPU for forward + backward
+(benchmarks/attention.md, K = 16 and 64: bucketed takes 0.72-0.74x the fused time at S=512,
+fused is 2.3x faster at S=1024)."""
+
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def attention(call: AttentionCall) -> Tensor:
+    """Fused backend: see :func:`relpos.relative_attention` for the meaning of the call.
+
+    Returns:
+        ``(B, H, L, Dv)``; rows that see no key are zeros.
+    """
+    reason = unsupported_reason(call)
+    if reason is not None:
+        raise RuntimeError(f"the fused backend cannot serve this call: {reason}")
+    return torch.ops.relpos.fused_attention(
+        call.query, call.key, call.value, call.rel_keys, call.rel_values, call.key_mask,
+        max_distance=call.max_distance, is_causal=call.is_causal, scale=call.scale,
+        query_start=call.query_start,
+    )[0]
+
+
+def unsupported_reason(call: AttentionCall) -> str | None:
+    """Why the fused backend cannot serve the call (hard limitations only), or None."""
+    query = call.query
+    if call.dropout_p > 0.0:
+        return (f"dropout_p={call.dropout_p} > 0: the fused backend has no attention dropout "
+                "(the bucketed backend has)")
+    if call.attn_mask is not None:
+        return (f"a dense attn_mask of shape {tuple(call.attn_mask.shape)} is not supported by "
+                "the fused backend; use key_mask (B, S) for padding and is_causal")
+    if call.value_dim != call.head_dim:
+        return (f"value head dim Dv={call.value_dim} differs from D={call.head_dim}; the "
+                "flash kernels need Dv == D")
+    device = query.device.type
+    if device == "cpu":
+        if query.dtype not in _CPU_DTYPES:
+            return f"dtype {query.dtype} is not supported on CPU (allowed: {_CPU_DTYPES})"
+    elif device == "cuda":
+        if query.dtype not in _CUDA_DTYPES:
+            return f"dtype {query.dtype} is not supported on CUDA (allowed: {_CUDA_DTYPES})"
+        if call.key_mask is not None:
+            return "key_mask is not supported by the fused backend on CUDA"
+    else:
+        return f"device {query.device} is not supported (allowed: cpu, cuda)"
+    return None
+
+
+def auto_reason(call: AttentionCall) -> str | None:
+    """Why ``implementation=None`` does not pick the fused backend: a hard limitation
+    (:func:`unsupported_reason`) or, for short sequences, speed. None = fused is picked."""
+    reason = unsupported_reason(call)
+    if reason is not None:
+        return reason
+    if call.query.device.type == "cuda":
+        return ("the CUDA path of the fused backend is only picked when asked for "
+                "(implementation='fused'); check it with benchmarks/cuda_check.py")
+    if call.key_len < CROSSOVER_KEYS:
+        return (f"sequence length S={call.key_len} below the fused crossover "
+                f"(S >= {CROSSOVER_KEYS} on CPU); bucketed is faster")
+    return None

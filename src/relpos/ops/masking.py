@@ -1,0 +1,58 @@
+"""Masks and the guarded softmax shared by the backends that materialize ``(L, S)`` scores.
+
+Shape legend: B batch, H heads, L queries, S keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relpos.ops.call import accumulation_dtype
+
+__all__ = ["masked_softmax", "visibility_mask"]
+
+
+def visibility_mask(
+    query_len: int,
+    key_len: int,
+    *,
+    attn_mask: Tensor | None,
+    key_mask: Tensor | None,
+    is_causal: bool,
+    query_start: int,
+    device: torch.device,
+) -> Tensor | None:
+    """Bool ``(B|1, H|1, L, S)`` mask of the pairs that may attend (None = all), bool masks only.
+
+    With ``is_causal`` query ``i`` (at position ``query_start + i``) sees keys ``j <= p_i``.
+    """
+    keep: Tensor | None = None
+    if is_causal:
+        pos_q = torch.arange(query_start, query_start + query_len, device=device)  # (L,)
+        pos_k = torch.arange(key_len, device=device)  # (S,)
+        keep = (pos_k[None, :] <= pos_q[:, None])[None, None]  # (1, 1, L, S)
+    if key_mask is not None:
+        km = key_mask[:, None, None, :]  # (B, 1, 1, S)
+        keep = km if keep is None else keep & km
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = attn_mask if keep is None else keep & attn_mask
+    return keep
+
+
+def masked_softmax(scores_BHLS: Tensor, keep: Tensor | None) -> Tensor:
+    """Softmax over the last dim; rows with nothing visible give all-zero probabilities.
+
+    Half-precision scores get their softmax statistics (row max and sum) in float32; the
+    probabilities come back in the scores' dtype.
+    """
+    if scores_BHLS.shape[-1] == 0:  # no keys at all: every row sees nothing
+        return scores_BHLS.new_zeros(scores_BHLS.shape)
+    if keep is not None:
+        scores_BHLS = scores_BHLS.masked_fill(~keep, float("-inf"))
+    row_max = scores_BHLS.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
+    dead = row_max == float("-inf")
+    scores_BHLS = scores_BHLS.masked_fill(dead, 0.0)
+    acc = accumulation_dtype(scores_BHLS.dtype)
+    probs = torch.softmax(scores_BHLS, dim=-1, dtype=None if acc == scores_BHLS.dtype else acc)
+    return probs.masked_fill(dead, 0.0).to(scores_BHLS.dtype)
