@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import AttentionCall, accumulation_dtype
-from relpos.ops.masking import masked_softmax, visibility_mask
+from relpos.ops.masking import call_visibility, masked_softmax
 from relpos.positions import relative_position_index
 
 __all__ = ["attention", "attention_and_weights", "unsupported_reason"]
@@ -23,7 +23,7 @@ __all__ = ["attention", "attention_and_weights", "unsupported_reason"]
 def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
     """Bucketed attention that also returns the probabilities ``(B, H, L, S)`` (before dropout)."""
     query, key, value = call.query, call.key, call.value
-    B, H, L, S = call.batch_size, call.num_heads, call.query_len, call.key_len
+    B, H, L, S, _, _ = call.dims
     R = 2 * call.max_distance + 1
     q_scaled = query * call.scale
     scores = q_scaled @ key.transpose(-2, -1)  # (B, H, L, S)
@@ -39,10 +39,7 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
         scores = scores + qa.gather(-1, index_BHLS)
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
-    keep = visibility_mask(
-        L, S, attn_mask=call.attn_mask, key_mask=call.key_mask, is_causal=call.is_causal,
-        query_start=call.query_start, device=query.device,
-    )
+    keep = call_visibility(call)
     weights = masked_softmax(scores, keep)  # (B, H, L, S)
     probs = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0.0 else weights
     out = probs @ value  # (B, H, L, Dv)

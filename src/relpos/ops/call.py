@@ -59,12 +59,10 @@ class AttentionCall:
     implementation: str | None = None
 
     @property
-    def batch_size(self) -> int:
-        return self.query.shape[0]
-
-    @property
-    def num_heads(self) -> int:
-        return self.query.shape[1]
+    def dims(self) -> tuple[int, int, int, int, int, int]:
+        """``(B, H, L, S, D, Dv)``."""
+        B, H, L, D = self.query.shape
+        return B, H, L, self.key.shape[2], D, self.value.shape[3]
 
     @property
     def query_len(self) -> int:
@@ -73,14 +71,6 @@ class AttentionCall:
     @property
     def key_len(self) -> int:
         return self.key.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.query.shape[3]
-
-    @property
-    def value_dim(self) -> int:
-        return self.value.shape[3]
 
     @property
     def has_relative_terms(self) -> bool:
@@ -92,8 +82,3 @@ class AttentionCall:
         """Fewer queries than keys, aligned to the end of the keys (a KV-cache step)."""
         return self.query_len < self.key_len and self.query_start == self.key_len - self.query_len
 
-    @property
-    def is_empty(self) -> bool:
-        """Whether the result has no elements or no query sees a key (B, H, L or S is 0)."""
-        q = self.query
-        return q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0 or self.key_len == 0

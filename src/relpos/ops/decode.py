@@ -66,7 +66,7 @@ def _buckets(far_mass: Tensor, p_band: Tensor, index_tW: Tensor, R: int) -> Tens
 def attention(call: AttentionCall) -> Tensor:
     """Decode backend: see :func:`relpos.relative_attention` for the meaning of the call."""
     query, key, value = call.query, call.key, call.value
-    B, H, t, S = call.batch_size, call.num_heads, call.query_len, call.key_len
+    B, H, t, S, _, _ = call.dims
     assert not (call.has_relative_terms or call.is_causal) or call.query_start == S - t, (
         "bottom-right aligned queries only")
     W = band_width(t, S, call.max_distance)
@@ -108,7 +108,7 @@ def _flash_ok(call: AttentionCall, far: int) -> bool:
         return False
     if call.query.device.type != "cpu" or call.query.dtype not in _FLASH_DTYPES:
         return False
-    if call.value_dim != call.head_dim:
+    if call.value.shape[-1] != call.query.shape[-1]:
         return False
     leaves = (call.query, call.key, call.value, call.rel_keys, call.rel_values)
     return not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in leaves))
@@ -117,7 +117,7 @@ def _flash_ok(call: AttentionCall, far: int) -> bool:
 def _attention_flash(call: AttentionCall, W: int) -> Tensor:
     """Far keys through the flash kernel, band explicit, merged by logsumexp (no autograd)."""
     query, key, value, K = call.query, call.key, call.value, call.max_distance
-    B, H, t, S = call.batch_size, call.num_heads, call.query_len, call.key_len
+    B, H, t, S, _, _ = call.dims
     F_ = S - W
     neg_inf = float("-inf")
     far_bias: Tensor | None = None

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
+from relpos.ops.call import AttentionCall, accumulation_dtype
 
-__all__ = ["masked_softmax", "visibility_mask"]
+__all__ = ["call_visibility", "masked_softmax", "visibility_mask"]
 
 
 def visibility_mask(
@@ -38,6 +38,14 @@ def visibility_mask(
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = attn_mask if keep is None else keep & attn_mask
     return keep
+
+
+def call_visibility(call: AttentionCall) -> Tensor | None:
+    """:func:`visibility_mask` of a whole call: ``(B|1, H|1, L, S)`` bool or None."""
+    return visibility_mask(
+        call.query_len, call.key_len, attn_mask=call.attn_mask, key_mask=call.key_mask,
+        is_causal=call.is_causal, query_start=call.query_start, device=call.query.device,
+    )
 
 
 def masked_softmax(scores_BHLS: Tensor, keep: Tensor | None) -> Tensor:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import AttentionCall
-from relpos.ops.masking import masked_softmax, visibility_mask
+from relpos.ops.masking import call_visibility, masked_softmax, visibility_mask
 from relpos.positions import relative_position_index
 
 __all__ = ["attention", "masked_softmax", "unsupported_reason", "visibility_mask"]
@@ -31,10 +31,7 @@ def attention(call: AttentionCall) -> Tensor:
     scores = scores * call.scale
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
-    keep = visibility_mask(
-        L, S, attn_mask=call.attn_mask, key_mask=call.key_mask, is_causal=call.is_causal,
-        query_start=call.query_start, device=query.device,
-    )
+    keep = call_visibility(call)
     probs = masked_softmax(scores, keep)  # (B, H, L, S)
     if call.dropout_p > 0.0:
         probs = F.dropout(probs, p=call.dropout_p)

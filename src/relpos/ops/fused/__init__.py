@@ -82,8 +82,9 @@ def unsupported_reason(call: AttentionCall) -> str | None:
     if call.attn_mask is not None:
         return (f"a dense attn_mask of shape {tuple(call.attn_mask.shape)} is not supported by "
                 "the fused backend; use key_mask (B, S) for padding and is_causal")
-    if call.value_dim != call.head_dim:
-        return (f"value head dim Dv={call.value_dim} differs from D={call.head_dim}; the "
+    *_, D, Dv = call.dims
+    if Dv != D:
+        return (f"value head dim Dv={Dv} differs from D={D}; the "
                 "flash kernels need Dv == D")
     device = query.device.type
     if device == "cpu":

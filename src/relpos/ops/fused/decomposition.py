@@ -55,6 +55,11 @@ def region_offsets(
     return c_left, key_len - query_len - (query_start + max(max_distance, 1))
 
 
+def _real_keys_only(key_mask: Tensor | None) -> Tensor | None:
+    """``key_mask``, or None when every key is real (no bias, no dead-row bookkeeping)."""
+    return None if key_mask is None or bool(key_mask.all()) else key_mask
+
+
 def _flat(x: Tensor) -> Tensor:
     """``(B, H, ...) -> (1, B*H, ...)`` (a view for contiguous ``x``)."""
     return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
@@ -78,13 +83,9 @@ def fused_forward(
         the far-left plain output ``(B, H, L, Dv)`` and the far regions' masses
         ``(B, H, L, 2)``, which the backward needs.
     """
-    B, H, L, _ = query.shape
-    S, Dv = key.shape[2], value.shape[-1]
-    K = max_distance
-    acc = accumulation_dtype(query.dtype)
-    dev = query.device
-    if key_mask is not None and bool(key_mask.all()):
-        key_mask = None
+    (B, H, L, _), S, Dv = query.shape, key.shape[2], value.shape[-1]
+    K, acc, dev = max_distance, accumulation_dtype(query.dtype), query.device
+    key_mask = _real_keys_only(key_mask)
     bias, counts = key_bias(key_mask, query.dtype, H)
     c_left, c_right = region_offsets(L, S, K, is_causal, query_start)
     qf, kf, vf = _flat(query), _flat(key), _flat(value)
@@ -134,13 +135,9 @@ def fused_backward(
     query_start: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Gradients of :func:`fused_forward` w.r.t. query, key, value, rel_keys, rel_values."""
-    B, H, L, D = query.shape
-    S, Dv = key.shape[2], value.shape[-1]
-    K = max_distance
-    acc = accumulation_dtype(query.dtype)
-    dev = query.device
-    if key_mask is not None and bool(key_mask.all()):
-        key_mask = None
+    (B, H, L, D), S, Dv = query.shape, key.shape[2], value.shape[-1]
+    K, acc, dev = max_distance, accumulation_dtype(query.dtype), query.device
+    key_mask = _real_keys_only(key_mask)
     bias, _ = key_bias(key_mask, query.dtype, H)
     c_left, c_right = region_offsets(L, S, K, is_causal, query_start)
     grad_out = grad_out.contiguous()

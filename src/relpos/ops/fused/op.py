@@ -51,11 +51,9 @@ def fused_attention(
 
 
 @fused_attention.register_fake
-def _(
-    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None, key_mask: Tensor | None, *, max_distance: int, is_causal: bool,
-    scale: float, query_start: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _(query: Tensor, key: Tensor, value: Tensor, *_tables: object, **_options: object) -> tuple[
+    Tensor, Tensor, Tensor, Tensor
+]:
     B, H, L, _ = query.shape
     Dv = value.shape[-1]
     acc = accumulation_dtype(query.dtype)
@@ -107,9 +105,7 @@ def fused_attention_backward(
 @fused_attention_backward.register_fake
 def _(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None, key_mask: Tensor | None, out: Tensor, lse: Tensor,
-    o_left: Tensor, masses: Tensor, *, max_distance: int, is_causal: bool, scale: float,
-    query_start: int,
+    rel_values: Tensor | None, *_saved: object, **_options: object,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # The real op returns fresh contiguous gradients whatever the inputs' strides.
     return (
