@@ -447,3 +447,49 @@ def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch):
     kw = dict(max_distance=2, rel_keys=whole.rel_keys, rel_values=whole.rel_values, is_causal=True)
     relpos.relative_attention(whole.query, whole.key, whole.value, **kw)
     assert calls == []
+
+
+# ----------------------------------------------------------------------------- rollback
+def _rollback_kv(B: int = 2, t: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(B, 2, t, 4), torch.randn(B, 2, t, 4)
+
+
+def test_layer_rollback_truncates_a_filled_cache_and_forgets_a_fresh_one():
+    cache = LayerCache()
+    cache.append(*_rollback_kv())
+    keys = cache.keys.clone()  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="refused"), cache.rollback_on_error():
+        cache.append(*_rollback_kv(t=2))
+        assert cache.length == 5
+        raise RuntimeError("refused")
+    assert cache.length == 3 and torch.equal(cache.keys, keys)  # type: ignore[arg-type]
+    fresh = LayerCache()
+    with pytest.raises(RuntimeError), fresh.rollback_on_error():
+        fresh.append(*_rollback_kv(B=3))
+        raise RuntimeError("refused")
+    assert fresh.keys is None and fresh.batch_size is None
+    fresh.append(*_rollback_kv(B=5))  # the failed step fixed no shapes
+
+
+def test_layer_rollback_keeps_a_successful_step():
+    cache = LayerCache()
+    with cache.rollback_on_error() as same:
+        assert same is cache
+        cache.append(*_rollback_kv())
+    assert cache.length == 3
+
+
+def test_kv_cache_rollback_undoes_every_layer_of_a_partial_step():
+    cache = KVCache(3)
+    for layer in cache:
+        layer.append(*_rollback_kv())
+    with pytest.raises(ValueError, match="mid-step"), cache.rollback_on_error():
+        cache[0].append(*_rollback_kv(t=1))
+        cache[1].append(*_rollback_kv(t=1))  # layer 2 never gets there
+        raise ValueError("mid-step")
+    assert [layer.length for layer in cache] == [3, 3, 3]
+    empty = KVCache(2)
+    with pytest.raises(ValueError), empty.rollback_on_error():
+        empty[0].append(*_rollback_kv())
+        raise ValueError("mid-step")
+    assert all(layer.keys is None for layer in empty)

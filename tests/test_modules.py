@@ -164,3 +164,80 @@ def test_module_backward_reaches_tables():
     out.square().sum().backward()
     assert mha.rel_keys.grad is not None and mha.rel_keys.grad.abs().sum() > 0
     assert mha.rel_values.grad is not None and mha.rel_values.grad.abs().sum() > 0
+
+
+# --- relpos's key_mask straight into the layers ------------------------------------------
+
+
+def test_encoder_layer_key_mask_equals_padding_mask_and_refuses_both():
+    torch.manual_seed(8)
+    layer = RelativeTransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
+                                            max_distance=2, dtype=F64)
+    x = torch.randn(3, 6, 8, dtype=F64)
+    key_mask = torch.ones(3, 6, dtype=torch.bool)
+    key_mask[1, 4:] = False  # relpos meaning: True = real token
+    want = layer(x, src_key_padding_mask=~key_mask, is_causal=True)
+    torch.testing.assert_close(layer(x, key_mask=key_mask, is_causal=True), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"both a key padding mask .* and key_mask"):
+        layer(x, src_key_padding_mask=~key_mask, key_mask=key_mask)
+    with pytest.raises(TypeError, match=r"key_mask must be a torch\.Tensor or None, got list"):
+        layer(x, key_mask=[[True] * 6] * 3)
+
+
+def test_decoder_layer_key_masks_equal_padding_masks():
+    torch.manual_seed(9)
+    layer = RelativeTransformerDecoderLayer(8, 2, 16, dropout=0.0, max_distance=2,
+                                            relative_cross_attention=True, dtype=F64)
+    tgt, memory = torch.randn(5, 2, 8, dtype=F64), torch.randn(7, 2, 8, dtype=F64)
+    tgt_real = torch.ones(2, 5, dtype=torch.bool)
+    tgt_real[0, :2] = False
+    mem_real = torch.ones(2, 7, dtype=torch.bool)
+    mem_real[1, 5:] = False
+    want = layer(tgt, memory, tgt_key_padding_mask=~tgt_real,
+                 memory_key_padding_mask=~mem_real, tgt_is_causal=True)
+    got = layer(tgt, memory, key_mask=tgt_real, memory_key_mask=mem_real, tgt_is_causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="allowed: one of them"):
+        layer(tgt, memory, memory_key_padding_mask=~mem_real, memory_key_mask=mem_real)
+
+
+# --- get_config: the constructor arguments that rebuild a module -------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"),
+    [
+        (RelativeMultiheadAttention, dict(embed_dim=12, num_heads=3, max_distance=2,
+                                          relative_values=False, share_heads=False,
+                                          dropout=0.1, bias=False, kdim=5, vdim=7,
+                                          batch_first=False, implementation="bucketed")),
+        (RelativeTransformerEncoderLayer, dict(d_model=12, nhead=3, dim_feedforward=20,
+                                               dropout=0.2, activation="gelu",
+                                               layer_norm_eps=1e-6, batch_first=True,
+                                               norm_first=True, bias=False, max_distance=4,
+                                               relative_keys=False, share_heads=False,
+                                               implementation="reference")),
+        (RelativeTransformerDecoderLayer, dict(d_model=12, nhead=2, dim_feedforward=24,
+                                               max_distance=1, relative_cross_attention=True)),
+        (RelativeTransformerDecoderLayer, dict(d_model=12, nhead=2, max_distance=3)),
+    ],
+)
+def test_get_config_rebuilds_the_module(cls, kwargs):
+    module = cls(**kwargs)
+    config = module.get_config()
+    for name, value in kwargs.items():
+        assert config[name] == value, name
+    twin = cls(**config)
+    assert twin.get_config() == config
+    assert {k: v.shape for k, v in twin.state_dict().items()} == {
+        k: v.shape for k, v in module.state_dict().items()
+    }
+    assert "device" not in config and "dtype" not in config
+
+
+def test_get_config_defaults_and_custom_activation():
+    layer = RelativeTransformerEncoderLayer(8, 2)  # default activation F.relu
+    assert layer.get_config()["activation"] == "relu"
+    assert RelativeTransformerDecoderLayer(8, 2).get_config()["relative_cross_attention"] is False
+    with pytest.raises(ValueError, match=r"custom activation .*allowed: 'relu' or 'gelu'"):
+        RelativeTransformerEncoderLayer(8, 2, activation=torch.tanh).get_config()

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Iterator, Sequence
 
@@ -292,6 +293,43 @@ class LayerCache:
             )
         self._length = int(length)
 
+    @contextlib.contextmanager
+    def rollback_on_error(self) -> Iterator[LayerCache]:
+        """Undo whatever the ``with`` block appended if it raises, then re-raise.
+
+        A step that appends and then fails (e.g. attention refuses a mask) leaves the cache as
+        it was: a cache that was empty forgets the shapes the append fixed, a filled one is
+        truncated back to its length.
+
+        Example:
+            >>> cache = LayerCache()
+            >>> try:
+            ...     with cache.rollback_on_error():
+            ...         _ = cache.append(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
+            ...         raise RuntimeError("refused")
+            ... except RuntimeError:
+            ...     pass
+            >>> cache.length, cache.keys is None
+            (0, True)
+        """
+        mark = self._mark()
+        try:
+            yield self
+        except Exception:
+            self._rollback(mark)
+            raise
+
+    def _mark(self) -> tuple[bool, int]:
+        """What :meth:`_rollback` restores: (never filled, length)."""
+        return self._keys is None, self._length
+
+    def _rollback(self, mark: tuple[bool, int]) -> None:
+        was_empty, length = mark
+        if was_empty:
+            self.reset()
+        elif self._length > length:
+            self.truncate(length)
+
     def reorder(self, batch_indices: Tensor | Sequence[int]) -> None:
         """Select batch rows, e.g. surviving beams: row ``b`` becomes old row ``batch_indices[b]``.
 
@@ -414,6 +452,21 @@ class KVCache:
                 )
         for layer in self.layers:
             layer.truncate(length)
+
+    @contextlib.contextmanager
+    def rollback_on_error(self) -> Iterator[KVCache]:
+        """Undo whatever the ``with`` block appended to any layer if it raises, then re-raise.
+
+        A model step that fails part-way (after some layers appended) leaves every layer as it
+        was; see :meth:`LayerCache.rollback_on_error`.
+        """
+        marks = [layer._mark() for layer in self.layers]
+        try:
+            yield self
+        except Exception:
+            for layer, mark in zip(self.layers, marks, strict=True):
+                layer._rollback(mark)
+            raise
 
     def reorder(self, batch_indices: Tensor | Sequence[int]) -> None:
         """Select batch rows in every layer (beam search); see :meth:`LayerCache.reorder`."""

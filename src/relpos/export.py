@@ -22,20 +22,22 @@ example's. It runs the bucketed backend. ONNX needs the ``onnx`` extra
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import json
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relpos._io import atomic_save
+from relpos._version import __version__
+from relpos.models import ModelConfig, RelativeTransformerEncoderModel, RelativeTransformerLM
 from relpos.modules import (
     RelativeMultiheadAttention,
     RelativeTransformerDecoderLayer,
@@ -58,7 +60,7 @@ __all__ = [
 FORMAT = "relpos.module"
 FORMAT_VERSION = 1
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
-_MODEL_CLASSES = ("RelativeTransformerLM", "RelativeTransformerEncoderModel")
+_MODELS = (RelativeTransformerLM, RelativeTransformerEncoderModel)
 
 
 class ModuleFormatError(ValueError):
@@ -66,44 +68,71 @@ class ModuleFormatError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# configs
+# configs: a registry of the classes a saved module may name
 
 
-def _attention_config(m: RelativeMultiheadAttention) -> dict[str, Any]:
-    return {
-        "embed_dim": m.embed_dim, "num_heads": m.num_heads, "max_distance": m.max_distance,
-        "relative_keys": m.relative_keys, "relative_values": m.relative_values,
-        "share_heads": m.share_heads, "dropout": m.dropout, "bias": m.q_proj.bias is not None,
-        "kdim": m.kdim, "vdim": m.vdim, "batch_first": m.batch_first,
-        "implementation": m.implementation,
-    }
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """How one class is written to a saved module's ``config`` and rebuilt from it."""
+
+    cls: type[nn.Module]
+    config: Callable[[Any], dict[str, Any]]  # module -> plain-data (JSON) config
+    build: Callable[[dict[str, Any]], nn.Module]  # that config -> a fresh module
 
 
-def _activation_name(fn: object) -> str:
-    if fn is F.relu:
-        return "relu"
-    if fn is F.gelu:
-        return "gelu"
-    raise ModuleFormatError(
-        f"cannot save a layer with a custom activation {fn!r}; allowed: 'relu' or 'gelu'"
+def _constructed(cls: Any) -> _Entry:
+    """A relpos module whose ``get_config()`` is its constructor's keyword arguments."""
+    return _Entry(cls, lambda m: m.get_config(), lambda config: cls(**config))
+
+
+def _model(cls: Any) -> _Entry:
+    """A model of :mod:`relpos.models`: saved as ``ModelConfig.to_dict()``, as a checkpoint."""
+    return _Entry(
+        cls, lambda m: m.get_config()["config"].to_dict(),
+        lambda config: cls(config=ModelConfig.from_dict(config)),
     )
 
 
-def _layer_config(m: RelativeTransformerEncoderLayer | RelativeTransformerDecoderLayer) -> dict:
-    attn = m.self_attn
-    config: dict[str, Any] = {
-        "d_model": attn.embed_dim, "nhead": attn.num_heads,
-        "dim_feedforward": m.linear1.out_features, "dropout": m.dropout.p,
-        "activation": _activation_name(m.activation), "layer_norm_eps": m.norm1.eps,
-        "batch_first": attn.batch_first, "norm_first": m.norm_first,
-        "bias": m.linear1.bias is not None, "max_distance": attn.max_distance,
-        "relative_keys": attn.relative_keys, "relative_values": attn.relative_values,
-        "share_heads": attn.share_heads, "implementation": attn.implementation,
+def _stack_config(module: nn.TransformerEncoder) -> dict[str, Any]:
+    first = module.layers[0] if len(module.layers) else None
+    if not isinstance(first, RelativeTransformerEncoderLayer):
+        raise ModuleFormatError(
+            "can only save an nn.TransformerEncoder of relpos.RelativeTransformerEncoderLayer"
+        )
+    norm = module.norm
+    if norm is not None and not isinstance(norm, nn.LayerNorm):
+        raise ModuleFormatError(f"unsupported final norm {type(norm).__name__}")
+    return {
+        "layer": first.get_config(), "num_layers": len(module.layers),
+        "norm_eps": None if norm is None else norm.eps,
+        "norm_bias": None if norm is None else norm.bias is not None,
     }
-    if isinstance(m, RelativeTransformerDecoderLayer):
-        cross = m.multihead_attn
-        config["relative_cross_attention"] = cross.relative_keys or cross.relative_values
-    return config
+
+
+def _build_stack(config: dict[str, Any]) -> nn.TransformerEncoder:
+    layer = RelativeTransformerEncoderLayer(**config["layer"])
+    norm = None
+    if config.get("norm_eps") is not None:
+        norm = nn.LayerNorm(
+            layer.self_attn.embed_dim, eps=config["norm_eps"],
+            bias=bool(config.get("norm_bias", True)),
+        )
+    return nn.TransformerEncoder(
+        layer,  # type: ignore[arg-type]  # any layer with the same forward works
+        int(config["num_layers"]), norm=norm, enable_nested_tensor=False,
+    )
+
+
+# Saved "class" name -> entry. The names are the file format: never rename one.
+_REGISTRY: dict[str, _Entry] = {
+    "RelativeMultiheadAttention": _constructed(RelativeMultiheadAttention),
+    "RelativeTransformerEncoderLayer": _constructed(RelativeTransformerEncoderLayer),
+    "RelativeTransformerDecoderLayer": _constructed(RelativeTransformerDecoderLayer),
+    "TransformerEncoder": _Entry(nn.TransformerEncoder, _stack_config, _build_stack),
+    "RelativeTransformerLM": _model(RelativeTransformerLM),
+    "RelativeTransformerEncoderModel": _model(RelativeTransformerEncoderModel),
+}
+_NAMES: dict[type[nn.Module], str] = {entry.cls: name for name, entry in _REGISTRY.items()}
 
 
 def module_config(module: nn.Module) -> dict[str, Any]:
@@ -111,43 +140,26 @@ def module_config(module: nn.Module) -> dict[str, Any]:
 
     Supported: :class:`relpos.RelativeMultiheadAttention`,
     :class:`relpos.RelativeTransformerEncoderLayer`,
-    :class:`relpos.RelativeTransformerDecoderLayer`,
-    ``nn.TransformerEncoder`` of relpos encoder layers and the models of :mod:`relpos.models`.
+    :class:`relpos.RelativeTransformerDecoderLayer` (their ``get_config()``),
+    ``nn.TransformerEncoder`` of relpos encoder layers and the models of :mod:`relpos.models`
+    (their ``ModelConfig`` as a dict). A subclass is saved as the class it derives from.
 
     Raises:
         ModuleFormatError: for any other module, or a layer with a custom activation.
     """
-    if isinstance(module, RelativeMultiheadAttention):
-        return {"class": "RelativeMultiheadAttention", "config": _attention_config(module)}
-    if isinstance(module, RelativeTransformerEncoderLayer):
-        return {"class": "RelativeTransformerEncoderLayer", "config": _layer_config(module)}
-    if isinstance(module, RelativeTransformerDecoderLayer):
-        return {"class": "RelativeTransformerDecoderLayer", "config": _layer_config(module)}
-    if isinstance(module, nn.TransformerEncoder):
-        first = module.layers[0] if len(module.layers) else None
-        if not isinstance(first, RelativeTransformerEncoderLayer):
-            raise ModuleFormatError(
-                "can only save an nn.TransformerEncoder of relpos.RelativeTransformerEncoderLayer"
-            )
-        norm = module.norm
-        if norm is not None and not isinstance(norm, nn.LayerNorm):
-            raise ModuleFormatError(f"unsupported final norm {type(norm).__name__}")
-        return {
-            "class": "TransformerEncoder",
-            "config": {
-                "layer": _layer_config(first), "num_layers": len(module.layers),
-                "norm_eps": None if norm is None else norm.eps,
-                "norm_bias": None if norm is None else norm.bias is not None,
-            },
-        }
-    if type(module).__name__ in _MODEL_CLASSES and hasattr(module, "config"):
-        config: Any = module.config
-        return {"class": type(module).__name__, "config": config.to_dict()}
-    raise ModuleFormatError(
-        f"cannot save a {type(module).__name__}; allowed: RelativeMultiheadAttention, "
-        f"RelativeTransformerEncoderLayer, RelativeTransformerDecoderLayer, nn.TransformerEncoder "
-        f"of relpos layers, {', '.join(_MODEL_CLASSES)}"
-    )
+    name = next((_NAMES[c] for c in type(module).__mro__ if c in _NAMES), None)
+    if name is None:
+        raise ModuleFormatError(
+            f"cannot save a {type(module).__name__}; allowed: {', '.join(_REGISTRY)} (an "
+            f"nn.TransformerEncoder of relpos encoder layers)"
+        )
+    try:
+        config = _REGISTRY[name].config(module)
+    except ModuleFormatError:
+        raise
+    except ValueError as err:
+        raise ModuleFormatError(f"cannot save a {type(module).__name__}: {err}") from None
+    return {"class": name, "config": config}
 
 
 def build_module(spec: Mapping[str, Any]) -> nn.Module:
@@ -157,39 +169,19 @@ def build_module(spec: Mapping[str, Any]) -> nn.Module:
         ModuleFormatError: if ``spec`` names an unknown class or holds bad arguments.
     """
     try:
-        cls, config = spec["class"], dict(spec["config"])
+        name, config = spec["class"], dict(spec["config"])
     except (KeyError, TypeError):
         raise ModuleFormatError("a module spec needs 'class' and 'config' entries") from None
+    entry = _REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ModuleFormatError(
+            f"unknown module class {name!r} in a saved relpos module; allowed: "
+            f"{', '.join(_REGISTRY)}"
+        )
     try:
-        if cls == "RelativeMultiheadAttention":
-            config = dict(config)
-            return RelativeMultiheadAttention(
-                config.pop("embed_dim"), config.pop("num_heads"), config.pop("max_distance"),
-                **config,
-            )
-        if cls == "RelativeTransformerEncoderLayer":
-            return RelativeTransformerEncoderLayer(**config)
-        if cls == "RelativeTransformerDecoderLayer":
-            return RelativeTransformerDecoderLayer(**config)
-        if cls == "TransformerEncoder":
-            layer = RelativeTransformerEncoderLayer(**config["layer"])
-            norm = None
-            if config.get("norm_eps") is not None:
-                norm = nn.LayerNorm(
-                    layer.self_attn.embed_dim, eps=config["norm_eps"],
-                    bias=bool(config.get("norm_bias", True)),
-                )
-            return nn.TransformerEncoder(
-                layer,  # type: ignore[arg-type]  # any layer with the same forward works
-                int(config["num_layers"]), norm=norm, enable_nested_tensor=False,
-            )
-        if cls in _MODEL_CLASSES:
-            from relpos.models import ModelConfig, build_model
-
-            return build_model(ModelConfig.from_dict(config))
+        return entry.build(config)
     except (KeyError, TypeError) as err:
-        raise ModuleFormatError(f"bad config for {cls}: {err}") from None
-    raise ModuleFormatError(f"unknown module class {cls!r} in a saved relpos module")
+        raise ModuleFormatError(f"bad config for {name}: {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +207,6 @@ def save_module(path: str | os.PathLike[str], module: nn.Module) -> Path:
         >>> type(load_module(path)).__name__
         'RelativeTransformerEncoderLayer'
     """
-    from relpos import __version__
-
     spec = module_config(module)
     payload = {
         "format": FORMAT,
@@ -285,8 +275,8 @@ def _load_checkpoint_dir(root: Path) -> nn.Module:
     config = ckpt.state.get("model")
     if not isinstance(config, dict):
         raise ModuleFormatError(f"checkpoint {str(ckpt.path)!r} has no model config")
-    cls = _MODEL_CLASSES[0] if config.get("causal", True) else _MODEL_CLASSES[1]
-    module = build_module({"class": cls, "config": config})
+    cls = RelativeTransformerLM if config.get("causal", True) else RelativeTransformerEncoderModel
+    module = build_module({"class": _NAMES[cls], "config": config})
     module.load_state_dict(ckpt.model_state)
     return module.eval()
 
@@ -306,7 +296,11 @@ def require_onnx() -> None:
 
 
 class _OnnxWrapper(nn.Module):
-    """One tensor in (features or token ids, optional key mask), one tensor out."""
+    """One tensor in (features or token ids, optional key mask), one tensor out.
+
+    ``key_mask`` is relpos's (``(B, L)`` bool, True = real token) and reaches the attention
+    as it is.
+    """
 
     def __init__(self, module: nn.Module, *, is_causal: bool) -> None:
         super().__init__()
@@ -319,11 +313,12 @@ class _OnnxWrapper(nn.Module):
             out, _ = m(x, key_mask=key_mask, is_causal=self.is_causal)
             return out
         if isinstance(m, RelativeTransformerEncoderLayer):
-            padding = None if key_mask is None else ~key_mask
-            return m(x, src_key_padding_mask=padding, is_causal=self.is_causal)
+            return m(x, key_mask=key_mask, is_causal=self.is_causal)
         if isinstance(m, nn.TransformerEncoder):
-            padding = None if key_mask is None else ~key_mask
-            return m(x, src_key_padding_mask=padding, is_causal=self.is_causal)
+            # nn.TransformerEncoder.forward takes PyTorch's padding mask only: run its layers.
+            for layer in m.layers:
+                x = layer(x, key_mask=key_mask, is_causal=self.is_causal)
+            return x if m.norm is None else m.norm(x)
         # relpos.models: skip the id range check of forward (data-dependent, not exportable).
         model: Any = m
         return model.logits(model.hidden(x, key_mask, None, is_causal=model.config.causal))
@@ -331,7 +326,7 @@ class _OnnxWrapper(nn.Module):
 
 def _io_layout(module: nn.Module) -> tuple[str, int, int, int | None, torch.dtype]:
     """(input name, batch axis, length axis, feature size or None for ids, input dtype)."""
-    if type(module).__name__ in _MODEL_CLASSES:
+    if isinstance(module, _MODELS):
         return "ids", 0, 1, None, torch.long
     if isinstance(module, RelativeMultiheadAttention):
         attn = module
@@ -345,7 +340,8 @@ def _io_layout(module: nn.Module) -> tuple[str, int, int, int | None, torch.dtyp
         raise TypeError(
             f"cannot export a {type(module).__name__} to ONNX; allowed: "
             f"RelativeMultiheadAttention (self-attention), RelativeTransformerEncoderLayer, "
-            f"nn.TransformerEncoder of those, {', '.join(_MODEL_CLASSES)}"
+            f"nn.TransformerEncoder of those, "
+            f"{', '.join(cls.__name__ for cls in _MODELS)}"
         )
     dtype = attn.q_proj.weight.dtype
     if attn.kdim != attn.embed_dim or attn.vdim != attn.embed_dim:

@@ -28,6 +28,10 @@ class ModelConfig:
     :class:`relpos.models.RelativeTransformerEncoderModel` (built by
     :func:`relpos.models.build_model`).
 
+    Every field is validated once, when the config is made (``__post_init__`` runs
+    :meth:`validate`); the models and :func:`~relpos.models.build_model` take a
+    ``ModelConfig`` as valid. After changing a field by hand, call :meth:`validate` again.
+
     Attributes:
         vocab_size: V, number of token ids.
         d_model: E, the model dimension.

@@ -11,9 +11,10 @@ positions unless the config asks for an absolute baseline (``positions="learned"
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,8 +50,7 @@ class _Backbone(nn.Module):
             raise TypeError(
                 f"config must be a relpos.models.ModelConfig, got {type(config).__name__}"
             )
-        config.validate()
-        self.config = config
+        self.config = config  # validated when it was made (ModelConfig.__post_init__)
         E = config.d_model
         self.embed = nn.Embedding(config.vocab_size, E)
         self.pos_embed = (
@@ -75,6 +75,15 @@ class _Backbone(nn.Module):
         nn.init.normal_(self.embed.weight, std=E**-0.5)
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed.weight, std=1.0)
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that rebuild this model:
+        ``type(model)(**model.get_config())`` is a freshly initialized twin.
+
+        Returns:
+            ``{"config": ModelConfig}`` (a copy of :attr:`config`).
+        """
+        return {"config": copy.copy(self.config)}
 
     def check_ids(self, ids: object, key_mask: object) -> Tensor:
         if not isinstance(ids, Tensor):
@@ -122,10 +131,9 @@ class _Backbone(nn.Module):
         elif self.config.positions == "sinusoidal":
             x = x + sinusoidal_positions(start, L, E, device=x.device, dtype=x.dtype)
         x = self.emb_dropout(x)
-        padding = None if key_mask is None else ~key_mask  # PyTorch's meaning: True = padding
         for i, layer in enumerate(self.layers):
             x = layer(
-                x, src_key_padding_mask=padding, is_causal=is_causal,
+                x, key_mask=key_mask, is_causal=is_causal,
                 cache=None if cache is None else cache[i],
             )
         return self.norm(x)
@@ -199,17 +207,8 @@ class RelativeTransformerLM(_Backbone):
         B, L = ids.shape
         cache.check_step(B, L)
         self.check_length(cache.length, L)
-        was_empty = [layer.keys is None for layer in cache]
-        old_length = cache.length
-        try:
+        with cache.rollback_on_error():  # leave the cache as it was before a refused step
             return self.logits(self.hidden(ids, key_mask, cache, is_causal=True))
-        except Exception:  # leave the cache as it was before the refused step
-            for layer, empty in zip(cache, was_empty, strict=True):
-                if empty:
-                    layer.reset()
-                elif layer.length > old_length:
-                    layer.truncate(old_length)
-            raise
 
     @torch.no_grad()
     def generate(
@@ -363,13 +362,14 @@ def build_model(config: ModelConfig) -> nn.Module:
     """:class:`RelativeTransformerLM` if ``config.causal`` else
     :class:`RelativeTransformerEncoderModel`.
 
+    The config was validated when it was made (:meth:`ModelConfig.validate` runs in its
+    ``__post_init__``); call ``config.validate()`` after changing a field by hand.
+
     Raises:
         TypeError: if ``config`` is not a :class:`ModelConfig`.
-        ValueError: if the config does not validate.
     """
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a relpos.models.ModelConfig, got {type(config).__name__}")
-    config.validate()
     if config.causal:
         return RelativeTransformerLM(config)
     return RelativeTransformerEncoderModel(config)

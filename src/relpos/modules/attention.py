@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -138,6 +140,24 @@ class RelativeMultiheadAttention(nn.Module):
             f"dropout={self.dropout}, batch_first={self.batch_first}"
         )
 
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that rebuild this module (``device``/``dtype``
+        aside): ``type(mha)(**mha.get_config())`` is a freshly initialized twin.
+
+        Example:
+            >>> mha = RelativeMultiheadAttention(64, 4, max_distance=8, share_heads=False)
+            >>> RelativeMultiheadAttention(**mha.get_config()).rel_keys.shape
+            torch.Size([4, 17, 16])
+        """
+        return {
+            "embed_dim": self.embed_dim, "num_heads": self.num_heads,
+            "max_distance": self.max_distance, "relative_keys": self.relative_keys,
+            "relative_values": self.relative_values, "share_heads": self.share_heads,
+            "dropout": self.dropout, "bias": self.q_proj.bias is not None, "kdim": self.kdim,
+            "vdim": self.vdim, "batch_first": self.batch_first,
+            "implementation": self.implementation,
+        }
+
     def get_extra_state(self) -> Tensor:
         """Saved as ``<prefix>._extra_state``: format version, K and the offset convention.
 
@@ -227,54 +247,53 @@ class RelativeMultiheadAttention(nn.Module):
             unless ``need_weights``.
         """
         query = self._check_input("query", query, self.embed_dim)
-        if cache is not None:
-            return self._forward_cached(
-                query, key, value, cache, attn_mask=attn_mask, key_mask=key_mask,
-                is_causal=is_causal, need_weights=need_weights, query_start=query_start,
-            )
-        if key is None:
-            key = query if self.kdim == self.embed_dim else None
-            if key is None:
-                raise ValueError("key=None (self-attention) needs kdim == embed_dim")
-        key = self._check_input("key", key, self.kdim)
-        if value is None:
-            if self.vdim != self.kdim:
-                raise ValueError("value=None needs vdim == kdim")
-            value = key
-        value = self._check_input("value", value, self.vdim)
+        if cache is None:
+            key, value = self._check_key_value(query, key, value)
+        else:
+            self._check_cache(cache, key, value)
+            key = value = query
         if not self.batch_first:
             query, key, value = (x.transpose(0, 1) for x in (query, key, value))
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
-            raise ValueError(
-                f"query, key and value disagree on batch or length: {tuple(query.shape)}, "
-                f"{tuple(key.shape)}, {tuple(value.shape)}"
-            )
         q = self._split_heads(self.q_proj(query))  # (B, H, L, D)
-        k = self._split_heads(self.k_proj(key))  # (B, H, S, D)
-        v = self._split_heads(self.v_proj(value))  # (B, H, S, D)
-        out, weights = self.attend(
-            q, k, v, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
-            need_weights=need_weights, query_start=query_start,
-        )
+        k = self._split_heads(self.k_proj(key))  # (B, H, S, D), or (B, H, t, D) new ones
+        v = self._split_heads(self.v_proj(value))  # (B, H, S, D), or (B, H, t, D) new ones
+        # With a cache, a refused step (e.g. a bad mask) leaves the cache as it was.
+        with contextlib.nullcontext() if cache is None else cache.rollback_on_error():
+            if cache is not None:
+                k, v, key_mask = cache.append(k, v, key_mask)  # (B, H, S, D) each, (B, S)
+            out, weights = self.attend(
+                q, k, v, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal,
+                need_weights=need_weights, query_start=query_start,
+            )
         B, _, L, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, L, E)
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
 
-    def _forward_cached(
-        self,
-        query: Tensor,
-        key: Tensor | None,
-        value: Tensor | None,
-        cache: LayerCache,
-        *,
-        attn_mask: Tensor | None,
-        key_mask: Tensor | None,
-        is_causal: bool,
-        need_weights: bool,
-        query_start: int | None,
-    ) -> tuple[Tensor, Tensor | None]:
+    def _check_key_value(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """``key``/``value`` after their defaults (self-attention) and shape checks."""
+        if key is None:
+            if self.kdim != self.embed_dim:
+                raise ValueError("key=None (self-attention) needs kdim == embed_dim")
+            key = query
+        key = self._check_input("key", key, self.kdim)
+        if value is None:
+            if self.vdim != self.kdim:
+                raise ValueError("value=None needs vdim == kdim")
+            value = key
+        value = self._check_input("value", value, self.vdim)
+        b = 0 if self.batch_first else 1
+        if key.shape[:2] != value.shape[:2] or key.shape[b] != query.shape[b]:
+            raise ValueError(
+                f"query, key and value disagree on batch or length: {tuple(query.shape)}, "
+                f"{tuple(key.shape)}, {tuple(value.shape)}"
+            )
+        return key, value
+
+    def _check_cache(self, cache: object, key: Tensor | None, value: Tensor | None) -> None:
         if not isinstance(cache, LayerCache):
             raise TypeError(
                 f"cache must be a relpos.LayerCache (one layer of a KVCache, e.g. cache[i]), "
@@ -286,29 +305,6 @@ class RelativeMultiheadAttention(nn.Module):
             raise ValueError(
                 "cache= serves self-attention only, which needs kdim == vdim == embed_dim"
             )
-        if not self.batch_first:
-            query = query.transpose(0, 1)  # (B, t, E)
-        q = self._split_heads(self.q_proj(query))  # (B, H, t, D)
-        k_new = self._split_heads(self.k_proj(query))  # (B, H, t, D)
-        v_new = self._split_heads(self.v_proj(query))  # (B, H, t, D)
-        was_empty, old_length = cache.keys is None, cache.length
-        k, v, full_key_mask = cache.append(k_new, v_new, key_mask)  # (B, H, S, D) each
-        try:
-            out, weights = self.attend(
-                q, k, v, attn_mask=attn_mask, key_mask=full_key_mask, is_causal=is_causal,
-                need_weights=need_weights, query_start=query_start,
-            )
-        except Exception:  # a refused step leaves the cache as it was
-            if was_empty:
-                cache.reset()
-            else:
-                cache.truncate(old_length)
-            raise
-        B, _, L, _ = out.shape
-        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.embed_dim))  # (B, t, E)
-        if not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, weights
 
     def attend(
         self,

@@ -9,6 +9,7 @@ clipped relative positions; cross-attention is plain unless ``relative_cross_att
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,13 +44,49 @@ def _batch_size(x: object, batch_first: bool) -> int:
     return x.shape[0] if batch_first else x.shape[1]
 
 
-def _torch_masks(
-    mask: Tensor | None, padding_mask: Tensor | None, batch: int, heads: int
+def _activation_name(fn: Callable[[Tensor], Tensor]) -> str:
+    """The constructor argument that rebuilds the activation ``fn``."""
+    if fn is F.relu:
+        return "relu"
+    if fn is F.gelu:
+        return "gelu"
+    raise ValueError(
+        f"a layer with a custom activation {fn!r} has no config to rebuild it from; "
+        f"allowed: 'relu' or 'gelu'"
+    )
+
+
+def _relpos_masks(
+    mask: Tensor | None,
+    padding_mask: Tensor | None,
+    key_mask: Tensor | None,
+    batch: int,
+    heads: int,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """PyTorch's mask meanings -> relpos's: (attn_mask True = may attend, key_mask True = real)."""
-    for name, m in (("attention mask", mask), ("key padding mask", padding_mask)):
+    """PyTorch's mask meanings -> relpos's: (attn_mask True = may attend, key_mask True = real).
+
+    Args:
+        mask: PyTorch's attention mask: bool (True = NOT allowed) or float (added),
+            ``(L, S)`` or ``(B * H, L, S)``.
+        padding_mask: PyTorch's key padding mask ``(B, S)``: bool (True = padding) or float
+            (added to the scores).
+        key_mask: relpos's ``(B, S)`` bool key mask (True = real token), passed through as is;
+            not together with ``padding_mask``.
+        batch, heads: B and H, to unfold a 3-D ``mask``.
+
+    Returns:
+        ``(attn_mask, key_mask)`` in the meanings of :func:`relpos.relative_attention`.
+    """
+    for name, m in (
+        ("attention mask", mask), ("key padding mask", padding_mask), ("key_mask", key_mask)
+    ):
         if m is not None and not isinstance(m, Tensor):
             raise TypeError(f"the {name} must be a torch.Tensor or None, got {type(m).__name__}")
+    if padding_mask is not None and key_mask is not None:
+        raise ValueError(
+            "got both a key padding mask (PyTorch's meaning, True = padding) and key_mask "
+            "(relpos's, True = real token); allowed: one of them"
+        )
     if padding_mask is not None and padding_mask.dim() != 2:
         raise ValueError(
             f"the key padding mask must have shape (B, S), got {tuple(padding_mask.shape)}"
@@ -64,7 +101,6 @@ def _torch_masks(
                 )
             mask = mask.view(batch, heads, *mask.shape[-2:])  # (B, H, L, S)
         attn_mask = ~mask if mask.dtype == torch.bool else mask
-    key_mask = None
     if padding_mask is not None:
         if padding_mask.dtype == torch.bool:
             key_mask = ~padding_mask
@@ -80,26 +116,104 @@ def _torch_masks(
 
 
 class _LayerBase(nn.Module):
-    def _init_common(
+    """What both layers are made of, in PyTorch's order and under PyTorch's names.
+
+    ``self_attn`` (relative), ``multihead_attn`` (cross-attention, decoder only), the MLP
+    ``linear1 -> activation -> dropout -> linear2``, and one ``norm<i>``/``dropout<i>`` per
+    sublayer (2 in the encoder, 3 in the decoder). Arguments as in the layers;
+    ``relative_cross_attention`` None = no cross-attention (the encoder).
+    """
+
+    def __init__(
         self,
         d_model: int,
+        nhead: int,
         dim_feedforward: int,
         dropout: float,
         activation: Activation,
         layer_norm_eps: float,
+        batch_first: bool,
         norm_first: bool,
         bias: bool,
-        factory: dict[str, object],
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+        *,
+        max_distance: int,
+        relative_keys: bool,
+        relative_values: bool,
+        share_heads: bool,
+        implementation: Implementation | None,
+        relative_cross_attention: bool | None = None,
     ) -> None:
+        super().__init__()
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        attention: dict[str, Any] = dict(
+            share_heads=share_heads, dropout=dropout, bias=bias, batch_first=batch_first,
+            implementation=implementation, **factory,
+        )
+        self.self_attn = RelativeMultiheadAttention(
+            d_model, nhead, max_distance, relative_keys=relative_keys,
+            relative_values=relative_values, **attention,
+        )
+        decoder = relative_cross_attention is not None
+        if decoder:
+            cross = bool(relative_cross_attention)
+            self.multihead_attn = RelativeMultiheadAttention(
+                d_model, nhead, max_distance, relative_keys=relative_keys and cross,
+                relative_values=relative_values and cross, **attention,
+            )
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
         self.dropout = nn.Dropout(dropout)
         self.linear2 = nn.Linear(dim_feedforward, d_model, bias=bias, **factory)
         self.norm_first = norm_first
-        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)  # type: ignore[arg-type]
-        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)  # type: ignore[arg-type]
+        self.norm1 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        self.norm2 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
+        if decoder:
+            self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)
         self.dropout1 = nn.Dropout(dropout)
         self.dropout2 = nn.Dropout(dropout)
+        if decoder:
+            self.dropout3 = nn.Dropout(dropout)
         self.activation = _activation(activation)
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that rebuild this layer (``device``/``dtype``
+        aside): ``type(layer)(**layer.get_config())`` is a freshly initialized twin.
+
+        Raises:
+            ValueError: if the layer has a custom activation (only ``"relu"`` and ``"gelu"``
+                can be named).
+        """
+        attn = self.self_attn
+        return {
+            "d_model": attn.embed_dim, "nhead": attn.num_heads,
+            "dim_feedforward": self.linear1.out_features, "dropout": self.dropout.p,
+            "activation": _activation_name(self.activation), "layer_norm_eps": self.norm1.eps,
+            "batch_first": attn.batch_first, "norm_first": self.norm_first,
+            "bias": self.linear1.bias is not None, "max_distance": attn.max_distance,
+            "relative_keys": attn.relative_keys, "relative_values": attn.relative_values,
+            "share_heads": attn.share_heads, "implementation": attn.implementation,
+        }
+
+    def _masks(
+        self, x: object, mask: Tensor | None, padding: Tensor | None, key_mask: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """relpos's ``(attn_mask, key_mask)`` for attention from the layer input ``x``."""
+        batch = _batch_size(x, self.self_attn.batch_first)
+        return _relpos_masks(mask, padding, key_mask, batch, self.self_attn.num_heads)
+
+    def _sa_block(
+        self,
+        x: Tensor,
+        attn_mask: Tensor | None,
+        key_mask: Tensor | None,
+        is_causal: bool,
+        cache: LayerCache | None,
+    ) -> Tensor:
+        out, _ = self.self_attn(
+            x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
+        )
+        return self.dropout1(out)
 
     def _ff_block(self, x: Tensor) -> Tensor:
         x = self.linear2(self.dropout(self.activation(self.linear1(x))))
@@ -144,16 +258,11 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         share_heads: bool = True,
         implementation: Implementation | None = None,
     ) -> None:
-        super().__init__()
-        factory: dict[str, object] = {"device": device, "dtype": dtype}
-        self.self_attn = RelativeMultiheadAttention(
-            d_model, nhead, max_distance, relative_keys=relative_keys,
-            relative_values=relative_values, share_heads=share_heads, dropout=dropout,
-            bias=bias, batch_first=batch_first, implementation=implementation,
-            device=device, dtype=dtype,
-        )
-        self._init_common(
-            d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, factory
+        super().__init__(
+            d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+            norm_first, bias, device, dtype, max_distance=max_distance,
+            relative_keys=relative_keys, relative_values=relative_values,
+            share_heads=share_heads, implementation=implementation,
         )
 
     def forward(
@@ -163,43 +272,38 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
         *,
+        key_mask: Tensor | None = None,
         cache: LayerCache | None = None,
     ) -> Tensor:
         """As ``nn.TransformerEncoderLayer.forward``; ``is_causal`` applies a causal mask.
 
-        With ``cache`` (a :class:`relpos.LayerCache`), ``src`` holds the ``t`` new tokens of an
-        incremental step: their keys/values are appended and they attend over the whole cache
-        (queries aligned to its end); ``src_key_padding_mask`` is then ``(B, t)`` for the new
-        tokens and ``src_mask`` must broadcast to ``(B, H, t, S)``.
+        Args:
+            src: ``(B, L, E)`` if ``batch_first`` else ``(L, B, E)``.
+            src_mask: PyTorch's meaning: bool True = NOT allowed, or float (added);
+                ``(L, S)`` or ``(B * H, L, S)``.
+            src_key_padding_mask: ``(B, S)``, PyTorch's meaning: bool True = padding, or float
+                (added).
+            is_causal: key ``j`` visible to query ``i`` iff ``j <= p_i``.
+            key_mask: ``(B, S)`` bool in relpos's meaning (True = real token), instead of
+                ``src_key_padding_mask``.
+            cache: a :class:`relpos.LayerCache`: ``src`` holds the ``t`` new tokens of an
+                incremental step; their keys/values are appended and they attend over the
+                whole cache (queries aligned to its end). The padding/key mask is then
+                ``(B, t)`` for the new tokens and ``src_mask`` must broadcast to
+                ``(B, H, t, S)``.
+
+        Returns:
+            Like ``src``.
         """
+        attn_mask, key_mask = self._masks(src, src_mask, src_key_padding_mask, key_mask)
         x = src
         if self.norm_first:
-            x = x + self._sa_block(
-                self.norm1(x), src_mask, src_key_padding_mask, is_causal, cache=cache
-            )
+            x = x + self._sa_block(self.norm1(x), attn_mask, key_mask, is_causal, cache)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(
-                x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal, cache=cache)
-            )
+            x = self.norm1(x + self._sa_block(x, attn_mask, key_mask, is_causal, cache))
             x = self.norm2(x + self._ff_block(x))
         return x
-
-    def _sa_block(
-        self,
-        x: Tensor,
-        mask: Tensor | None,
-        padding: Tensor | None,
-        is_causal: bool,
-        *,
-        cache: LayerCache | None = None,
-    ) -> Tensor:
-        batch = _batch_size(x, self.self_attn.batch_first)
-        attn_mask, key_mask = _torch_masks(mask, padding, batch, self.self_attn.num_heads)
-        out, _ = self.self_attn(
-            x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
-        )
-        return self.dropout1(out)
 
 
 class RelativeTransformerDecoderLayer(_LayerBase):
@@ -215,6 +319,10 @@ class RelativeTransformerDecoderLayer(_LayerBase):
             aligned to the end of the memory); default plain cross-attention.
         implementation: backend (None = auto).
     """
+
+    multihead_attn: RelativeMultiheadAttention
+    norm3: nn.LayerNorm
+    dropout3: nn.Dropout
 
     def __init__(
         self,
@@ -237,26 +345,23 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         relative_cross_attention: bool = False,
         implementation: Implementation | None = None,
     ) -> None:
-        super().__init__()
-        factory: dict[str, object] = {"device": device, "dtype": dtype}
-        self.self_attn = RelativeMultiheadAttention(
-            d_model, nhead, max_distance, relative_keys=relative_keys,
-            relative_values=relative_values, share_heads=share_heads, dropout=dropout,
-            bias=bias, batch_first=batch_first, implementation=implementation,
-            device=device, dtype=dtype,
+        super().__init__(
+            d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+            norm_first, bias, device, dtype, max_distance=max_distance,
+            relative_keys=relative_keys, relative_values=relative_values,
+            share_heads=share_heads, implementation=implementation,
+            relative_cross_attention=bool(relative_cross_attention),
         )
-        cross_relative = bool(relative_cross_attention)
-        self.multihead_attn = RelativeMultiheadAttention(
-            d_model, nhead, max_distance, relative_keys=relative_keys and cross_relative,
-            relative_values=relative_values and cross_relative, share_heads=share_heads,
-            dropout=dropout, bias=bias, batch_first=batch_first,
-            implementation=implementation, device=device, dtype=dtype,
-        )
-        self._init_common(
-            d_model, dim_feedforward, dropout, activation, layer_norm_eps, norm_first, bias, factory
-        )
-        self.norm3 = nn.LayerNorm(d_model, eps=layer_norm_eps, bias=bias, **factory)  # type: ignore[arg-type]
-        self.dropout3 = nn.Dropout(dropout)
+
+    def get_config(self) -> dict[str, Any]:
+        """The constructor's keyword arguments that rebuild this layer (``device``/``dtype``
+        aside), ``relative_cross_attention`` included; see
+        :meth:`RelativeTransformerEncoderLayer.get_config`."""
+        cross = self.multihead_attn
+        return {
+            **super().get_config(),
+            "relative_cross_attention": cross.relative_keys or cross.relative_values,
+        }
 
     def forward(
         self,
@@ -269,62 +374,51 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
         *,
+        key_mask: Tensor | None = None,
+        memory_key_mask: Tensor | None = None,
         cache: LayerCache | None = None,
     ) -> Tensor:
         """As ``nn.TransformerDecoderLayer.forward``.
 
-        With ``cache`` (a :class:`relpos.LayerCache` for the self-attention), ``tgt`` holds the
-        ``t`` new tokens of an incremental step (see
-        :meth:`RelativeTransformerEncoderLayer.forward`); cross-attention still attends to the
-        whole ``memory``.
+        Args:
+            tgt: ``(B, L, E)`` if ``batch_first`` else ``(L, B, E)``.
+            memory: ``(B, S, E)`` if ``batch_first`` else ``(S, B, E)``.
+            tgt_mask, memory_mask: PyTorch's meaning: bool True = NOT allowed, or float
+                (added); ``(L, L)``/``(L, S)`` or with a leading ``B * H``.
+            tgt_key_padding_mask, memory_key_padding_mask: ``(B, L)``/``(B, S)``, PyTorch's
+                meaning: bool True = padding, or float (added).
+            tgt_is_causal, memory_is_causal: apply a causal mask in that attention.
+            key_mask, memory_key_mask: ``(B, L)``/``(B, S)`` bool in relpos's meaning (True =
+                real token), instead of the matching ``*_key_padding_mask``.
+            cache: a :class:`relpos.LayerCache` for the self-attention: ``tgt`` holds the
+                ``t`` new tokens of an incremental step (see
+                :meth:`RelativeTransformerEncoderLayer.forward`); cross-attention still
+                attends to the whole ``memory``.
+
+        Returns:
+            Like ``tgt``.
         """
+        self_masks = self._masks(tgt, tgt_mask, tgt_key_padding_mask, key_mask)
+        cross_masks = self._masks(tgt, memory_mask, memory_key_padding_mask, memory_key_mask)
         x = tgt
         if self.norm_first:
-            x = x + self._sa_block(
-                self.norm1(x), tgt_mask, tgt_key_padding_mask, tgt_is_causal, cache=cache
-            )
-            x = x + self._mha_block(
-                self.norm2(x), memory, memory_mask, memory_key_padding_mask, memory_is_causal
-            )
+            x = x + self._sa_block(self.norm1(x), *self_masks, tgt_is_causal, cache)
+            x = x + self._mha_block(self.norm2(x), memory, *cross_masks, memory_is_causal)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(
-                x + self._sa_block(x, tgt_mask, tgt_key_padding_mask, tgt_is_causal, cache=cache)
-            )
-            x = self.norm2(
-                x + self._mha_block(x, memory, memory_mask, memory_key_padding_mask,
-                                    memory_is_causal)
-            )
+            x = self.norm1(x + self._sa_block(x, *self_masks, tgt_is_causal, cache))
+            x = self.norm2(x + self._mha_block(x, memory, *cross_masks, memory_is_causal))
             x = self.norm3(x + self._ff_block(x))
         return x
-
-    def _batch(self, x: Tensor) -> int:
-        return _batch_size(x, self.self_attn.batch_first)
-
-    def _sa_block(
-        self,
-        x: Tensor,
-        mask: Tensor | None,
-        padding: Tensor | None,
-        is_causal: bool,
-        *,
-        cache: LayerCache | None = None,
-    ) -> Tensor:
-        attn_mask, key_mask = _torch_masks(mask, padding, self._batch(x), self.self_attn.num_heads)
-        out, _ = self.self_attn(
-            x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
-        )
-        return self.dropout1(out)
 
     def _mha_block(
         self,
         x: Tensor,
         mem: Tensor,
-        mask: Tensor | None,
-        padding: Tensor | None,
+        attn_mask: Tensor | None,
+        key_mask: Tensor | None,
         is_causal: bool,
     ) -> Tensor:
-        attn_mask, key_mask = _torch_masks(mask, padding, self._batch(x), self.self_attn.num_heads)
         out, _ = self.multihead_attn(
             x, mem, mem, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal
         )
