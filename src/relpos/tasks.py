@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -139,9 +139,15 @@ class Task(ABC):
     def min_length(self) -> int:
         """The shortest sequence length the task can fill."""
 
-    @abstractmethod
+    #: The constructor arguments :meth:`config` records, read from the attributes of the
+    #: same names (tuples as lists).
+    config_fields: ClassVar[tuple[str, ...]] = ()
+
     def config(self) -> dict[str, Any]:
         """JSON-able parameters; ``task_from_config(task.config())`` rebuilds the task."""
+        values = {k: getattr(self, k) for k in self.config_fields}
+        return {"name": self.name, **{k: list(v) if isinstance(v, tuple) else v
+                                      for k, v in values.items()}}
 
     @abstractmethod
     def _example(
@@ -199,6 +205,7 @@ class OffsetRecall(Task):
 
     name = "recall"
     breakdown = "distance"
+    config_fields = ("distances", "num_symbols", "probe_every")
 
     def __init__(
         self,
@@ -221,14 +228,6 @@ class OffsetRecall(Task):
 
     def min_length(self) -> int:
         return self.distances[-1] + 1
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distances": list(self.distances),
-            "num_symbols": self.num_symbols,
-            "probe_every": self.probe_every,
-        }
 
     def _example(
         self, rng: random.Random, length: int, split: str
@@ -277,6 +276,7 @@ class Agreement(Task):
 
     name = "agree"
     breakdown = "distance"
+    config_fields = ("distances", "num_nouns", "num_fillers", "attractor_rate")
 
     def __init__(
         self,
@@ -316,15 +316,6 @@ class Agreement(Task):
     def min_length(self) -> int:
         # The opening subject (2 tokens) + one clause at the largest distance.
         return 2 + 2 + self.distances[-1]
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distances": list(self.distances),
-            "num_nouns": self.num_nouns,
-            "num_fillers": self.num_fillers,
-            "attractor_rate": self.attractor_rate,
-        }
 
     def _noun(self, rng: random.Random) -> int:
         return self.num_fillers + rng.randrange(2 * self.num_nouns)
@@ -377,6 +368,7 @@ class SortWindows(Task):
     name = "sort"
     causal_only = True
     breakdown = "slot"
+    config_fields = ("window", "num_symbols")
 
     def __init__(self, *, window: int = 4, num_symbols: int = 16) -> None:
         self.window = _check_int(window, "window", 1)
@@ -390,9 +382,6 @@ class SortWindows(Task):
 
     def min_length(self) -> int:
         return 2 * self.window + 1
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "window": self.window, "num_symbols": self.num_symbols}
 
     def _example(
         self, rng: random.Random, length: int, split: str

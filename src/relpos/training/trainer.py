@@ -230,7 +230,7 @@ def _check_compatible(state: dict[str, Any], model: dict, task: dict, cfg: dict)
 
 
 def _environment() -> dict[str, Any]:
-    from relpos import __version__
+    from relpos._version import __version__
 
     return {
         "relpos": __version__,
