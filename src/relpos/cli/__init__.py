@@ -1,5 +1,9 @@
 """The ``relpos`` command line. One module per subcommand, each with
-``add_parser(subparsers) -> None`` (registering ``func=run``) and ``run(args) -> int``.
+``add_parser(subparsers) -> None`` (registering ``func=run`` through
+:func:`relpos.cli._args.subcommand`) and ``run(args) -> int``; the argument types and options
+they share live in :mod:`relpos.cli._args`, never in a sibling. No subcommand module imports
+torch, numpy or matplotlib at import time, so ``relpos --help`` and ``relpos table`` start
+without them.
 
 Errors the user can fix print one line on stderr and exit with status 2.
 """
@@ -25,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from relpos import __version__
+    from relpos._version import __version__
 
     parser = _Parser(
         prog="relpos",

@@ -14,58 +14,35 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from relpos.cli import CLIError
-from relpos.cli.table import positive_int
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
+from relpos.cli import CLIError, _args
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "export-onnx",
-        help="export a saved module to ONNX (dynamic batch and sequence length)",
-        description=(
-            "Export a module saved with relpos.export.save_module (or a relpos train checkpoint "
-            "directory) to ONNX. The graph has dynamic batch and length axes and computes the "
-            "relative positions at run time, so it serves every sequence length. Needs the "
-            "'onnx' extra: pip install 'relpos[onnx]'."
-        ),
+    """Register ``relpos export-onnx``."""
+    p = _args.subcommand(
+        subparsers, "export-onnx", run,
+        "export a saved module to ONNX (dynamic batch and sequence length)",
+        "Export a module saved with relpos.export.save_module (or a relpos train checkpoint "
+        "directory) to ONNX. The graph has dynamic batch and length axes and computes the "
+        "relative positions at run time, so it serves every sequence length. Needs the "
+        "'onnx' extra: pip install 'relpos[onnx]'.",
     )
     p.add_argument("model", metavar="MODEL", help="saved module file or checkpoint directory")
-    p.add_argument(
-        "-o", "--output", metavar="FILE", default=None,
-        help="ONNX file to write (default: MODEL with the suffix .onnx)",
-    )
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="ONNX file to write (default: MODEL with the suffix .onnx)")
     p.add_argument("--causal", action="store_true", help="export causal self-attention")
-    p.add_argument(
-        "--key-mask", action="store_true",
-        help="add a key_mask input: (batch, length) bool, True = real token",
-    )
-    p.add_argument(
-        "--example-length", type=positive_int, default=7, metavar="L",
-        help="sequence length of the tracing example (default 7; the graph serves all lengths)",
-    )
-    p.add_argument("--opset", type=positive_int, default=None, help="ONNX opset version")
-    p.add_argument(
-        "--no-optimize", action="store_true", help="skip the exporter's graph optimizer"
-    )
-    p.add_argument(
-        "--check", action="store_true",
-        help="run the file in onnxruntime at three lengths and compare it to PyTorch",
-    )
-    p.add_argument(
-        "--atol", type=_positive_float, default=1e-4, metavar="TOL",
-        help="largest difference --check accepts (default 1e-4)",
-    )
-    p.set_defaults(func=run)
+    p.add_argument("--key-mask", action="store_true",
+                   help="add a key_mask input: (batch, length) bool, True = real token")
+    p.add_argument("--example-length", type=_args.positive_int, default=7, metavar="L",
+                   help="sequence length of the tracing example (default 7; the graph serves "
+                        "all lengths)")
+    p.add_argument("--opset", type=_args.positive_int, help="ONNX opset version")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="skip the exporter's graph optimizer")
+    p.add_argument("--check", action="store_true",
+                   help="run the file in onnxruntime at three lengths and compare it to PyTorch")
+    p.add_argument("--atol", type=_args.positive_float, default=1e-4, metavar="TOL",
+                   help="largest difference --check accepts (default 1e-4)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,11 +57,9 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.model)
     if not source.exists():
         raise CLIError(f"no such file or directory: {str(source)!r}")
-    output = Path(args.output) if args.output else source.with_suffix(".onnx")
+    output = _args.check_output_file(args.output or source.with_suffix(".onnx"))
     if output.resolve() == source.resolve():
         raise CLIError(f"the output {str(output)!r} would overwrite the model")
-    if not output.parent.is_dir():
-        raise CLIError(f"output directory {str(output.parent)!r} does not exist")
     module = load_module(source)
     # The exporter's progress lines and internal deprecation notices are not for CLI users.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

@@ -8,13 +8,12 @@ is printed. Images need the ``plot`` extra (matplotlib).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from relpos.cli import CLIError, _args
 
-from relpos.cli import CLIError
-from relpos.cli.table import non_negative_int, positive_int
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_LENGTH = 10
 DEFAULT_MAX_DISTANCE = 4
@@ -22,81 +21,30 @@ DEFAULT_MAX_DISTANCE = 4
 MAX_LENGTH = 4096
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
-
-
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "heatmap",
-        help="draw (or print) the clipped relative position matrix",
-        description=(
-            "Draw the matrix clip(j - p_i, -k, k) of query i (rows) and key j (columns) as a "
-            "heatmap with a diverging colormap, or print it as text when no -o is given. "
-            "With fewer queries than keys the queries are aligned to the end of the keys "
-            "(p_i = i + length - queries) unless --query-start says otherwise."
-        ),
+    """Register ``relpos heatmap``."""
+    p = _args.subcommand(
+        subparsers, "heatmap", run, "draw (or print) the clipped relative position matrix",
+        "Draw the matrix clip(j - p_i, -k, k) of query i (rows) and key j (columns) as a "
+        "heatmap with a diverging colormap, or print it as text when no -o is given. With "
+        "fewer queries than keys the queries are aligned to the end of the keys (p_i = i + "
+        "length - queries) unless --query-start says otherwise.",
     )
-    p.add_argument(
-        "--length",
-        type=positive_int,
-        default=DEFAULT_LENGTH,
-        metavar="S",
-        help=f"number of key positions (default {DEFAULT_LENGTH})",
-    )
-    p.add_argument(
-        "--max-distance",
-        "-k",
-        type=non_negative_int,
-        default=DEFAULT_MAX_DISTANCE,
-        metavar="K",
-        help=f"clip distance k (default {DEFAULT_MAX_DISTANCE})",
-    )
-    p.add_argument(
-        "--queries",
-        type=positive_int,
-        default=None,
-        metavar="L",
-        help="number of queries (default: S, self-attention)",
-    )
-    p.add_argument(
-        "--query-start",
-        type=non_negative_int,
-        default=None,
-        metavar="P",
-        help="position of the first query, 0..S-L (default S-L)",
-    )
-    p.add_argument(
-        "--causal",
-        action="store_true",
-        help="blank out the keys after each query (j > p_i)",
-    )
-    p.add_argument(
-        "--annotate",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="write the offset in every cell (default: only up to 32 rows and columns)",
-    )
-    p.add_argument(
-        "--dpi",
-        type=_positive_float,
-        default=150.0,
-        help="resolution of PNG output (default 150)",
-    )
-    p.add_argument(
-        "-o",
-        "--output",
-        default=None,
-        metavar="FILE",
-        help="image to write (.png, .svg or .pdf); without it the matrix is printed",
-    )
-    p.set_defaults(func=run)
+    p.add_argument("--length", type=_args.positive_int, default=DEFAULT_LENGTH, metavar="S",
+                   help=f"number of key positions (default {DEFAULT_LENGTH})")
+    _args.add_max_distance(p, DEFAULT_MAX_DISTANCE)
+    p.add_argument("--queries", type=_args.positive_int, metavar="L",
+                   help="number of queries (default: S, self-attention)")
+    p.add_argument("--query-start", type=_args.non_negative_int, metavar="P",
+                   help="position of the first query, 0..S-L (default S-L)")
+    p.add_argument("--causal", action="store_true",
+                   help="blank out the keys after each query (j > p_i)")
+    p.add_argument("--annotate", action=argparse.BooleanOptionalAction,
+                   help="write the offset in every cell (default: only up to 32 rows and columns)")
+    p.add_argument("--dpi", type=_args.positive_float, default=150.0,
+                   help="resolution of PNG output (default 150)")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="image to write (.png, .svg or .pdf); without it the matrix is printed")
 
 
 def format_matrix(offsets: torch.Tensor, hidden: torch.Tensor, start: int) -> str:
@@ -123,8 +71,6 @@ def format_matrix(offsets: torch.Tensor, hidden: torch.Tensor, start: int) -> st
 
 
 def run(args: argparse.Namespace) -> int:
-    from relpos import plotting
-
     length = args.length
     if length > MAX_LENGTH:
         raise CLIError(f"--length {length} is too large to show; allowed: 1..{MAX_LENGTH}")
@@ -137,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             f"{args.query_start}..{args.query_start + queries - 1}, outside the {length} "
             f"keys; allowed: 0..{length - queries}"
         )
+    from relpos import plotting  # torch (and matplotlib) only now, to draw
+
     if args.output is None:
         offsets, hidden, start = plotting.clipped_offsets(
             length,
@@ -148,11 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_matrix(offsets, hidden, start), end="")
         return 0
 
-    if Path(args.output).suffix.lower() not in plotting.IMAGE_FORMATS:
-        allowed = ", ".join(plotting.IMAGE_FORMATS)
-        raise CLIError(
-            f"cannot tell the image format of {args.output!r} from its suffix; allowed: {allowed}"
-        )
+    output = _args.check_output_file(args.output, suffixes=plotting.IMAGE_FORMATS)
     try:
         fig = plotting.plot_relative_positions(
             length,
@@ -164,6 +108,6 @@ def run(args: argparse.Namespace) -> int:
         )
     except ImportError:
         raise CLIError(plotting.MISSING_MATPLOTLIB) from None
-    path = plotting.save_figure(fig, args.output, dpi=args.dpi)
+    path = plotting.save_figure(fig, output, dpi=args.dpi)
     print(f"wrote {path}")
     return 0

@@ -20,8 +20,8 @@ import io
 import json
 from typing import Any
 
-from relpos.cli import CLIError
-from relpos.positions import clip_relative_position
+from relpos._deprecated import module_getattr, moved
+from relpos.cli import CLIError, _args
 
 FORMATS = ("text", "csv", "json", "markdown")
 DEFAULT_LENGTH = 10
@@ -32,68 +32,20 @@ DEFAULT_MAX_DISTANCE = 4
 _TEXT_COLUMNS = (("Position", 9), ("Raw Offset", 12), ("Clipped Offset", 15))
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
-
-
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "table",
-        help="print the clipped offset of every key seen from one query",
-        description=(
-            "Print, for one query position, the raw offset j - i of every key position j "
-            "and its clipped value clip(j - i, -k, k). The defaults reproduce the handbook "
-            "table: length 10, query 5, k = 4."
-        ),
+    """Register ``relpos table``."""
+    p = _args.subcommand(
+        subparsers, "table", run, "print the clipped offset of every key seen from one query",
+        "Print, for one query position, the raw offset j - i of every key position j and its "
+        "clipped value clip(j - i, -k, k). The defaults reproduce the handbook table: length "
+        "10, query 5, k = 4.",
     )
-    p.add_argument(
-        "--length",
-        type=positive_int,
-        default=DEFAULT_LENGTH,
-        metavar="N",
-        help=f"number of positions (default {DEFAULT_LENGTH})",
-    )
-    p.add_argument(
-        "--query",
-        type=non_negative_int,
-        default=None,
-        metavar="I",
-        help="query position, 0..N-1 (default N // 2, i.e. 5 for the default length)",
-    )
-    p.add_argument(
-        "--max-distance",
-        "-k",
-        type=non_negative_int,
-        default=DEFAULT_MAX_DISTANCE,
-        metavar="K",
-        help=f"clip distance k (default {DEFAULT_MAX_DISTANCE})",
-    )
-    p.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="text",
-        help="output format (default text)",
-    )
-    p.set_defaults(func=run)
+    p.add_argument("--length", type=_args.positive_int, default=DEFAULT_LENGTH, metavar="N",
+                   help=f"number of positions (default {DEFAULT_LENGTH})")
+    p.add_argument("--query", type=_args.non_negative_int, metavar="I",
+                   help="query position, 0..N-1 (default N // 2, i.e. 5 for the default length)")
+    _args.add_max_distance(p, DEFAULT_MAX_DISTANCE)
+    p.add_argument("--format", choices=FORMATS, default="text", help="output format (default text)")
 
 
 def table_rows(length: int, query: int, max_distance: int) -> list[dict[str, int]]:
@@ -102,7 +54,8 @@ def table_rows(length: int, query: int, max_distance: int) -> list[dict[str, int
     """
     rows = []
     for j in range(length):
-        clipped = clip_relative_position(j, query, max_distance)
+        # clip(j - i, -K, K) in plain Python, as relpos.clip_relative_position (no torch here)
+        clipped = max(-max_distance, min(max_distance, j - query))
         rows.append(
             {
                 "position": j,
@@ -190,3 +143,10 @@ def run(args: argparse.Namespace) -> int:
         )
     print(_FORMATTERS[args.format](length, query, args.max_distance), end="")
     return 0
+
+
+# Validators that lived here before relpos.cli._args.
+__getattr__ = module_getattr(
+    __name__,
+    {name: moved(f"relpos.cli._args.{name}") for name in ("positive_int", "non_negative_int")},
+)

@@ -16,133 +16,82 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relpos.cli import CLIError
-from relpos.cli.table import non_negative_int, positive_int
+from relpos._deprecated import module_getattr, moved
+from relpos.cli import CLIError, _args
+from relpos.cli._args import non_negative_int, positive_int
 
 POSITIONS = ("relative", "learned", "sinusoidal", "none")
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type: comma-separated ints >= 1."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
-    return values
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
+# Options a --nproc launch does not hand on to the processes it starts (``command`` and
+# ``func`` are the subcommand's own entries in the namespace).
+_NOT_RELAUNCHED = ("command", "func", "nproc")
+# Options that set the TrainConfig field of the same name.
+_TRAIN_OPTIONS = (
+    "steps", "batch_size", "length", "lr", "warmup", "weight_decay", "seed", "eval_every",
+    "checkpoint_every",
+)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``model`` options of ``relpos train`` (read by :func:`build_model_config`)."""
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
     g.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
     g.add_argument("--d-model", type=positive_int, default=64, help="model width (default 64)")
-    g.add_argument("--ff", type=positive_int, default=None, help="MLP width (default 4*d-model)")
-    g.add_argument(
-        "--max-distance",
-        "-k",
-        type=non_negative_int,
-        default=16,
-        metavar="K",
-        help="clip distance K of the relative positions (default 16)",
-    )
+    g.add_argument("--ff", type=positive_int, help="MLP width (default 4*d-model)")
+    _args.add_max_distance(g, 16, "clip distance K of the relative positions (default 16)")
     g.add_argument("--no-rel-keys", action="store_true", help="drop the relative key term")
     g.add_argument("--no-rel-values", action="store_true", help="drop the relative value term")
-    g.add_argument(
-        "--per-head", action="store_true", help="one relative table per head (default: shared)"
-    )
-    g.add_argument(
-        "--positions",
-        choices=POSITIONS,
-        default="relative",
-        help="relative (default) or an absolute baseline without relative terms",
-    )
+    g.add_argument("--per-head", action="store_true",
+                   help="one relative table per head (default: shared)")
+    g.add_argument("--positions", choices=POSITIONS, default="relative",
+                   help="relative (default) or an absolute baseline without relative terms")
     g.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder)")
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout rate (default 0)")
+    g.add_argument("--dropout", type=_args.float_in(0.0, 1.0), default=0.0,
+                   help="dropout rate (default 0)")
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "train",
-        help="train a small relative-position transformer",
-        description=(
-            "Train a small transformer with clipped relative positions (or an absolute "
-            "baseline) on a built-in synthetic task or a text file, with AdamW, warmup and "
-            "cosine decay, periodic evaluation and crash-safe checkpoints."
-        ),
+    """Register ``relpos train``."""
+    p = _args.subcommand(
+        subparsers, "train", run, "train a small relative-position transformer",
+        "Train a small transformer with clipped relative positions (or an absolute baseline) "
+        "on a built-in synthetic task or a text file, with AdamW, warmup and cosine decay, "
+        "periodic evaluation and crash-safe checkpoints.",
     )
     g = p.add_argument_group("data")
-    g.add_argument(
-        "--task",
-        default=None,
-        metavar="NAME",
-        help="recall (default), agree, sort or text (implied by --text)",
-    )
-    g.add_argument("--text", default=None, metavar="FILE", help="character-level LM on FILE")
-    g.add_argument(
-        "--distances",
-        type=int_list,
-        default=None,
-        metavar="D,D,...",
-        help="dependency distances of recall/agree (default: the task's, up to 32)",
-    )
+    g.add_argument("--task", metavar="NAME",
+                   help="recall (default), agree, sort or text (implied by --text)")
+    g.add_argument("--text", metavar="FILE", help="character-level LM on FILE")
+    g.add_argument("--distances", type=_args.int_list(1), metavar="D,D,...",
+                   help="dependency distances of recall/agree (default: the task's, up to 32)")
     g.add_argument("--length", type=positive_int, default=64, help="training length (default 64)")
-    g.add_argument(
-        "--eval-lengths",
-        type=int_list,
-        default=None,
-        metavar="N,N,...",
-        help="lengths evaluated at the end (default: the training length)",
-    )
+    g.add_argument("--eval-lengths", type=_args.int_list(1), metavar="N,N,...",
+                   help="lengths evaluated at the end (default: the training length)")
     add_model_arguments(p)
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=positive_int, default=300, help="steps (default 300)")
-    g.add_argument(
-        "--batch-size", type=positive_int, default=32, help="global batch size (default 32)"
-    )
-    g.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (3e-3)")
+    g.add_argument("--batch-size", type=positive_int, default=32,
+                   help="global batch size (default 32)")
+    g.add_argument("--lr", type=_args.positive_float, default=3e-3,
+                   help="peak learning rate (3e-3)")
     g.add_argument("--warmup", type=non_negative_int, default=20, help="warmup steps (20)")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (0.01)")
     g.add_argument("--seed", type=non_negative_int, default=0, help="seed (default 0)")
     g = p.add_argument_group("run")
     g.add_argument("--out", default="runs/train", metavar="DIR", help="output directory")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    g.add_argument(
-        "--eval-every", type=non_negative_int, default=100, help="eval period (0 = end only)"
-    )
-    g.add_argument(
-        "--checkpoint-every",
-        type=non_negative_int,
-        default=100,
-        help="checkpoint period (0 = end only)",
-    )
-    g.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="torch CPU threads per process (default 1; fixed for reproducible numbers)",
-    )
+    g.add_argument("--eval-every", type=non_negative_int, default=100,
+                   help="eval period (0 = end only)")
+    g.add_argument("--checkpoint-every", type=non_negative_int, default=100,
+                   help="checkpoint period (0 = end only)")
+    _args.add_threads(g, "torch CPU threads per process (default 1; fixed for reproducible "
+                         "numbers)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument(
-        "--nproc",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="train data-parallel in N processes (launches torchrun on 127.0.0.1)",
-    )
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run, parser=p)
+    g.add_argument("--nproc", type=positive_int, metavar="N",
+                   help="train data-parallel in N processes (launches torchrun on 127.0.0.1)")
+    _args.add_no_progress(g)
 
 
 def build_model_config(args: argparse.Namespace, vocab_size: int, max_length: int) -> Any:
@@ -166,17 +115,20 @@ def build_model_config(args: argparse.Namespace, vocab_size: int, max_length: in
     )
 
 
-def _rebuild_argv(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The ``relpos train`` arguments that reproduce ``args``, without ``--nproc``."""
+def relaunch_argv(args: argparse.Namespace) -> list[str]:
+    """The ``relpos train`` arguments that reproduce ``args`` in the processes a ``--nproc``
+    launch starts, without ``--nproc``.
+
+    Every option of ``relpos train`` stores its value under its own name (``--batch-size``
+    in ``batch_size``), so the namespace itself lists them: each one set is handed on
+    (flags that are on, values that are not None), defaults included.
+    """
     argv = ["train"]
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "nproc"):
+    for dest, value in vars(args).items():
+        if dest in _NOT_RELAUNCHED or value is None or value is False:
             continue
-        value = getattr(args, action.dest, None)
-        if value == action.default:
-            continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
             argv.append(flag)
         elif isinstance(value, tuple):
             argv += [flag, ",".join(str(v) for v in value)]
@@ -198,8 +150,6 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
     if args.text is not None and not Path(args.text).is_file():
         raise CLIError(f"text file {args.text!r} does not exist")
-    if not 0.0 <= args.dropout < 1.0:
-        raise CLIError(f"--dropout must be in [0, 1), got {args.dropout}")
     task = build_task(name, distances=args.distances, text=args.text)
     eval_lengths = args.eval_lengths or (args.length,)
 
@@ -208,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(
                 f"--batch-size {args.batch_size} must be divisible by --nproc {args.nproc}"
             )
-        status = launch(args.nproc, _rebuild_argv(args.parser, args))
+        status = launch(args.nproc, relaunch_argv(args))
         if status:
             raise CLIError(f"the {args.nproc}-process run failed with exit status {status}")
         return 0
@@ -218,16 +168,7 @@ def run(args: argparse.Namespace) -> int:
     max_length = max(args.length, *eval_lengths)
     model_config = build_model_config(args, task.vocab_size, max_length)
     config = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        length=args.length,
-        lr=args.lr,
-        warmup=args.warmup,
-        weight_decay=args.weight_decay,
-        seed=args.seed,
-        eval_lengths=tuple(eval_lengths),
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
+        **{name: getattr(args, name) for name in _TRAIN_OPTIONS}, eval_lengths=tuple(eval_lengths)
     )
     if config.batch_size % world:
         raise CLIError(
@@ -251,3 +192,10 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         print(f"metrics: {Path(args.out) / 'metrics.json'}")
     return 0
+
+
+# Argument types that lived here before relpos.cli._args.
+__getattr__ = module_getattr(__name__, {
+    "int_list": ("relpos.cli._args.int_list(1)", lambda: _args.int_list(1)),
+    "positive_float": moved("relpos.cli._args.positive_float"),
+})

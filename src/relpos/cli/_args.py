@@ -1,0 +1,184 @@
+"""Argument types and options shared by the ``relpos`` subcommands.
+
+Every subcommand takes its validators from here, never from a sibling subcommand. Nothing
+here imports torch, numpy or matplotlib: ``relpos --help`` builds every parser.
+
+An argparse type raises :class:`argparse.ArgumentTypeError`, which the parser turns into
+``relpos: error: argument --name: <message>`` (one line on stderr, exit status 2); the
+checks that need several options at once raise :class:`relpos.cli.CLIError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+from relpos.cli import CLIError
+
+__all__ = [
+    "add_max_distance",
+    "add_no_progress",
+    "add_threads",
+    "check_output_file",
+    "float_in",
+    "int_list",
+    "name_list",
+    "non_negative_int",
+    "positive_float",
+    "positive_int",
+    "subcommand",
+]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
+def int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
+    """argparse type factory: at least one int >= ``minimum``, separated by commas (or
+    spaces), as a tuple."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.replace(",", " ").split())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated ints, got {text!r}"
+            ) from None
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated ints >= {minimum}, got {text!r}"
+            )
+        return values
+
+    return parse
+
+
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """argparse type factory: a number in ``[low, high)``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(
+                f"must be a number in [{low:g}, {high:g}), got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def name_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """argparse type factory: at least one of ``choices``, comma-separated, as a tuple;
+    ``what`` names them in the message (``"task(s)"``)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {unknown or list(names)!r}; allowed: {', '.join(choices)}"
+            )
+        return names
+
+    return parse
+
+
+def check_output_file(
+    path: str | Path, *, suffixes: Collection[str] | None = None, what: str = "image format"
+) -> Path:
+    """``path`` as a :class:`~pathlib.Path` after checking it can be written.
+
+    Args:
+        path: the file the command will write.
+        suffixes: the allowed suffixes (lower case, with the dot); None = any.
+        what: what the suffix tells, for the error message.
+
+    Raises:
+        CLIError: if the suffix is not allowed or the directory does not exist.
+    """
+    target = Path(path)
+    if suffixes is not None and target.suffix.lower() not in suffixes:
+        raise CLIError(
+            f"cannot tell the {what} of {str(path)!r} from its suffix; "
+            f"allowed: {', '.join(suffixes)}"
+        )
+    if not target.parent.is_dir():
+        raise CLIError(f"output directory {str(target.parent)!r} does not exist")
+    return target
+
+
+def subcommand(
+    subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], summary: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """Register ``relpos NAME``, which calls ``run(args)``; returns its parser.
+
+    Args:
+        subparsers: what ``add_subparsers`` returned.
+        name: the subcommand.
+        run: its body; returns the exit status.
+        summary: its line in ``relpos --help``.
+        description: the text of ``relpos NAME --help``.
+    """
+    p: argparse.ArgumentParser = subparsers.add_parser(name, help=summary, description=description)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_max_distance(p: Any, default: int, help: str | None = None) -> None:
+    """``--max-distance``/``-k K``: the clip distance (an int >= 0)."""
+    p.add_argument(
+        "--max-distance",
+        "-k",
+        type=non_negative_int,
+        default=default,
+        metavar="K",
+        help=help or f"clip distance k (default {default})",
+    )
+
+
+def add_threads(p: Any, help: str) -> None:
+    """``--threads N``: torch CPU threads (default None: the command's own default)."""
+    p.add_argument("--threads", type=positive_int, default=None, help=help)
+
+
+def add_no_progress(p: Any) -> None:
+    """``--no-progress``: no progress bar."""
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
