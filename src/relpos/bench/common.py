@@ -1,0 +1,195 @@
+"""What the benchmarks share: interleaved timing rounds with medians, the report header
+(date, hardware, versions, command) and the report files (CSV, markdown), written atomically.
+
+Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from relpos._io import atomic_write_text
+from relpos._sysinfo import hardware
+
+__all__ = [
+    "DTYPES",
+    "check_names",
+    "csv_text",
+    "environment",
+    "interleaved_medians",
+    "markdown_meta",
+    "markdown_table",
+    "report_date",
+    "time_ms",
+    "typed_command",
+    "write_files",
+]
+
+#: The tensor dtypes the benchmarks run in, by the name the command line takes.
+DTYPES = ("float32", "float64", "bfloat16")
+
+CaseKey = TypeVar("CaseKey", bound=Hashable)
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings
+
+
+def check_names(
+    option: str, value: str | Iterable[str], allowed: Sequence[str]
+) -> tuple[str, ...]:
+    """The names ``value`` gives (a comma-separated string or an iterable of names).
+
+    Raises:
+        ValueError: if it gives none, or one that is not in ``allowed``.
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(n.strip() for n in items if n.strip())
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(
+            f"{option}: unknown {unknown or list(names)!r}; allowed: {', '.join(allowed)}"
+        )
+    return names
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Wall-clock milliseconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def interleaved_medians(
+    cases: Mapping[CaseKey, Sequence[Callable[[], object]]],
+    *,
+    warmup: int,
+    repeats: int,
+    tick: Callable[[CaseKey, int], None] | None = None,
+    errors: tuple[type[BaseException], ...] = (),
+) -> tuple[dict[CaseKey, tuple[float, ...]], dict[CaseKey, str]]:
+    """Time the cases round-robin and take the median of the measured rounds.
+
+    ``warmup`` unmeasured rounds, then ``repeats`` measured ones; every round calls each
+    case's functions once, case after case, so a slow spell of a shared machine hits all
+    cases alike and their ratios stay meaningful.
+
+    Args:
+        cases: case -> the functions timed for it, in order (for example forward, then
+            forward + backward).
+        warmup: unmeasured rounds first (>= 0).
+        repeats: measured rounds (>= 1).
+        tick: called as ``tick(case, round)`` before each case of each round (progress);
+            rounds ``0..warmup-1`` are the warm-up.
+        errors: exceptions that mark a case failed (it leaves the rounds); any other
+            exception propagates.
+
+    Returns:
+        ``(medians, failures)``: case -> the median milliseconds of each of its functions,
+        for the cases that ran through; case -> the first line of its error, for the others.
+    """
+    samples: dict[CaseKey, list[list[float]]] = {c: [[] for _ in fns] for c, fns in cases.items()}
+    failures: dict[CaseKey, str] = {}
+    for round_ in range(warmup + repeats):
+        for case, fns in cases.items():
+            if case in failures:
+                continue
+            if tick is not None:
+                tick(case, round_)
+            try:
+                times = [time_ms(fn) for fn in fns]
+            except errors as err:
+                failures[case] = (str(err).splitlines() or [type(err).__name__])[0]
+                continue
+            if round_ >= warmup:
+                for sample, ms in zip(samples[case], times, strict=True):
+                    sample.append(ms)
+    medians = {
+        case: tuple(statistics.median(s) for s in samples[case])
+        for case in cases
+        if case not in failures
+    }
+    return medians, failures
+
+
+# ----------------------------------------------------------------------------------------------
+# Report header
+
+
+def report_date() -> str:
+    """The current UTC time, as reports give it."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def environment(threads: int) -> dict[str, str]:
+    """Hardware, versions (torch, relpos, Python) and torch threads, for a report header."""
+    import torch
+
+    from relpos._version import __version__
+
+    return {
+        "hardware": hardware(),
+        "torch": torch.__version__,
+        "relpos": __version__,
+        "python": platform.python_version(),
+        "threads": str(threads),
+    }
+
+
+def typed_command(args: argparse.Namespace) -> str | None:
+    """The command line as typed: ``args.command_line`` if set, else this process's
+    arguments when it is the ``relpos`` command; None otherwise (say, under pytest)."""
+    typed = getattr(args, "command_line", None)
+    if typed is None and Path(sys.argv[0]).name in ("relpos", "__main__.py"):
+        typed = "relpos " + " ".join(sys.argv[1:])
+    return typed
+
+
+# ----------------------------------------------------------------------------------------------
+# Report files
+
+
+def markdown_meta(meta: Mapping[str, str]) -> list[str]:
+    """One ``- **key**: value`` line per entry; commands in backticks."""
+    return [f"- **{k}**: `{v}`" if "command" in k else f"- **{k}**: {v}" for k, v in meta.items()]
+
+
+def markdown_table(
+    head: Sequence[str], rows: Iterable[Sequence[str]], align: str = "---"
+) -> list[str]:
+    """The lines of a markdown table; ``align`` is every column's separator cell."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align for _ in head) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return lines
+
+
+def csv_text(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A CSV document (``\\n`` line ends) of a header and rows."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(head)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def write_files(files: Mapping[Path, str]) -> list[Path]:
+    """Write each text atomically (:func:`relpos._io.atomic_write_text`), making the
+    directories first; returns the paths in order."""
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, text)
+    return list(files)

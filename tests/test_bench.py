@@ -1,0 +1,79 @@
+"""The benchmark harness (relpos.bench) at tiny sizes: it runs, writes its reports, and the
+old entry points still work. Benchmarks are not tests: nothing here checks a speed."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from relpos.bench import common
+from relpos.cli import main
+
+
+def test_interleaved_medians_rounds_and_failures() -> None:
+    calls: list[str] = []
+
+    def ok(name: str):  # type: ignore[no-untyped-def]
+        return lambda: calls.append(name)
+
+    def boom() -> None:
+        raise RuntimeError("no kernel\nfor this")
+
+    ticks: list[tuple[str, int]] = []
+    medians, failures = common.interleaved_medians(
+        {"a": [ok("a1"), ok("a2")], "b": [boom], "c": [ok("c")]},
+        warmup=1, repeats=2, tick=lambda case, r: ticks.append((case, r)),
+        errors=(RuntimeError,),
+    )
+    assert calls == ["a1", "a2", "c"] * 3  # interleaved: one call of each case per round
+    assert set(medians) == {"a", "c"} and len(medians["a"]) == 2 and len(medians["c"]) == 1
+    assert failures == {"b": "no kernel"}
+    assert ticks == [("a", 0), ("b", 0), ("c", 0), ("a", 1), ("c", 1), ("a", 2), ("c", 2)]
+    with pytest.raises(RuntimeError):
+        common.interleaved_medians({"b": [boom]}, warmup=0, repeats=1)
+
+
+def test_report_helpers() -> None:
+    assert common.markdown_table(["a", "b"], [["1", "2"]], align="---:") == [
+        "| a | b |", "|---:|---:|", "| 1 | 2 |"]
+    assert common.csv_text(["a", "b"], [[1, ""]]) == "a,b\n1,\n"
+    assert common.markdown_meta({"command": "relpos bench", "torch": "2"}) == [
+        "- **command**: `relpos bench`", "- **torch**: 2"]
+    with pytest.raises(ValueError, match="unknown"):
+        common.check_names("--backends", "fused,nope", ("fused", "sdpa"))
+
+
+def test_decode_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    status = main([
+        "bench", "--decode", "--lengths", "16", "--steps", "1,4", "--max-distances", "2",
+        "--heads", "1", "--head-dim", "8", "--repeats", "1", "--warmup", "0",
+        "--backends", "bucketed", "--out", str(tmp_path),
+    ])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "relpos/sdpa" in out and "bucketed/sdpa" in out
+    report = (tmp_path / "decode.md").read_text()
+    assert "relpos bench --decode" in report and "**torch**" in report
+    rows = (tmp_path / "decode.csv").read_text().splitlines()
+    assert rows[0].startswith("K,t,S,auto_backend,sdpa_ms,relpos_ms,bucketed_ms")
+    assert [r.split(",")[:4] for r in rows[1:]] == [["2", "1", "16", "decode"],
+                                                      ["2", "4", "16", "decode"]]
+
+
+def test_steps_needs_decode(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["bench", "--steps", "1"]) == 2
+    assert "--decode" in capsys.readouterr().err
+
+
+def test_bench_decode_shim_warns_and_reexports() -> None:
+    sys.modules.pop("relpos.bench_decode", None)
+    with pytest.warns(DeprecationWarning, match=r"relpos\.bench\.decode"):
+        shim = importlib.import_module("relpos.bench_decode")
+    from relpos.bench import decode
+
+    assert (shim.DecodeResult, shim.measure_step, shim.run_decode) == (
+        decode.DecodeResult, decode.measure_step, decode.run_decode)
+    r = shim.measure_step(8, 2, heads=1, head_dim=4, max_distance=1, repeats=1, warmup=0)
+    assert set(r.ms) == {"sdpa", "relpos"} and r.backend == "decode"
