@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, reference
-from relpos.ops.call import AttentionCall
+from relpos.ops.call import AttentionCall, Reason
 from relpos.positions import check_max_distance, resolve_query_start
 
 __all__ = [
@@ -252,6 +252,15 @@ def validate_call(
     positional = ak is not None or av is not None or is_causal
     # Without relative positions query_start has no effect, but a given one is still checked.
     start = resolve_query_start(L, S, query_start) if positional or query_start is not None else 0
+    # Offsets j - p_i lie in [-(start + L - 1), S - 1 - start]: a larger K clips nothing, and
+    # the tables' outer rows are never read. Serve it as the smallest K that clips nothing, so
+    # no backend builds anything of size K (K = 10**9 over 7 keys is legal).
+    # (Not while torch.export traces: one exported graph serves every length.)
+    reach = max(start + L - 1, S - 1 - start, 0)
+    if not torch.compiler.is_exporting() and reach < K:
+        ak = None if ak is None else ak[:, K - reach : K + reach + 1]
+        av = None if av is None else av[:, K - reach : K + reach + 1]
+        K = reach
     return AttentionCall(
         query=q, key=k, value=v, max_distance=K, rel_keys=ak, rel_values=av, attn_mask=mask,
         key_mask=kmask, is_causal=is_causal, dropout_p=p, scale=sc, query_start=start,
@@ -288,7 +297,7 @@ def _with_arguments_of(
 # Backend selection
 
 
-def _auto_reason(name: str, call: AttentionCall) -> str | None:
+def _auto_reason(name: str, call: AttentionCall) -> Reason | str | None:
     """Why auto-selection passes backend ``name`` by: its ``auto_reason`` (hard limits and
     speed) if it has one, else its ``unsupported_reason``."""
     backend = _MODULES[name]
@@ -306,6 +315,10 @@ def _backend_for(call: AttentionCall) -> str:
                 f"implementation {call.implementation!r} cannot serve this call: {reason}"
             )
         return call.implementation
+    if torch.compiler.is_exporting():
+        # One exported graph serves every length, so the choice cannot depend on the lengths;
+        # the bucketed backend is plain ATen operations (what ONNX and other exporters take).
+        return "bucketed"
     for name in BACKENDS:
         if _auto_reason(name, call) is None:
             return name
@@ -419,9 +432,8 @@ def why_not_fused(call: AttentionCall) -> str | None:
         if call.implementation is None and _auto_reason(name, call) is None:
             return (f"the {name} backend is picked first for L={call.query_len} queries over "
                     f"S={call.key_len} keys")
-    if call.implementation == "fused":
-        return fused.unsupported_reason(call)
-    return _auto_reason("fused", call)
+    reason = fused.unsupported_reason(call) if call.implementation else _auto_reason("fused", call)
+    return None if reason is None else str(reason)
 
 
 @_with_arguments_of(validate_call)

@@ -22,6 +22,18 @@ import numbers
 
 import torch
 
+# A length or position: a Python int, or a symbolic size under torch.compile / torch.export
+# (kept symbolic: converting it with int() would specialize the graph to one length).
+_SIZE_TYPES = (numbers.Integral, torch.SymInt)
+
+
+def _is_size(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, _SIZE_TYPES)
+
+
+def _as_size(v: object) -> int:
+    return v if isinstance(v, torch.SymInt) else int(v)  # type: ignore[return-value, call-overload]
+
 __all__ = [
     "check_max_distance",
     "clip_relative_position",
@@ -85,9 +97,9 @@ def resolve_query_start(query_len: int, key_len: int, query_start: int | None) -
                 f"positions need query_len <= key_len (got L={query_len}, S={key_len})"
             )
         return key_len - query_len
-    if isinstance(query_start, bool) or not isinstance(query_start, numbers.Integral):
+    if not _is_size(query_start):
         raise TypeError(f"query_start must be an int or None, got {query_start!r}")
-    start = int(query_start)
+    start = _as_size(query_start)
     if start < 0 or start + query_len > key_len:
         raise ValueError(
             f"query_start={start} puts queries at positions {start}..{start + query_len - 1}, "
@@ -126,9 +138,10 @@ def relative_position_index(
     """
     k = check_max_distance(max_distance)
     for name, v in (("query_len", query_len), ("key_len", key_len)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        if not _is_size(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-    start = resolve_query_start(int(query_len), int(key_len), query_start)
-    pos_q = torch.arange(start, start + int(query_len), device=device)  # (L,)
-    pos_k = torch.arange(int(key_len), device=device)  # (S,)
+    L, S = _as_size(query_len), _as_size(key_len)
+    start = resolve_query_start(L, S, query_start)
+    pos_q = torch.arange(start, start + L, device=device)  # (L,)
+    pos_k = torch.arange(S, device=device)  # (S,)
     return (pos_k[None, :] - pos_q[:, None]).clamp(-k, k) + k  # (L, S)

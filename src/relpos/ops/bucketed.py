@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, accumulation_dtype
+from relpos.ops.call import AttentionCall, Reason, accumulation_dtype
 from relpos.ops.masking import call_visibility, masked_softmax
 from relpos.positions import relative_position_index
 
@@ -59,6 +59,6 @@ def attention(call: AttentionCall) -> Tensor:
     return attention_and_weights(call)[0]
 
 
-def unsupported_reason(call: AttentionCall) -> str | None:
+def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """The bucketed backend serves every call."""
     return None

@@ -14,13 +14,36 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionCall", "accumulation_dtype"]
+__all__ = ["AttentionCall", "Reason", "accumulation_dtype"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype sums and softmax statistics are kept in: float32 for half precision
     (``float16``, ``bfloat16``), the input dtype otherwise."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a backend passes a call by: ``template.format(**values)``, formatted only when read.
+
+    Backends are asked on every call; under ``torch.compile`` formatting a symbolic length
+    into a string would specialize the compiled graph to that length, so the message waits
+    until someone reads it (``str(reason)``, an error message, ``"text" in reason``).
+    """
+
+    template: str
+    values: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, template: str, **values: object) -> Reason:
+        return cls(template, tuple(values.items()))
+
+    def __str__(self) -> str:
+        return self.template.format(**dict(self.values))
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
 
 
 @dataclass(frozen=True)

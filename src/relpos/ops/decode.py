@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall
+from relpos.ops.call import AttentionCall, Reason
 from relpos.ops.fused.kernels import flash_forward
 from relpos.ops.fused.merge import combine_log_masses
 from relpos.ops.masking import masked_softmax, visibility_mask
@@ -75,7 +75,8 @@ def attention(call: AttentionCall) -> Tensor:
     F_ = S - W
     q_scaled = query * call.scale  # (B, H, t, D)
     scores = q_scaled @ key.transpose(-2, -1)  # (B, H, t, S)
-    index = relative_position_index(t, W, call.max_distance, device=query.device)  # (t, W)
+    if call.has_relative_terms:
+        index = relative_position_index(t, W, call.max_distance, device=query.device)  # (t, W)
     if call.rel_keys is not None:
         qa = q_scaled @ call.rel_keys.transpose(-2, -1)  # (B, H, t, R)
         bias = scores.new_empty(B, H, t, S)
@@ -105,6 +106,8 @@ def attention(call: AttentionCall) -> Tensor:
 def _flash_ok(call: AttentionCall, far: int) -> bool:
     """Whether the inference fast path (flash kernel over the far keys) serves the call."""
     if far == 0 or call.attn_mask is not None or call.dropout_p > 0.0:
+        return False
+    if call.query.numel() == 0:  # B, H or L is 0: nothing for a kernel to do
         return False
     if call.query.device.type != "cpu" or call.query.dtype not in _FLASH_DTYPES:
         return False
@@ -167,27 +170,28 @@ def _attention_flash(call: AttentionCall, W: int) -> Tensor:
     return out
 
 
-def unsupported_reason(call: AttentionCall) -> str | None:
+def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """Why the decode backend cannot serve the call, or None."""
     L, S = call.query_len, call.key_len
     if L > MAX_QUERIES:
-        return f"L={L} queries: the decode backend serves L <= {MAX_QUERIES} (KV-cache steps)"
-    if L == 0 or S == 0:
-        return f"empty attention (L={L}, S={S})"
+        return Reason.of("L={L} queries: the decode backend serves L <= {most} (KV-cache steps)",
+                         L=L, most=MAX_QUERIES)
     positional = call.has_relative_terms or call.is_causal
     if positional and call.query_start != S - L:
-        return (f"query_start={call.query_start}: the decode backend serves queries aligned to "
-                f"the end of the keys only (query_start = S - L = {S - L})")
+        return Reason.of("query_start={start}: the decode backend serves queries aligned to the "
+                         "end of the keys only (query_start = S - L = {end})",
+                         start=call.query_start, end=S - L)
     return None
 
 
-def auto_reason(call: AttentionCall) -> str | None:
-    """Why ``implementation=None`` does not pick the decode backend: a hard limit, or a call
-    that is not a cache step (``L == S``: whole-sequence attention, served by fused/bucketed).
-    None = decode is picked."""
-    reason = unsupported_reason(call)
-    if reason is not None:
-        return reason
+def auto_reason(call: AttentionCall) -> Reason | str | None:
+    """Why ``implementation=None`` does not pick the decode backend: a call that is not a cache
+    step (``L >= S``: whole-sequence attention, served by fused/bucketed), or a hard limit.
+    None = decode is picked. (The cache-step test comes first: a compiled self-attention then
+    depends on ``L >= S`` only, not on how ``L`` compares with ``MAX_QUERIES``.)"""
     if call.query_len >= call.key_len:
-        return f"L = S = {call.key_len}: not a cache step (fewer queries than keys)"
-    return None
+        return Reason.of("L = {L}, S = {S}: not a cache step (fewer queries than keys)",
+                         L=call.query_len, S=call.key_len)
+    if call.query.numel() == 0:
+        return "empty attention: nothing to decode"
+    return unsupported_reason(call)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall
+from relpos.ops.call import AttentionCall, Reason
 from relpos.ops.masking import call_visibility, masked_softmax, visibility_mask
 from relpos.positions import relative_position_index
 
@@ -21,9 +21,10 @@ def attention(call: AttentionCall) -> Tensor:
     """Reference backend: see :func:`relpos.relative_attention` for the meaning of the call."""
     query, key, value = call.query, call.key, call.value
     L, S = call.query_len, call.key_len
-    index_LS = relative_position_index(
-        L, S, call.max_distance, query_start=call.query_start, device=query.device
-    )
+    if call.has_relative_terms:
+        index_LS = relative_position_index(
+            L, S, call.max_distance, query_start=call.query_start, device=query.device
+        )
     scores = torch.einsum("bhld,bhsd->bhls", query, key)  # (B, H, L, S)
     if call.rel_keys is not None:
         ak = call.rel_keys[:, index_LS]  # (Hr, L, S, D)
@@ -42,6 +43,6 @@ def attention(call: AttentionCall) -> Tensor:
     return out
 
 
-def unsupported_reason(call: AttentionCall) -> str | None:
+def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """The reference backend serves every call."""
     return None

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall
+from relpos.ops.call import AttentionCall, Reason
 from relpos.ops.fused import op  # noqa: F401  (registers relpos::fused_attention)
 
 __all__ = ["CROSSOVER_KEYS", "attention", "auto_reason", "unsupported_reason"]
@@ -73,19 +73,20 @@ def attention(call: AttentionCall) -> Tensor:
     )[0]
 
 
-def unsupported_reason(call: AttentionCall) -> str | None:
+def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """Why the fused backend cannot serve the call (hard limitations only), or None."""
     query = call.query
     if call.dropout_p > 0.0:
         return (f"dropout_p={call.dropout_p} > 0: the fused backend has no attention dropout "
                 "(the bucketed backend has)")
     if call.attn_mask is not None:
-        return (f"a dense attn_mask of shape {tuple(call.attn_mask.shape)} is not supported by "
-                "the fused backend; use key_mask (B, S) for padding and is_causal")
+        return Reason.of("a dense attn_mask of shape {shape} is not supported by the fused "
+                         "backend; use key_mask (B, S) for padding and is_causal",
+                         shape=tuple(call.attn_mask.shape))
     *_, D, Dv = call.dims
     if Dv != D:
-        return (f"value head dim Dv={Dv} differs from D={D}; the "
-                "flash kernels need Dv == D")
+        return Reason.of("value head dim Dv={Dv} differs from D={D}; the flash kernels need "
+                         "Dv == D", Dv=Dv, D=D)
     device = query.device.type
     if device == "cpu":
         if query.dtype not in _CPU_DTYPES:
@@ -100,7 +101,7 @@ def unsupported_reason(call: AttentionCall) -> str | None:
     return None
 
 
-def auto_reason(call: AttentionCall) -> str | None:
+def auto_reason(call: AttentionCall) -> Reason | str | None:
     """Why ``implementation=None`` does not pick the fused backend: a hard limitation
     (:func:`unsupported_reason`) or, for short sequences, speed. None = fused is picked."""
     reason = unsupported_reason(call)
@@ -110,6 +111,6 @@ def auto_reason(call: AttentionCall) -> str | None:
         return ("the CUDA path of the fused backend is only picked when asked for "
                 "(implementation='fused'); check it with benchmarks/cuda_check.py")
     if call.key_len < CROSSOVER_KEYS:
-        return (f"sequence length S={call.key_len} below the fused crossover "
-                f"(S >= {CROSSOVER_KEYS} on CPU); bucketed is faster")
+        return Reason.of("sequence length S={S} below the fused crossover (S >= {crossover} on "
+                         "CPU); bucketed is faster", S=call.key_len, crossover=CROSSOVER_KEYS)
     return None
