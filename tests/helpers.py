@@ -92,3 +92,19 @@ def assert_same_as_reference(
                if t is not None]
     for name, g, g_ref in zip(present, grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def manual_mha(mha: relpos.RelativeMultiheadAttention, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The module's math written out: projections, heads, reference attention, output."""
+    B, L, E = x.shape
+    H, D = mha.num_heads, mha.head_dim
+
+    def heads(t):
+        return t.view(B, L, H, D).transpose(1, 2)
+
+    out = relpos.relative_attention(
+        heads(mha.q_proj(x)), heads(mha.k_proj(x)), heads(mha.v_proj(x)),
+        max_distance=mha.max_distance, rel_keys=mha.rel_keys, rel_values=mha.rel_values,
+        implementation="reference", **kwargs,
+    )
+    return mha.out_proj(out.transpose(1, 2).reshape(B, L, E))

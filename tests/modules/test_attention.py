@@ -1,4 +1,4 @@
-"""RelativeMultiheadAttention and the Transformer layers."""
+"""RelativeMultiheadAttention: the module's math, masks, weights, state, bad input."""
 
 from __future__ import annotations
 
@@ -6,33 +6,13 @@ import io
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-import relpos
+from helpers import F64, manual_mha
 from relpos import (
     RelativeMultiheadAttention,
     RelativeTransformerDecoderLayer,
     RelativeTransformerEncoderLayer,
 )
-
-F64 = torch.float64
-
-
-def _manual_mha(mha: RelativeMultiheadAttention, x: torch.Tensor, **kwargs) -> torch.Tensor:
-    """The module's math written out: projections, heads, reference attention, output."""
-    B, L, E = x.shape
-    H, D = mha.num_heads, mha.head_dim
-
-    def heads(t):
-        return t.view(B, L, H, D).transpose(1, 2)
-
-    out = relpos.relative_attention(
-        heads(mha.q_proj(x)), heads(mha.k_proj(x)), heads(mha.v_proj(x)),
-        max_distance=mha.max_distance, rel_keys=mha.rel_keys, rel_values=mha.rel_values,
-        implementation="reference", **kwargs,
-    )
-    return mha.out_proj(out.transpose(1, 2).reshape(B, L, E))
 
 
 @pytest.mark.parametrize("share_heads", [True, False])
@@ -43,7 +23,7 @@ def test_mha_matches_manual_math(share_heads, is_causal):
     x = torch.randn(2, 7, 12, dtype=F64)
     out, weights = mha(x, is_causal=is_causal)
     assert weights is None
-    torch.testing.assert_close(out, _manual_mha(mha, x, is_causal=is_causal))
+    torch.testing.assert_close(out, manual_mha(mha, x, is_causal=is_causal))
     expected_table = (5, 4) if share_heads else (3, 5, 4)
     assert mha.rel_keys.shape == expected_table and mha.rel_values.shape == expected_table
 
@@ -57,7 +37,7 @@ def test_mha_need_weights_and_masks():
     assert weights.shape == (2, 2, 5, 5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 5, dtype=F64))
     assert torch.all(weights[1, :, :, 3:] == 0)
-    torch.testing.assert_close(out, _manual_mha(mha, x, key_mask=key_mask))
+    torch.testing.assert_close(out, manual_mha(mha, x, key_mask=key_mask))
     out2, _ = mha(x, key_mask=key_mask)
     torch.testing.assert_close(out, out2)
 
@@ -106,56 +86,10 @@ def test_dtype_device_kwargs_and_repr():
     assert "max_distance=3" in repr(layer)
 
 
-def test_encoder_layer_inside_transformer_encoder_matches_manual():
-    torch.manual_seed(5)
-    layer = RelativeTransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
-                                            max_distance=2, dtype=F64)
-    encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    x = torch.randn(3, 6, 8, dtype=F64)
-    pad = torch.zeros(3, 6, dtype=torch.bool)
-    pad[1, 4:] = True  # PyTorch meaning: True = padding
-    causal = nn.Transformer.generate_square_subsequent_mask(6, dtype=F64)
-    out = encoder(x, mask=causal, src_key_padding_mask=pad.to(F64).masked_fill(pad, -torch.inf))
-    # Manual: relpos meanings, key_mask True = real token, causal flag.
-    h = x
-    for lyr in encoder.layers:
-        a = _manual_mha(lyr.self_attn, h, key_mask=~pad, is_causal=True)
-        h = lyr.norm1(h + a)
-        h = lyr.norm2(h + lyr.linear2(F.relu(lyr.linear1(h))))
-    torch.testing.assert_close(out, h)
 
 
-def test_encoder_layer_bool_masks_use_pytorch_meaning():
-    torch.manual_seed(6)
-    layer = RelativeTransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
-                                            max_distance=2, norm_first=True, dtype=F64)
-    x = torch.randn(2, 5, 8, dtype=F64)
-    torch_mask = torch.ones(5, 5, dtype=torch.bool).triu(1)  # True = not allowed
-    a = layer(x, src_mask=torch_mask)
-    b = layer(x, is_causal=True)
-    torch.testing.assert_close(a, b)
 
 
-def test_decoder_layer_inside_transformer_decoder():
-    torch.manual_seed(7)
-    layer = RelativeTransformerDecoderLayer(8, 2, 16, dropout=0.0, max_distance=3)
-    decoder = nn.TransformerDecoder(layer, num_layers=2)
-    tgt = torch.randn(5, 2, 8)
-    memory = torch.randn(7, 2, 8)
-    mask = nn.Transformer.generate_square_subsequent_mask(5)
-    out = decoder(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
-    assert out.shape == (5, 2, 8)
-    # Causality: changing a later target token does not change earlier outputs.
-    tgt2 = tgt.clone()
-    tgt2[4] += 1.0
-    out2 = decoder(tgt2, memory, tgt_mask=mask, tgt_is_causal=True)
-    torch.testing.assert_close(out[:4], out2[:4])
-    assert not torch.allclose(out[4], out2[4])
-    # Cross-attention is plain unless asked: no tables there.
-    assert layer.multihead_attn.rel_keys is None and layer.multihead_attn.rel_values is None
-    rel_cross = RelativeTransformerDecoderLayer(8, 2, 16, max_distance=3,
-                                                relative_cross_attention=True)
-    assert rel_cross.multihead_attn.rel_keys is not None
 
 
 def test_module_backward_reaches_tables():
@@ -169,36 +103,8 @@ def test_module_backward_reaches_tables():
 # --- relpos's key_mask straight into the layers ------------------------------------------
 
 
-def test_encoder_layer_key_mask_equals_padding_mask_and_refuses_both():
-    torch.manual_seed(8)
-    layer = RelativeTransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
-                                            max_distance=2, dtype=F64)
-    x = torch.randn(3, 6, 8, dtype=F64)
-    key_mask = torch.ones(3, 6, dtype=torch.bool)
-    key_mask[1, 4:] = False  # relpos meaning: True = real token
-    want = layer(x, src_key_padding_mask=~key_mask, is_causal=True)
-    torch.testing.assert_close(layer(x, key_mask=key_mask, is_causal=True), want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"both a key padding mask .* and key_mask"):
-        layer(x, src_key_padding_mask=~key_mask, key_mask=key_mask)
-    with pytest.raises(TypeError, match=r"key_mask must be a torch\.Tensor or None, got list"):
-        layer(x, key_mask=[[True] * 6] * 3)
 
 
-def test_decoder_layer_key_masks_equal_padding_masks():
-    torch.manual_seed(9)
-    layer = RelativeTransformerDecoderLayer(8, 2, 16, dropout=0.0, max_distance=2,
-                                            relative_cross_attention=True, dtype=F64)
-    tgt, memory = torch.randn(5, 2, 8, dtype=F64), torch.randn(7, 2, 8, dtype=F64)
-    tgt_real = torch.ones(2, 5, dtype=torch.bool)
-    tgt_real[0, :2] = False
-    mem_real = torch.ones(2, 7, dtype=torch.bool)
-    mem_real[1, 5:] = False
-    want = layer(tgt, memory, tgt_key_padding_mask=~tgt_real,
-                 memory_key_padding_mask=~mem_real, tgt_is_causal=True)
-    got = layer(tgt, memory, key_mask=tgt_real, memory_key_mask=mem_real, tgt_is_causal=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="allowed: one of them"):
-        layer(tgt, memory, memory_key_padding_mask=~mem_real, memory_key_mask=mem_real)
 
 
 # --- get_config: the constructor arguments that rebuild a module -------------------------
@@ -241,3 +147,22 @@ def test_get_config_defaults_and_custom_activation():
     assert RelativeTransformerDecoderLayer(8, 2).get_config()["relative_cross_attention"] is False
     with pytest.raises(ValueError, match=r"custom activation .*allowed: 'relu' or 'gelu'"):
         RelativeTransformerEncoderLayer(8, 2, activation=torch.tanh).get_config()
+
+
+@pytest.mark.parametrize("kwargs,exc,fragment", [
+    (dict(embed_dim=10, num_heads=3, max_distance=2), ValueError, "not divisible by num_heads=3"),
+    (dict(embed_dim=8, num_heads=0, max_distance=2), ValueError, "num_heads"),
+    (dict(embed_dim=8, num_heads=2, max_distance=-1), ValueError, "max_distance"),
+    (dict(embed_dim=8, num_heads=2, max_distance=2, dropout=1.5), ValueError, "dropout"),
+])
+def test_bad_module_construction(kwargs, exc, fragment):
+    with pytest.raises(exc, match=fragment):
+        RelativeMultiheadAttention(**kwargs)
+
+
+def test_bad_module_input_shape():
+    mha = RelativeMultiheadAttention(8, 2, 2)
+    with pytest.raises(ValueError, match=r"F=8, got \(2, 5, 7\)"):
+        mha(torch.randn(2, 5, 7))
+    with pytest.raises(TypeError, match="got list"):
+        mha([[1.0]])

@@ -285,38 +285,7 @@ def test_cuda_matches_reference(causal: bool) -> None:
 # relpos bench (smoke test at tiny sizes)
 
 
-def test_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from relpos.cli import main
-
-    status = main([
-        "bench", "--lengths", "40", "--max-distances", "3", "--heads", "1", "--head-dim", "8",
-        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "fused,reference,sdpa",
-        "--out", str(tmp_path),
-    ])
-    assert status == 0
-    table = capsys.readouterr().out
-    assert "fused" in table and "sdpa" in table
-    report = (tmp_path / "attention.md").read_text()
-    assert "torch" in report and "relpos bench" in report
-    rows = (tmp_path / "attention.csv").read_text().splitlines()
-    assert rows[0].startswith("n,K,backend") and len(rows) == 4
 
 
-def test_bench_cli_causal(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from relpos.cli import main
-
-    status = main([
-        "bench", "--lengths", "33", "--max-distances", "2", "--heads", "2", "--head-dim", "8",
-        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "fused,sdpa",
-        "--causal", "--out", str(tmp_path),
-    ])
-    assert status == 0
-    report = (tmp_path / "attention.md").read_text()
-    assert ", causal" in report and "--causal" in report
 
 
-def test_bench_cli_rejects_unknown_backend(capsys) -> None:  # type: ignore[no-untyped-def]
-    from relpos.cli import main
-
-    assert main(["bench", "--backends", "nope", "--no-memory"]) == 2
-    assert "nope" in capsys.readouterr().err

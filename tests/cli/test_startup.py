@@ -13,7 +13,7 @@ import pytest
 
 from relpos.cli import _args, build_parser
 
-CLI = Path(__file__).resolve().parents[1] / "src" / "relpos" / "cli"
+CLI = Path(__file__).resolve().parents[2] / "src" / "relpos" / "cli"
 HEAVY = ("torch", "numpy", "matplotlib")
 
 
