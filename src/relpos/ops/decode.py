@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import AttentionCall, Reason
-from relpos.ops.fused.kernels import flash_forward
+from relpos.ops.fused.kernels import flash_forward, restore_nan_rows
 from relpos.ops.fused.merge import combine_log_masses
 from relpos.ops.masking import masked_softmax, visibility_mask
 from relpos.positions import relative_position_index
@@ -130,9 +130,13 @@ def _attention_flash(call: AttentionCall, W: int) -> Tensor:
         far_bias = torch.zeros(B, 1, 1, F_, dtype=query.dtype, device=query.device)
         far_bias.masked_fill_(~far_mask[:, None, None, :], neg_inf)  # (B, 1, 1, F) additive
         far_dead = ~far_mask.any(dim=-1)[:, None, None]  # (B, 1, 1): no visible far key
+    k_far = key[:, :, :F_]
     o_far, lse_far = flash_forward(
-        query, key[:, :, :F_], value[:, :, :F_], is_causal=False, bias=far_bias, scale=call.scale
+        query, k_far, value[:, :, :F_], is_causal=False, bias=far_bias, scale=call.scale
     )  # (B, H, t, D), (B, H, t)
+    o_far, lse_far = restore_nan_rows(query, k_far, o_far, lse_far,
+                                      None if far_dead is None else ~far_dead,
+                                      is_causal=False, bias=far_bias)
     z_far = lse_far
     q_scaled = query * call.scale  # (B, H, t, D)
     qa: Tensor | None = None

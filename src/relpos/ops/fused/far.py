@@ -25,7 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import accumulation_dtype
-from relpos.ops.fused.kernels import Piece, flash_backward, flash_forward, lower_pieces
+from relpos.ops.fused.kernels import (
+    Piece,
+    flash_backward,
+    flash_forward,
+    lower_pieces,
+    restore_nan_rows,
+)
 from relpos.ops.fused.merge import merge_rows
 
 __all__ = ["FAR_BLOCK", "FAR_KEY_ELEMS", "FarRegion", "far_backward", "far_forward", "key_bias"]
@@ -155,16 +161,18 @@ def far_forward(
         for n, p in enumerate(pieces):
             flip = region.flipped(p)
             rows, keys = region.rows(p.q0, p.q1), region.keys(p.k0, p.k1)
-            po, pl = flash_forward(
-                _take(q, rows, 2, flip), _take(k, keys, 2, flip), _take(v, keys, 2, flip),
-                is_causal=p.is_causal, bias=None if bias is None else _take(bias, keys, -1, flip),
-                scale=scale,
-            )
+            q_p, k_p = _take(q, rows, 2, flip), _take(k, keys, 2, flip)
+            bias_p = None if bias is None else _take(bias, keys, -1, flip)
+            po, pl = flash_forward(q_p, k_p, _take(v, keys, 2, flip), is_causal=p.is_causal,
+                                   bias=bias_p, scale=scale)
+            dead = None if counts is None else region.dead(counts, p)  # original row order
+            live = None if dead is None else ~(dead.flip(-1) if flip else dead)
+            po, pl = restore_nan_rows(q_p, k_p, po, pl, live, is_causal=p.is_causal, bias=bias_p)
             if flip:
                 po, pl = reverse(po, 2), reverse(pl, -1)
             pl = pl.to(acc)
-            if counts is not None:
-                pl = pl.masked_fill(region.dead(counts, p), -_INF)
+            if dead is not None:
+                pl = pl.masked_fill(dead, -_INF)
             merge_rows(o, lam, rows, po, pl, first=n == 0)
     if not bool(written.all()):
         o[:, :, ~written.to(o.device)] = 0

@@ -36,6 +36,7 @@ __all__ = [
     "flash_forward",
     "kernel_layout",
     "lower_pieces",
+    "restore_nan_rows",
 ]
 
 EXPECTED_SCHEMAS: dict[str, str] = {
@@ -116,6 +117,54 @@ def kernel_layout(x: Tensor) -> Tensor:
     """``x`` as the flash kernels read it: unit stride in the last dimension (a copy only when
     it is not; expanded and sliced batch, head and row strides are kept)."""
     return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def restore_nan_rows(
+    q: Tensor, k: Tensor, out: Tensor, lse: Tensor, live: Tensor | None, *, is_causal: bool,
+    bias: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Give NaN to the rows the CPU flash kernel reports as empty although they see a key.
+
+    The kernel returns ``out = 0, lse = 0`` both for a row with no visible key and for a row
+    whose every visible score is NaN (a NaN query row, or NaN in all the keys it sees), so a
+    NaN would silently vanish. Only rows with ``lse == 0`` that the caller knows see a key
+    (``live``) are re-examined, a bounded number of rows at a time: in the common case this
+    costs one comparison over ``(B, H, L)``.
+
+    Args:
+        q, k: the kernel's ``(B, H, L, D)`` and ``(B, H, S, D)`` inputs.
+        out, lse: its ``(B, H, L, Dv)`` and ``(B, H, L)`` outputs.
+        live: broadcastable to ``(B, H, L)``: True where the row sees a real key (None: every
+            row does).
+        is_causal, bias: the call's top-left causal flag and ``(B|1, H|1, 1, S)`` key bias.
+
+    Returns:
+        ``out`` and ``lse``, with NaN in the rows that see a NaN score.
+    """
+    suspects = lse == 0
+    if live is not None:
+        suspects = suspects & live
+    if not bool(suspects.any()):
+        return out, lse
+    S = k.shape[2]
+    nan_rows = torch.zeros_like(suspects)
+    cols = torch.arange(S, device=q.device)
+    for b, h in {(int(b), int(h)) for b, h, _ in suspects.nonzero().tolist()}:
+        rows = suspects[b, h].nonzero().squeeze(-1)  # (n,)
+        key_visible = torch.ones(S, dtype=torch.bool, device=q.device)
+        if bias is not None:  # a key hidden by the bias does not count, NaN or not
+            key_visible = bias[0 if bias.shape[0] == 1 else b,
+                               0 if bias.shape[1] == 1 else h, 0] > float("-inf")
+        for chunk in rows.split(max(1, (1 << 22) // max(1, S))):
+            scores = q[b, h, chunk] @ k[b, h].transpose(0, 1)  # (n, S)
+            visible = key_visible[None, :]
+            if is_causal:
+                visible = visible & (cols[None, :] <= chunk[:, None])
+            nan_rows[b, h, chunk] = (scores.isnan() & visible).any(-1)
+    if not bool(nan_rows.any()):
+        return out, lse
+    return (out.masked_fill(nan_rows[..., None], math.nan),
+            lse.masked_fill(nan_rows, math.nan))
 
 
 def _cuda_lse_pad(lse_BHL: Tensor) -> Tensor:
