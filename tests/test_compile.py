@@ -102,7 +102,7 @@ def _fused_inputs(transposed: bool, causal: bool) -> tuple[tuple[object, ...], d
         _rand(B, H, L, D, transposed=transposed), _rand(B, H, S, D, transposed=transposed),
         _rand(B, H, S, D, transposed=transposed), _rand(2 * K + 1, D).unsqueeze(0),
         _rand(H, 2 * K + 1, D), key_mask,
-    ), dict(max_distance=K, is_causal=causal, scale=0.5, query_start=S - L)
+    ), dict(left=K, right=K, is_causal=causal, scale=0.5, query_start=S - L)
 
 
 @pytest.mark.parametrize(("transposed", "causal"), [(False, False), (True, True)])

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, reference
 from relpos.ops.call import AttentionCall, Reason
-from relpos.positions import check_max_distance, resolve_query_start
+from relpos.positions import check_window, resolve_query_start
 
 __all__ = [
     "AttentionCall",
@@ -72,7 +72,8 @@ def _check_tensor(name: str, t: object) -> Tensor:
 
 
 def _check_table(
-    name: str, table: object, *, rows: int, dim: int, dim_name: str, heads: int, ref: Tensor
+    name: str, table: object, *, window: tuple[int, int], dim: int, dim_name: str, heads: int,
+    ref: Tensor,
 ) -> Tensor | None:
     if table is None:
         return None
@@ -90,11 +91,12 @@ def _check_table(
             f"{name} has {t.shape[0]} heads (shape {given}), "
             f"allowed: shared (2-D) or one per head, H={heads}"
         )
+    left, right = window
+    rows = left + right + 1
     if t.shape[1] != rows:
-        raise ValueError(
-            f"{name} has {t.shape[1]} rows (shape {given}), "
-            f"but max_distance={(rows - 1) // 2} needs 2K+1 = {rows}"
-        )
+        need = (f"max_distance={left} needs 2K+1 = {rows}" if left == right else
+                f"max_distance=({left}, {right}) needs left + right + 1 = {rows}")
+        raise ValueError(f"{name} has {t.shape[1]} rows (shape {given}), but {need}")
     if t.shape[2] != dim:
         raise ValueError(
             f"{name} has embedding size {t.shape[2]}, but {dim_name} = {dim} "
@@ -207,7 +209,7 @@ def validate_call(
     key: Tensor,
     value: Tensor,
     *,
-    max_distance: int,
+    max_distance: int | tuple[int, int],
     rel_keys: Tensor | None = None,
     rel_values: Tensor | None = None,
     attn_mask: Tensor | None = None,
@@ -238,10 +240,11 @@ def validate_call(
     _check_qkv(q, k, v)
     B, H, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
-    K = check_max_distance(max_distance)
-    rows = 2 * K + 1
-    ak = _check_table("rel_keys", rel_keys, rows=rows, dim=D, dim_name="D", heads=H, ref=q)
-    av = _check_table("rel_values", rel_values, rows=rows, dim=Dv, dim_name="Dv", heads=H, ref=q)
+    left, right = check_window(max_distance)
+    window = (left, right)
+    ak = _check_table("rel_keys", rel_keys, window=window, dim=D, dim_name="D", heads=H, ref=q)
+    av = _check_table("rel_values", rel_values, window=window, dim=Dv, dim_name="Dv", heads=H,
+                      ref=q)
     p, sc = _check_scalars(is_causal, dropout_p, scale, D)
     mask, kmask = _check_masks(attn_mask, key_mask, q, B, H, L, S)
     if implementation is not None and implementation not in BACKENDS:
@@ -252,17 +255,19 @@ def validate_call(
     positional = ak is not None or av is not None or is_causal
     # Without relative positions query_start has no effect, but a given one is still checked.
     start = resolve_query_start(L, S, query_start) if positional or query_start is not None else 0
-    # Offsets j - p_i lie in [-(start + L - 1), S - 1 - start]: a larger K clips nothing, and
-    # the tables' outer rows are never read. Serve it as the smallest K that clips nothing, so
-    # no backend builds anything of size K (K = 10**9 over 7 keys is legal).
-    # (Not while torch.export traces: one exported graph serves every length.)
-    reach = max(start + L - 1, S - 1 - start, 0)
-    if not torch.compiler.is_exporting() and reach < K:
-        ak = None if ak is None else ak[:, K - reach : K + reach + 1]
-        av = None if av is None else av[:, K - reach : K + reach + 1]
-        K = reach
+    # Offsets j - p_i lie in [-(start + L - 1), S - 1 - start]: a wider window clips nothing
+    # there, and the tables' outer rows are never read. Serve it as the narrowest window that
+    # clips nothing, so no backend builds anything of its size (K = 10**9 over 7 keys is
+    # legal). (Not while torch.export traces: one exported graph serves every length.)
+    reach_left, reach_right = max(start + L - 1, 0), max(S - 1 - start, 0)
+    if not torch.compiler.is_exporting() and (reach_left < left or reach_right < right):
+        new_left, new_right = min(left, reach_left), min(right, reach_right)
+        rows = slice(left - new_left, left + new_right + 1)
+        ak = None if ak is None else ak[:, rows]
+        av = None if av is None else av[:, rows]
+        left, right = new_left, new_right
     return AttentionCall(
-        query=q, key=k, value=v, max_distance=K, rel_keys=ak, rel_values=av, attn_mask=mask,
+        query=q, key=k, value=v, left=left, right=right, rel_keys=ak, rel_values=av, attn_mask=mask,
         key_mask=kmask, is_causal=is_causal, dropout_p=p, scale=sc, query_start=start,
         implementation=implementation,
     )
@@ -344,7 +349,8 @@ def _run(fn: Callable[[AttentionCall], _R], call: AttentionCall) -> _R:
 def relative_attention(call: AttentionCall) -> Tensor:
     r"""Scaled dot-product attention with clipped relative positions (Shaw et al., 2018).
 
-    For query ``i`` at position ``p_i`` and key ``j``, with ``r = clip(j - p_i, -K, K)``::
+    For query ``i`` at position ``p_i`` and key ``j``, with ``r = clip(j - p_i, -K, K)``
+    (``clip(j - p_i, -left, right)`` for a window, and ``left`` for ``K`` below)::
 
         s_ij  = scale * q_i . (k_j + rel_keys[r + K])      (+ attn_mask)
         out_i = sum_j softmax_j(s_i)_j * (v_j + rel_values[r + K])
@@ -373,9 +379,11 @@ def relative_attention(call: AttentionCall) -> Tensor:
         query: ``(B, H, L, D)``.
         key: ``(B, H, S, D)``.
         value: ``(B, H, S, Dv)``.
-        max_distance: K >= 0, the clip distance; tables have ``2K + 1`` rows.
-        rel_keys: ``(2K+1, D)`` shared by all heads or ``(H, 2K+1, D)`` per head; None = off.
-        rel_values: ``(2K+1, Dv)`` or ``(H, 2K+1, Dv)``; None = off.
+        max_distance: K >= 0, the clip distance; tables have ``2K + 1`` rows. Or a window
+            ``(left, right)``: offsets clipped to ``[-left, +right]``, tables of
+            ``left + right + 1`` rows, row ``r + left`` holding offset ``r``.
+        rel_keys: ``(R, D)`` shared by all heads or ``(H, R, D)`` per head; None = off.
+        rel_values: ``(R, Dv)`` or ``(H, R, Dv)``; None = off.
         attn_mask: bool (True = may attend) or float (added to the scores) tensor
             broadcastable to ``(B, H, L, S)``.
         key_mask: ``(B, S)`` bool, True = real token (padding without an L x S mask).

@@ -1,7 +1,8 @@
 """Clipped relative positions.
 
 Shape legend used throughout relpos: B batch, H heads, L queries, S keys, D head dim,
-Dv value head dim, E model dim, K clip distance (``max_distance``), R = 2K + 1 table rows.
+Dv value head dim, E model dim, K clip distance (``max_distance``), R = 2K + 1 table rows
+(``left + right + 1`` for a window).
 
 Convention (one, everywhere): the offset of key ``j`` seen from query ``i`` is ``j - p_i``
 (key minus query; negative = the key is before the query), clipped to ``[-K, K]`` and
@@ -14,6 +15,10 @@ FlashAttention). For L = 3 queries over S = 5 keys and K = 1 the index matrix is
     query 0 (p=2)   0  0  1  2  2
     query 1 (p=3)   0  0  0  1  2
     query 2 (p=4)   0  0  0  0  1
+
+A window ``max_distance=(left, right)`` clips to ``[-left, +right]`` instead (w2v-BERT 2.0 and
+SeamlessM4T use ``(64, 8)``): the table has ``left + right + 1`` rows and row ``r + left`` holds
+offset ``r``; ``K`` is the same as ``(K, K)``.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def _as_size(v: object) -> int:
 
 __all__ = [
     "check_max_distance",
+    "check_window",
     "clip_relative_position",
     "relative_position_index",
     "resolve_query_start",
@@ -60,27 +66,52 @@ def check_max_distance(max_distance: object, name: str = "max_distance") -> int:
     return value
 
 
-def clip_relative_position(j: int, i: int, max_distance: int) -> int:
-    """Clipped relative position of key ``j`` seen from query ``i``: ``clip(j - i, -K, K)``.
+def check_window(max_distance: object, name: str = "max_distance") -> tuple[int, int]:
+    """``(left, right)`` of a clip distance ``K`` (``(K, K)``) or a window ``(left, right)``.
+
+    Raises:
+        TypeError: if it is not a non-negative int or a pair of them.
+        ValueError: if a bound is negative.
+    """
+    if isinstance(max_distance, (tuple, list)):
+        if len(max_distance) != 2:
+            raise ValueError(
+                f"{name} must be an int K or a pair (left, right), got {len(max_distance)} "
+                f"values: {tuple(max_distance)!r}"
+            )
+        return (check_max_distance(max_distance[0], f"{name}[0] (left)"),
+                check_max_distance(max_distance[1], f"{name}[1] (right)"))
+    if isinstance(max_distance, bool) or not isinstance(max_distance, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a non-negative int K or a pair (left, right) of them, "
+            f"got {max_distance!r} of type {type(max_distance).__name__}"
+        )
+    k = check_max_distance(max_distance, name)
+    return k, k
+
+
+def clip_relative_position(j: int, i: int, max_distance: int | tuple[int, int]) -> int:
+    """Clipped relative position of key ``j`` seen from query ``i``: ``clip(j - i, -K, K)``,
+    or ``clip(j - i, -left, right)`` for a window.
 
     Args:
         j: key/value position.
         i: query position.
-        max_distance: the clip distance K (>= 0).
+        max_distance: the clip distance K (>= 0), or a window ``(left, right)``.
 
     Returns:
-        The clipped offset, in ``[-max_distance, max_distance]``.
+        The clipped offset, in ``[-left, right]``.
 
     Example:
         >>> [clip_relative_position(j, 5, 4) for j in range(10)]
         [-4, -4, -3, -2, -1, 0, 1, 2, 3, 4]
     """
-    k = check_max_distance(max_distance)
+    left, right = check_window(max_distance)
     for name, v in (("j", j), ("i", i)):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise TypeError(f"{name} must be an int position, got {v!r}")
     rel = int(j) - int(i)
-    return max(-k, min(k, rel))
+    return max(-left, min(right, rel))
 
 
 def resolve_query_start(query_len: int, key_len: int, query_start: int | None) -> int:
@@ -112,31 +143,35 @@ def resolve_query_start(query_len: int, key_len: int, query_start: int | None) -
 def relative_position_index(
     query_len: int,
     key_len: int,
-    max_distance: int,
+    max_distance: int | tuple[int, int],
     *,
     query_start: int | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Table row index of every (query, key) pair: ``clip(j - p_i, -K, K) + K``.
+    """Table row index of every (query, key) pair: ``clip(j - p_i, -K, K) + K``, or
+    ``clip(j - p_i, -left, right) + left`` for a window.
 
     Args:
         query_len: L, the number of queries.
         key_len: S, the number of keys.
-        max_distance: K, the clip distance (>= 0).
+        max_distance: K, the clip distance (>= 0), or a window ``(left, right)``.
         query_start: position of query 0; default ``S - L`` (queries aligned to the end of
             the keys).
         device: where to build the index.
 
     Returns:
-        A ``torch.long`` tensor of shape ``(L, S)`` with values in ``[0, 2K]``.
+        A ``torch.long`` tensor of shape ``(L, S)`` with values in ``[0, left + right]``.
 
     Example:
         >>> relative_position_index(3, 5, 1)
         tensor([[0, 0, 1, 2, 2],
                 [0, 0, 0, 1, 2],
                 [0, 0, 0, 0, 1]])
+        >>> relative_position_index(2, 4, (2, 0))  # offsets clipped to [-2, 0]
+        tensor([[0, 1, 2, 2],
+                [0, 0, 1, 2]])
     """
-    k = check_max_distance(max_distance)
+    left, right = check_window(max_distance)
     for name, v in (("query_len", query_len), ("key_len", key_len)):
         if not _is_size(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
@@ -144,4 +179,4 @@ def relative_position_index(
     start = resolve_query_start(L, S, query_start)
     pos_q = torch.arange(start, start + L, device=device)  # (L,)
     pos_k = torch.arange(S, device=device)  # (S,)
-    return (pos_k[None, :] - pos_q[:, None]).clamp(-k, k) + k  # (L, S)
+    return (pos_k[None, :] - pos_q[:, None]).clamp(-left, right) + left  # (L, S)

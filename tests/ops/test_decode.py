@@ -94,7 +94,7 @@ def test_decode_backend_without_tables_and_gradcheck_masks_dropout():
 
 def test_decode_backend_refuses_what_it_cannot_serve():
     p = make_problem(L=3, S=9)
-    base = dict(rel_keys=None, rel_values=None, max_distance=2, attn_mask=None, key_mask=None,
+    base = dict(rel_keys=None, rel_values=None, left=2, right=2, attn_mask=None, key_mask=None,
                 is_causal=True, dropout_p=0.0, scale=0.5)
     assert decode.unsupported_reason(
         AttentionCall(p.query, p.key, p.value, query_start=6, **base)) is None

@@ -180,7 +180,7 @@ def test_opcheck() -> None:
     q, k, v, ak, av = problem.leaves()
     key_mask = torch.tensor([[True] * 9 + [False] * 2])
     args = (q, k, v, ak[None], av[None], key_mask)
-    options = dict(max_distance=2, is_causal=False, scale=0.5, query_start=2)
+    options = dict(left=2, right=2, is_causal=False, scale=0.5, query_start=2)
     torch.library.opcheck(torch.ops.relpos.fused_attention.default, args, options)
 
 

@@ -76,7 +76,7 @@ def test_error_at_most_twice_the_reference_in_same_precision(implementation, dty
         x = _inputs()[0].to(dtype)
         reason = fused.unsupported_reason(AttentionCall(
             x, x, x, rel_keys=x[0, :1, : 2 * K + 1], rel_values=x[0, :1, : 2 * K + 1],
-            max_distance=K, attn_mask=None, key_mask=_key_mask(), is_causal=causal,
+            left=K, right=K, attn_mask=None, key_mask=_key_mask(), is_causal=causal,
             dropout_p=0.0, scale=D**-0.5, query_start=0,
         ))
         if reason is not None:  # an unsupported dtype must say which one

@@ -24,13 +24,13 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
     """Bucketed attention that also returns the probabilities ``(B, H, L, S)`` (before dropout)."""
     query, key, value = call.query, call.key, call.value
     B, H, L, S, _, _ = call.dims
-    R = 2 * call.max_distance + 1
+    R = call.table_rows
     q_scaled = query * call.scale
     scores = q_scaled @ key.transpose(-2, -1)  # (B, H, L, S)
     index_BHLS: Tensor | None = None
     if call.has_relative_terms:
         index_LS = relative_position_index(
-            L, S, call.max_distance, query_start=call.query_start, device=query.device
+            L, S, (call.left, call.right), query_start=call.query_start, device=query.device
         )
         index_BHLS = index_LS.expand(B, H, L, S)
     if call.rel_keys is not None:

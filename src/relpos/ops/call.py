@@ -4,7 +4,8 @@
 boundary, and returns an :class:`AttentionCall`; backends read it and never re-validate.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
-K clip distance (``max_distance``), R = 2K + 1 table rows, Hr table heads (1 or H).
+K clip distance (``max_distance``), R = left + right + 1 table rows (2K + 1), Hr table heads
+(1 or H).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ class AttentionCall:
         query: ``(B, H, L, D)``.
         key: ``(B, H, S, D)``.
         value: ``(B, H, S, Dv)``.
-        max_distance: K >= 0.
+        left, right: the clip window: offsets ``j - p_i`` are clipped to ``[-left, right]``
+            (``left == right == K`` for a clip distance K); row ``r + left`` holds offset ``r``.
         rel_keys: ``(Hr, R, D)`` or None (the keys term is off).
         rel_values: ``(Hr, R, Dv)`` or None (the values term is off).
         attn_mask: None, or a bool (True = may attend) / float (added) tensor broadcastable
@@ -70,7 +72,8 @@ class AttentionCall:
     query: Tensor
     key: Tensor
     value: Tensor
-    max_distance: int
+    left: int
+    right: int
     rel_keys: Tensor | None
     rel_values: Tensor | None
     attn_mask: Tensor | None
@@ -86,6 +89,16 @@ class AttentionCall:
         """``(B, H, L, S, D, Dv)``."""
         B, H, L, D = self.query.shape
         return B, H, L, self.key.shape[2], D, self.value.shape[3]
+
+    @property
+    def max_distance(self) -> int | tuple[int, int]:
+        """``K`` for a symmetric window, else ``(left, right)`` (as the user may write it)."""
+        return self.left if self.left == self.right else (self.left, self.right)
+
+    @property
+    def table_rows(self) -> int:
+        """R = left + right + 1."""
+        return self.left + self.right + 1
 
     @property
     def query_len(self) -> int:

@@ -3,7 +3,8 @@
 For ``t`` queries at the end of ``S`` keys (``query_start = S - t``, the bottom-right
 alignment of a KV-cache step) every key before the last ``W = min(S, max(K, 1) + t - 1)`` is
 at offset ``<= -K`` from every query and visible to every query, so it sees the one relative
-row ``-K`` (DESIGN.md §3/§4). With ``q' = scale * q``::
+row ``-K`` (DESIGN.md §3/§4; for a window ``(left, right)`` read ``left`` for ``K`` here: only
+the left bound matters for keys before the queries). With ``q' = scale * q``::
 
     scores = q' @ k.T                                  # (t, S): the content work, O(t·S·D)
     scores[:, :S-W] += q' . aK[-K]                     # far keys: one constant per row
@@ -24,7 +25,8 @@ last ``W`` keys is computed explicitly, and the two are merged by logsumexp
 decomposition. That keeps a single-token step close to plain SDPA over the same cache.
 
 Shape legend: B batch, H heads, t = L queries, S keys, D head dim, Dv value head dim,
-K clip distance, R = 2K + 1 table rows, W band width, F = S - W far keys.
+K clip distance (the window's left bound), R = left + right + 1 table rows, W band width,
+F = S - W far keys.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ MAX_QUERIES = 64
 _FLASH_DTYPES = (torch.float32, torch.float64)
 
 
-def band_width(t: int, S: int, max_distance: int) -> int:
-    """W: the last keys that some of ``t`` end-aligned queries see at a row other than ``-K``
-    or may not see at all (causal); the other ``S - W`` keys are far for every query."""
-    return min(S, max(max_distance, 1) + t - 1)
+def band_width(t: int, S: int, left: int) -> int:
+    """W: the last keys that some of ``t`` end-aligned queries see at a row other than
+    ``-left`` or may not see at all (causal); the other ``S - W`` keys are far for every
+    query."""
+    return min(S, max(left, 1) + t - 1)
 
 
 def _buckets(far_mass: Tensor, p_band: Tensor, index_tW: Tensor, R: int) -> Tensor:
@@ -69,14 +72,14 @@ def attention(call: AttentionCall) -> Tensor:
     B, H, t, S, _, _ = call.dims
     assert not (call.has_relative_terms or call.is_causal) or call.query_start == S - t, (
         "bottom-right aligned queries only")
-    W = band_width(t, S, call.max_distance)
+    W = band_width(t, S, call.left)
     if _flash_ok(call, S - W):
         return _attention_flash(call, W)
     F_ = S - W
     q_scaled = query * call.scale  # (B, H, t, D)
     scores = q_scaled @ key.transpose(-2, -1)  # (B, H, t, S)
     if call.has_relative_terms:
-        index = relative_position_index(t, W, call.max_distance, device=query.device)  # (t, W)
+        index = relative_position_index(t, W, (call.left, call.right), device=query.device)
     if call.rel_keys is not None:
         qa = q_scaled @ call.rel_keys.transpose(-2, -1)  # (B, H, t, R)
         bias = scores.new_empty(B, H, t, S)
@@ -119,7 +122,7 @@ def _flash_ok(call: AttentionCall, far: int) -> bool:
 
 def _attention_flash(call: AttentionCall, W: int) -> Tensor:
     """Far keys through the flash kernel, band explicit, merged by logsumexp (no autograd)."""
-    query, key, value, K = call.query, call.key, call.value, call.max_distance
+    query, key, value, K = call.query, call.key, call.value, call.left
     B, H, t, S, _, _ = call.dims
     F_ = S - W
     neg_inf = float("-inf")
@@ -148,7 +151,7 @@ def _attention_flash(call: AttentionCall, W: int) -> Tensor:
     # One query with a full band (the common single-token step): its band keys are at
     # offsets -(K-1)..0, i.e. table rows 1..K, so a slice replaces the gather/scatter.
     single = t == 1 and W == K
-    index = relative_position_index(t, W, K, device=query.device)  # (t, W)
+    index = relative_position_index(t, W, (K, call.right), device=query.device)  # (t, W)
     k_band, v_band = key[:, :, F_:], value[:, :, F_:]  # (B, H, W, D)
     s_band = q_scaled @ k_band.transpose(-2, -1)  # (B, H, t, W)
     if qa is not None:
@@ -166,8 +169,9 @@ def _attention_flash(call: AttentionCall, W: int) -> Tensor:
     out = far_mass * o_far + p_band @ v_band  # (B, H, t, D)
     if call.rel_values is not None:
         R = call.rel_values.shape[-2]
-        if single:  # rows 0 | 1..K | K+1..2K
-            buckets = torch.cat((far_mass, p_band, far_mass.new_zeros(B, H, t, K)), dim=-1)
+        if single:  # rows 0 | 1..K | K+1..K+right
+            buckets = torch.cat((far_mass, p_band, far_mass.new_zeros(B, H, t, call.right)),
+                                dim=-1)
         else:
             buckets = _buckets(far_mass, p_band, index, R)
         out = out + buckets @ call.rel_values  # (B, H, t, R) @ (Hr, R, Dv)

@@ -23,7 +23,7 @@ def attention(call: AttentionCall) -> Tensor:
     L, S = call.query_len, call.key_len
     if call.has_relative_terms:
         index_LS = relative_position_index(
-            L, S, call.max_distance, query_start=call.query_start, device=query.device
+            L, S, (call.left, call.right), query_start=call.query_start, device=query.device
         )
     scores = torch.einsum("bhld,bhsd->bhls", query, key)  # (B, H, L, S)
     if call.rel_keys is not None:

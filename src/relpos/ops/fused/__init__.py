@@ -68,7 +68,7 @@ def attention(call: AttentionCall) -> Tensor:
         raise RuntimeError(f"the fused backend cannot serve this call: {reason}")
     return torch.ops.relpos.fused_attention(
         call.query, call.key, call.value, call.rel_keys, call.rel_values, call.key_mask,
-        max_distance=call.max_distance, is_causal=call.is_causal, scale=call.scale,
+        left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
         query_start=call.query_start,
     )[0]
 

@@ -1,13 +1,14 @@
-"""The band of the fused backend: offsets ``-K < j - p_i < K`` (``<= 0`` when causal), explicit.
+"""The band of the fused backend: offsets ``-left < j - p_i < fr`` (``<= 0`` when causal), explicit.
 
+(``-K < j - p_i < K`` for a clip distance K; ``fr = max(right, 1 - left)`` starts far-right.)
 Tile ``t`` of a flat head holds queries ``tT .. tT + T - 1``; its window holds the ``W`` keys
-from position ``first_key + tT`` on (``first_key = query_start - K + 1``), read as a view of a
-zero-padded copy of the head's keys (:func:`head_windows`). Scores are ``(tiles, T, W)`` per
-chunk of tiles, -inf off the band; the relative-key term is added on the band through a
-strided view (:func:`unskew`). Work goes one flat head (and at most ``CHUNK_ELEMS`` scores)
-at a time, so no temporary exceeds O(B·H·L·(T + 2K)) elements. The backward folds the
-overlapping windows' key and value gradients back block by block: deterministic, no
-scatter with repeated indices.
+from position ``first_key + tT`` on (``first_key = query_start + first_offset``), read as a
+view of a zero-padded copy of the head's keys (:func:`head_windows`). Scores are
+``(tiles, T, W)`` per chunk of tiles, -inf off the band; the relative-key term is added on the
+band through a strided view (:func:`unskew`). Work goes one flat head (and at most
+``CHUNK_ELEMS`` scores) at a time, so no temporary exceeds O(B·H·L·(T + left + right))
+elements. The backward folds the overlapping windows' key and value gradients back block by
+block: deterministic, no scatter with repeated indices.
 
 :class:`BandLayout` is the geometry (plain integers), :class:`BandOperands` the tensors
 prepared once per call; :func:`band_forward` and :func:`band_backward` do the work.
@@ -67,9 +68,11 @@ class BandLayout:
     Attributes:
         query_len: L.
         key_len: S.
-        max_distance: K (>= 1: with K = 0 there is no band).
-        first_offset: the band's most negative offset, ``-(K - 1)``.
-        num_offsets: band offsets per query, ``2K - 1`` (``K`` when causal).
+        left: the window's left bound (the band's table rows start at ``first_offset + left``).
+        first_offset: the band's most negative offset, ``1 - left``.
+        num_offsets: band offsets per query: ``1 - left .. fr - 1`` with ``fr = max(right,
+            1 - left)`` the first far-right offset (``.. 0`` when causal); ``2K - 1`` (``K``
+            when causal) for a symmetric window; 0 = no band.
         table_rows: P, ``num_offsets`` rounded up to a multiple of 8: matmuls with 127 rows
             run at a third of the speed of 128 on CPU, so the tables are zero-padded.
         tile: T, queries per tile.
@@ -81,7 +84,7 @@ class BandLayout:
 
     query_len: int
     key_len: int
-    max_distance: int
+    left: int
     first_offset: int
     num_offsets: int
     table_rows: int
@@ -92,15 +95,16 @@ class BandLayout:
 
     @classmethod
     def build(
-        cls, query_len: int, key_len: int, max_distance: int, is_causal: bool, query_start: int
+        cls, query_len: int, key_len: int, left: int, right: int, is_causal: bool,
+        query_start: int,
     ) -> BandLayout:
-        K = max_distance
-        first, last = -(K - 1), (0 if is_causal else K - 1)
-        num_offsets = last - first + 1
+        first = 1 - left
+        last = 0 if is_causal else max(right, 1 - left) - 1
+        num_offsets = max(0, last - first + 1)
         table_rows = -(-num_offsets // 8) * 8
         tile = TILE
         return cls(
-            query_len=query_len, key_len=key_len, max_distance=K, first_offset=first,
+            query_len=query_len, key_len=key_len, left=left, first_offset=first,
             num_offsets=num_offsets, table_rows=table_rows, tile=tile,
             segments=-(-(tile + table_rows - 1) // tile), num_tiles=-(-query_len // tile),
             first_key=query_start + first,
@@ -123,8 +127,8 @@ class BandLayout:
 
     @property
     def table_slice(self) -> slice:
-        """Rows of a ``(Hr, 2K + 1, X)`` table that the band uses."""
-        start = self.first_offset + self.max_distance
+        """Rows of a ``(Hr, R, X)`` table that the band uses."""
+        start = self.first_offset + self.left
         return slice(start, start + self.num_offsets)
 
     def chunks(self, flat_heads: int, chunk_elems: int) -> list[tuple[int, int, int]]:
@@ -306,7 +310,7 @@ def band_backward(
 
     Returns:
         ``dq (N, Lp, D)``, the band's row sums of dS ``(N, Lp)`` and the per-head table
-        gradients of the band rows ``(H, 2K - 1 | K, D|Dv)`` (None when the term is off).
+        gradients of the band rows ``(H, num_offsets, D|Dv)`` (None when the term is off).
     """
     N, T, P = ops.queries.shape[0], layout.tile, layout.table_rows
     D, Dv, H = ops.queries.shape[-1], ops.values.shape[-1], ops.num_heads

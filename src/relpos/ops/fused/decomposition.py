@@ -3,11 +3,12 @@
 Every key ``j`` of query ``i`` (position ``p_i = query_start + i``, offset ``d = j - p_i``)
 lies in exactly one region:
 
-- far-left  ``FL``: ``d <= -K``            (relative key/value row 0)
-- band      ``BD``: ``-K < d < K``          (row ``d + K``; with ``is_causal`` only ``d <= 0``)
-- far-right ``FR``: ``d >= max(K, 1)``      (row 2K; empty with ``is_causal``)
+- far-left  ``FL``: ``d <= -left``             (relative key/value row 0)
+- band      ``BD``: ``-left < d < fr``          (row ``d + left``; with ``is_causal`` ``d <= 0``)
+- far-right ``FR``: ``d >= fr = max(right, 1 - left)``   (row R - 1; empty with ``is_causal``)
 
-For ``K = 0`` the offset 0 belongs to FL only, so it is counted once. FL and FR are plain
+for a window ``(left, right)`` (``left = right = K`` for a clip distance). For ``left = 0`` the
+offset 0 belongs to FL only, so it is counted once. FL and FR are plain
 attention through the flash kernels (:mod:`~relpos.ops.fused.far`), the band is explicit
 (:mod:`~relpos.ops.fused.band`), and the three are merged by logsumexp
 (:mod:`~relpos.ops.fused.merge`). The backward hands each far region's flash backward the
@@ -18,7 +19,7 @@ over a row, ``dc_FR = -dc_FL - (sum of dS over the band)``, so the far-right out
 be kept. Everything is deterministic: no atomics, no scatter with repeated indices.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
-K clip distance, R = 2K + 1 table rows.
+K clip distance, R = left + right + 1 table rows.
 """
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ _INF = math.inf
 
 
 def region_offsets(
-    query_len: int, key_len: int, max_distance: int, is_causal: bool, query_start: int
+    query_len: int, key_len: int, left: int, right: int, is_causal: bool, query_start: int
 ) -> tuple[int, int | None]:
     """Offsets ``c`` of FL (``j <= i + c``) and of FR in reversed coordinates (None = empty)."""
-    c_left = query_start - max_distance
+    c_left = query_start - left
     if is_causal:
         return c_left, None
-    # FR: j >= p_i + max(K, 1); reversed (i' = L-1-i, j' = S-1-j): j' <= i' + S - L - (qs + K').
-    return c_left, key_len - query_len - (query_start + max(max_distance, 1))
+    # FR: j >= p_i + fr; reversed (i' = L-1-i, j' = S-1-j): j' <= i' + S - L - (qs + fr).
+    return c_left, key_len - query_len - (query_start + max(right, 1 - left))
 
 
 def _real_keys_only(key_mask: Tensor | None) -> Tensor | None:
@@ -65,15 +66,15 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _far_value_rows(rel_values: Tensor, K: int, B: int, H: int) -> Tensor:
-    """Rows -K and +K of ``rel_values`` per flat head: ``(B*H, 2, Dv)``."""
-    rows = rel_values[:, [0, 2 * K]]  # (Hr, 2, Dv)
+def _far_value_rows(rel_values: Tensor, B: int, H: int) -> Tensor:
+    """The first and last rows of ``rel_values`` per flat head: ``(B*H, 2, Dv)``."""
+    rows = rel_values[:, [0, -1]]  # (Hr, 2, Dv)
     return rows[None].expand(B, H, *rows.shape[1:]).reshape(B * H, *rows.shape[1:])
 
 
 def fused_forward(
     query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None, key_mask: Tensor | None, *, max_distance: int, is_causal: bool,
+    rel_values: Tensor | None, key_mask: Tensor | None, *, left: int, right: int, is_causal: bool,
     scale: float, query_start: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Exact clipped relative attention of contiguous ``query``, ``key``, ``value``.
@@ -84,10 +85,10 @@ def fused_forward(
         ``(B, H, L, 2)``, which the backward needs.
     """
     (B, H, L, _), S, Dv = query.shape, key.shape[2], value.shape[-1]
-    K, acc, dev = max_distance, accumulation_dtype(query.dtype), query.device
+    acc, dev = accumulation_dtype(query.dtype), query.device
     key_mask = _real_keys_only(key_mask)
     bias, counts = key_bias(key_mask, query.dtype, H)
-    c_left, c_right = region_offsets(L, S, K, is_causal, query_start)
+    c_left, c_right = region_offsets(L, S, left, right, is_causal, query_start)
     qf, kf, vf = _flat(query), _flat(key), _flat(value)
 
     o_left, lam_left = far_forward(qf, kf, vf, c_left, bias, counts, scale, reversed=False)
@@ -100,12 +101,12 @@ def fused_forward(
 
     z_left, z_right = lam_left, lam_right
     if rel_keys is not None:
-        c_far = far_key_terms(query, rel_keys, K, scale)  # (B, H, L, 2)
+        c_far = far_key_terms(query, rel_keys, scale)  # (B, H, L, 2)
         z_left = z_left + c_far[..., 0]
         z_right = z_right + c_far[..., 1]
 
-    if K >= 1:
-        layout = BandLayout.build(L, S, K, is_causal, query_start)
+    layout = BandLayout.build(L, S, left, right, is_causal, query_start)
+    if layout.num_offsets > 0:
         operands = BandOperands.prepare(
             layout, query, key, value, rel_keys, rel_values, key_mask, scale
         )
@@ -124,22 +125,22 @@ def fused_forward(
     if o_right is not None:
         out = out.addcmul_(masses[..., 1, None], o_right)
     if rel_values is not None:
-        add_rows_times_table(out, masses, rel_values[:, [0, 2 * K]].to(acc), 1.0)
+        add_rows_times_table(out, masses, rel_values[:, [0, -1]].to(acc), 1.0)
     return out.to(query.dtype).contiguous(), lse.contiguous(), o_left, masses.contiguous()
 
 
 def fused_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
     rel_values: Tensor | None, key_mask: Tensor | None, out: Tensor, lse: Tensor,
-    o_left: Tensor, masses: Tensor, *, max_distance: int, is_causal: bool, scale: float,
+    o_left: Tensor, masses: Tensor, *, left: int, right: int, is_causal: bool, scale: float,
     query_start: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Gradients of :func:`fused_forward` w.r.t. query, key, value, rel_keys, rel_values."""
     (B, H, L, D), S, Dv = query.shape, key.shape[2], value.shape[-1]
-    K, acc, dev = max_distance, accumulation_dtype(query.dtype), query.device
+    acc, dev = accumulation_dtype(query.dtype), query.device
     key_mask = _real_keys_only(key_mask)
     bias, _ = key_bias(key_mask, query.dtype, H)
-    c_left, c_right = region_offsets(L, S, K, is_causal, query_start)
+    c_left, c_right = region_offsets(L, S, left, right, is_causal, query_start)
     grad_out = grad_out.contiguous()
     go_acc = grad_out.to(acc)
     delta = row_dot(go_acc, out, acc)  # (B, H, L)
@@ -149,8 +150,8 @@ def fused_backward(
     dav = None if rel_values is None else torch.zeros(rel_values.shape, dtype=acc, device=dev)
 
     # Band first: its dq initializes the accumulator.
-    if K >= 1:
-        layout = BandLayout.build(L, S, K, is_causal, query_start)
+    layout = BandLayout.build(L, S, left, right, is_causal, query_start)
+    if layout.num_offsets > 0:
         operands = BandOperands.prepare(
             layout, query, key, value, rel_keys, rel_values, key_mask, scale
         )
@@ -172,8 +173,8 @@ def fused_backward(
         dq = torch.zeros(B, H, L, D, dtype=acc, device=dev)
         band_ds = torch.zeros(B, H, L, dtype=acc, device=dev)
 
-    c_far = None if rel_keys is None else far_key_terms(query, rel_keys, K, scale)  # (B, H, L, 2)
-    av_flat = None if rel_values is None else _far_value_rows(rel_values, K, B, H)  # (BH, 2, Dv)
+    c_far = None if rel_keys is None else far_key_terms(query, rel_keys, scale)  # (B, H, L, 2)
+    av_flat = None if rel_values is None else _far_value_rows(rel_values, B, H)  # (BH, 2, Dv)
     dqf, dkf, dvf = dq.view(1, B * H, L, D), dk[None], dv[None]  # views: updated in place
     regions = [(0, False, c_left)] if c_right is None else [(0, False, c_left), (1, True, c_right)]
     for side, reversed_, c in regions:
@@ -188,20 +189,20 @@ def fused_backward(
     # FL directly; FR from "dS sums to zero over each row".
     dot = row_dot(go_acc, o_left, acc)  # (B, H, L)
     if rel_values is not None:
-        av = rel_values[:, [0, 2 * K]].to(acc)  # (Hr, 2, Dv)
+        av = rel_values[:, [0, -1]].to(acc)  # (Hr, 2, Dv)
         dot = dot + torch.matmul(go_acc, av[:, 0, :, None]).squeeze(-1)
     dc_left = masses[..., 0] * (dot - delta)  # (B, H, L)
     # (B, H, L, F)
     dc = dc_left[..., None] if c_right is None else torch.stack((dc_left, -dc_left - band_ds), -1)
     n_far = dc.shape[-1]
     if rel_keys is not None and dak is not None:
-        ak = rel_keys[:, [0, 2 * K]].to(acc)  # (Hr, 2, D)
+        ak = rel_keys[:, [0, -1]].to(acc)  # (Hr, 2, D)
         add_rows_times_table(dq, dc, ak[:, :n_far], scale)  # (B, H, L, D)
         g_rows = torch.einsum("bhlf,bhld->hfd", dc, query.to(acc)) * scale  # (H, F, D)
-        add_far_rows(dak, g_rows, K)
+        add_far_rows(dak, g_rows)
     if rel_values is not None and dav is not None:
         g_rows = torch.einsum("bhlf,bhld->hfd", masses[..., :n_far].to(acc), go_acc)
-        add_far_rows(dav, g_rows, K)
+        add_far_rows(dav, g_rows)
     dt = query.dtype
     return (
         dq.to(dt), dk.view(B, H, S, D).to(dt), dv.view(B, H, S, Dv).to(dt),

@@ -2,7 +2,8 @@
 
 A region ``X`` of a query row contributes its plain output ``o^X``, its log-mass ``z^X``
 (logsumexp of its scores, plus its constant relative key term for a far region) and, for a
-far region, its value row ``aV[-K]`` or ``aV[+K]`` (DESIGN.md §3)::
+far region, its value row ``aV[-left]`` (the table's first row) or ``aV[+right]`` (its last
+row) (DESIGN.md §3)::
 
     LSE = logsumexp_X z^X,   m^X = exp(z^X - LSE),   out = sum_X m^X (o^X + aV^X)
 
@@ -65,10 +66,11 @@ def merge_rows(
     lam[:, :, rows] = new_l
 
 
-def far_key_terms(q: Tensor, rel_keys: Tensor, K: int, scale: float) -> Tensor:
-    """``scale * q . rel_keys[-K]`` and ``... [+K]`` as ``(B, H, L, 2)`` (accumulation dtype)."""
+def far_key_terms(q: Tensor, rel_keys: Tensor, scale: float) -> Tensor:
+    """``scale * q . rel_keys[first row]`` and ``... [last row]`` (offsets ``-left`` and
+    ``+right``) as ``(B, H, L, 2)`` in the accumulation dtype."""
     acc = accumulation_dtype(q.dtype)
-    rows = rel_keys[:, [0, 2 * K]].to(acc).transpose(-1, -2) * scale  # (Hr, D, 2)
+    rows = rel_keys[:, [0, -1]].to(acc).transpose(-1, -2) * scale  # (Hr, D, 2)
     return torch.matmul(q.to(acc), rows)  # (B, H, L, 2)
 
 
@@ -98,10 +100,11 @@ def add_rows_times_table(x: Tensor, w: Tensor, table: Tensor, alpha: float) -> N
             x[b, h].addmm_(w[b, h].to(x.dtype), tab[0 if tab.shape[0] == 1 else h], alpha=alpha)
 
 
-def add_far_rows(table_grad: Tensor, g_rows: Tensor, K: int) -> None:
-    """Add ``(H, F, X)`` gradients of rows -K (and +K) into a ``(Hr, R, X)`` table gradient."""
+def add_far_rows(table_grad: Tensor, g_rows: Tensor) -> None:
+    """Add ``(H, F, X)`` gradients of the first row (and the last) into a ``(Hr, R, X)`` table
+    gradient (with one row, both go to it)."""
     if table_grad.shape[0] == 1:
         g_rows = g_rows.sum(0, keepdim=True)
     table_grad[:, 0] += g_rows[:, 0]
     if g_rows.shape[1] > 1:
-        table_grad[:, 2 * K] += g_rows[:, 1]
+        table_grad[:, -1] += g_rows[:, 1]

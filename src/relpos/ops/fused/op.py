@@ -29,7 +29,8 @@ def fused_attention(
     rel_values: Tensor | None,
     key_mask: Tensor | None,
     *,
-    max_distance: int,
+    left: int,
+    right: int,
     is_causal: bool,
     scale: float,
     query_start: int,
@@ -46,7 +47,7 @@ def fused_attention(
         return out, lse, query.new_zeros(B, H, L, Dv), masses
     return fused_forward(
         query.contiguous(), key.contiguous(), value.contiguous(), rel_keys, rel_values, key_mask,
-        max_distance=max_distance, is_causal=is_causal, scale=scale, query_start=query_start,
+        left=left, right=right, is_causal=is_causal, scale=scale, query_start=query_start,
     )
 
 
@@ -76,7 +77,8 @@ def fused_attention_backward(
     o_left: Tensor,
     masses: Tensor,
     *,
-    max_distance: int,
+    left: int,
+    right: int,
     is_causal: bool,
     scale: float,
     query_start: int,
@@ -92,7 +94,7 @@ def fused_attention_backward(
     else:
         dq, dk, dv, drk, drv = fused_backward(
             grad_out, query.contiguous(), key.contiguous(), value.contiguous(), rel_keys,
-            rel_values, key_mask, out, lse, o_left, masses, max_distance=max_distance,
+            rel_values, key_mask, out, lse, o_left, masses, left=left, right=right,
             is_causal=is_causal, scale=scale, query_start=query_start,
         )
     return (
