@@ -1,0 +1,1 @@
+"""Bridges to other frameworks (optional extras): ``relpos.integrations.transformers``."""

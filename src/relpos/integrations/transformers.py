@@ -1,0 +1,172 @@
+"""Hugging Face ``transformers`` models through relpos (extra ``relpos[transformers]``).
+
+:func:`patch` routes the Shaw-style self-attention of a ``transformers`` model through
+:func:`relpos.relative_attention`, in place. Supported: the ``relative_key`` self-attention of
+w2v-BERT 2.0 (``Wav2Vec2BertModel`` and every model built on it, e.g.
+``Wav2Vec2BertForCTC``) and of SeamlessM4T v2's speech encoder: the keys term only, one table
+``distance_embedding`` of ``left + right + 1`` rows shared by all heads, offsets ``j - i``
+clipped to ``[-left_max_position_embeddings, +right_max_position_embeddings]`` (``(64, 8)`` in
+the released checkpoints), both score terms scaled by ``head_size ** -0.5``. That is exactly
+relpos's math with ``max_distance=(left, right)``, ``rel_keys=distance_embedding.weight``.
+
+``transformers`` builds an ``(L, S, head_size)`` embedding and a dense ``(B, H, L, S)`` bias in
+every layer; relpos serves the same numbers with the fused backend's O(n) memory. Parameters,
+buffers and the state dict are untouched (only each attention module's ``forward`` is
+replaced), so ``save_pretrained`` / ``from_pretrained`` round trips are as before; patch a
+model again after loading it.
+
+Example::
+
+    model = Wav2Vec2BertModel.from_pretrained(...)
+    relpos.integrations.transformers.patch(model)   # -> number of attention modules patched
+
+Shape legend: B batch, L = S frames, H heads, D head size.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from relpos.functional import relative_attention, relative_attention_with_weights
+
+__all__ = ["SUPPORTED", "is_patched", "patch"]
+
+SUPPORTED: dict[str, str] = {
+    "Wav2Vec2BertSelfAttention": "transformers.models.wav2vec2_bert.modeling_wav2vec2_bert",
+    "SeamlessM4Tv2ConformerSelfAttention":
+        "transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2",
+}
+"""Attention classes :func:`patch` serves, by name, with the module that defines them."""
+
+_PATCHED = "_relpos_patched"
+
+
+def _supported_classes() -> tuple[type, ...]:
+    import importlib
+
+    try:
+        import transformers  # noqa: F401
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            "relpos.integrations.transformers needs the transformers package: "
+            "pip install 'relpos[transformers]'"
+        ) from err
+    classes = []
+    for name, module in SUPPORTED.items():
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ModuleNotFoundError, AttributeError):  # not in this transformers version
+            continue
+    return tuple(classes)
+
+
+def _key_mask(attention_mask: Tensor | None, B: int, L: int) -> tuple[Tensor | None, Tensor | None]:
+    """``(key_mask, attn_mask)`` for relpos from the 4-D mask ``transformers`` hands a layer.
+
+    A padding-only mask (every query row the same) becomes a ``(B, S)`` key mask (True = real
+    frame), which the fused backend serves in O(n) memory; anything else is passed on as a
+    dense mask (bool True = may attend, or float added to the scores).
+    """
+    if attention_mask is None:
+        return None, None
+    mask = attention_mask
+    if mask.dim() != 4:
+        raise ValueError(
+            f"expected the 4-D attention mask transformers builds, got shape {tuple(mask.shape)}"
+        )
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    if mask.dtype != torch.bool and not bool(((mask == 0) | ~visible).all()):
+        return None, mask  # a float bias, not just a mask: added to the scores as it is
+    first = visible[:, 0, :1, :]  # (B, 1, S)
+    if visible.shape[1] == 1 and bool((visible[:, 0] == first).all()):
+        return first[:, 0].expand(B, visible.shape[-1]).contiguous(), None
+    return None, visible
+
+
+def _relpos_forward(
+    self: Any,  # a supported transformers attention module
+    hidden_states: Tensor,
+    attention_mask: Tensor | None = None,
+    relative_position_embeddings: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """The patched forward: the same projections, relpos's attention."""
+    B, L, _ = hidden_states.shape
+    H, D = self.num_heads, self.head_size
+
+    def heads(x: Tensor) -> Tensor:
+        return x.view(B, L, H, D).transpose(1, 2)  # (B, H, L, D)
+
+    q = heads(self.linear_q(hidden_states))
+    k = heads(self.linear_k(hidden_states))
+    v = heads(self.linear_v(hidden_states))
+    key_mask, attn_mask = _key_mask(attention_mask, B, L)
+    options: dict[str, Any] = dict(
+        max_distance=(self.left_max_position_embeddings, self.right_max_position_embeddings),
+        rel_keys=self.distance_embedding.weight.to(q.dtype), key_mask=key_mask,
+        attn_mask=attn_mask, dropout_p=self.dropout.p if self.training else 0.0,
+        scale=self.scaling,
+    )
+    weights: Tensor | None = None
+    if kwargs.get("output_attentions"):
+        out, weights = relative_attention_with_weights(q, k, v, **options)
+    else:
+        out = relative_attention(q, k, v, **options)
+    out = out.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
+    return self.linear_out(out), weights
+
+
+def _refusal(module: nn.Module) -> str | None:
+    kind = getattr(module, "position_embeddings_type", None)
+    if kind != "relative_key":
+        return (f"{type(module).__name__} uses position_embeddings_type={kind!r}; relpos serves "
+                "'relative_key' (Shaw-style clipped relative keys)")
+    return None
+
+
+def patch(model: nn.Module) -> int:
+    """Route every supported self-attention of ``model`` through relpos, in place.
+
+    Args:
+        model: a ``transformers`` model (``nn.Module``) containing supported attention modules
+            (see :data:`SUPPORTED`) with ``position_embeddings_type="relative_key"``.
+
+    Returns:
+        The number of attention modules patched (modules already patched count too).
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: if the model has no supported attention, or one whose configuration relpos
+            does not serve (for example ``position_embeddings_type="rotary"``); nothing is
+            patched then.
+        ModuleNotFoundError: without the ``transformers`` package.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"patch expects a transformers model (nn.Module), got {type(model).__name__}"
+        )
+    classes = _supported_classes()
+    found = [m for m in model.modules() if isinstance(m, classes)]
+    # Attention without positions (w2v-BERT's adapter layers) stays as it is.
+    relative = [m for m in found if getattr(m, "position_embeddings_type", None) is not None]
+    if not relative:
+        raise ValueError(
+            f"{type(model).__name__} has no attention relpos can serve (supported: "
+            f"{', '.join(SUPPORTED)} with position_embeddings_type='relative_key')"
+        )
+    refusals = [r for r in map(_refusal, relative) if r is not None]
+    if refusals:
+        raise ValueError(f"cannot patch {type(model).__name__}: {refusals[0]}; nothing was patched")
+    for module in relative:
+        module.forward = types.MethodType(_relpos_forward, module)
+        setattr(module, _PATCHED, True)
+    return len(relative)
+
+
+def is_patched(module: nn.Module) -> bool:
+    """Whether :func:`patch` routed this attention module (or any inside it) through relpos."""
+    return any(getattr(m, _PATCHED, False) for m in module.modules())
