@@ -131,11 +131,23 @@ class BandLayout:
         start = self.first_offset + self.left
         return slice(start, start + self.num_offsets)
 
-    def chunks(self, flat_heads: int, chunk_elems: int) -> list[tuple[int, int, int]]:
-        """``(h, t0, t1)``: one flat head and a range of its tiles, at most ``chunk_elems``
-        scores each, heads in order."""
-        per = max(1, chunk_elems // (self.tile * self.window))
-        return [(h, t0, min(self.num_tiles, t0 + per))
+    def chunks(
+        self, flat_heads: int, chunk_elems: int, num_heads: int
+    ) -> list[tuple[int, int, int, int]]:
+        """``(h0, h1, t0, t1)``: flat heads ``[h0, h1)`` and their tiles ``[t0, t1)``, at most
+        ``chunk_elems`` scores each, in order. Short sequences take several heads per chunk (all
+        their tiles, so a chunk is one batched matmul, not a Python loop over B·H); a group is a
+        multiple of H or a divisor of it, so it never straddles heads unevenly."""
+        per = max(1, chunk_elems // (self.tile * self.window))  # tiles per chunk
+        if per >= 2 * self.num_tiles and flat_heads > 1:
+            group = min(flat_heads, per // self.num_tiles)
+            if group >= num_heads:
+                group -= group % num_heads
+            else:
+                group = max(d for d in range(1, group + 1) if num_heads % d == 0)
+            return [(h0, min(flat_heads, h0 + group), 0, self.num_tiles)
+                    for h0 in range(0, flat_heads, group)]
+        return [(h, h + 1, t0, min(self.num_tiles, t0 + per))
                 for h in range(flat_heads) for t0 in range(0, self.num_tiles, per)]
 
     def real_source_rows(self) -> tuple[slice, slice]:
@@ -144,10 +156,13 @@ class BandLayout:
         m1 = max(min(self.source_len, self.key_len - self.first_key), m0)
         return slice(m0, m1), slice(self.first_key + m0, self.first_key + m1)
 
-    def windows(self, source: Tensor) -> Tensor:
-        """Overlapping tile windows of one head's source rows, a view: ``(rows, X) ->
-        (tiles, W, X)``."""
-        return source.unfold(0, self.window, self.tile)[: self.num_tiles].transpose(1, 2)
+    def windows(self, source: Tensor, t0: int, t1: int) -> Tensor:
+        """Tile windows ``[t0, t1)`` of a group's source rows: ``(G, rows, X) ->
+        (G * tiles, W, X)``; a view for one head, a copy for several."""
+        tiled = source.unfold(1, self.window, self.tile)[:, t0:t1].transpose(-1, -2)
+        if source.shape[0] == 1:
+            return tiled[0]
+        return tiled.reshape(-1, self.window, source.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -210,56 +225,85 @@ class BandOperands:
     def acc(self) -> torch.dtype:
         return self.queries.dtype
 
-    def table_of(self, table: Tensor, h: int) -> Tensor:
-        """Flat head ``h``'s ``(P, X)`` rows of a shared or per-head band table."""
-        return table[0] if table.shape[0] == 1 else table[h % self.num_heads]
+    def tables_of(self, table: Tensor, h0: int, h1: int) -> Tensor:
+        """The ``(1 | G, P, X)`` band table rows of flat heads ``[h0, h1)``: one shared table,
+        or one per head (a group never straddles heads unevenly, see ``chunks``)."""
+        if table.shape[0] == 1:
+            return table
+        heads = torch.arange(h0, h1, device=table.device) % self.num_heads
+        return table.index_select(0, heads)
 
-    def head_windows(self, layout: BandLayout, h: int) -> tuple[Tensor, Tensor]:
-        """Flat head ``h``'s key and value sources: rows ``first_key ..`` of its keys and
-        values, zeros outside ``[0, S)``, ``(source rows, D|Dv)`` each."""
-        return (_window_source(self.keys[h], layout.first_key, layout.source_len, self.acc),
-                _window_source(self.values[h], layout.first_key, layout.source_len, self.acc))
+    def head_windows(self, layout: BandLayout, h0: int, h1: int) -> tuple[Tensor, Tensor]:
+        """Flat heads ``[h0, h1)``'s key and value sources: rows ``first_key ..`` of their keys
+        and values, zeros outside ``[0, S)``, ``(G, source rows, D|Dv)`` each."""
+        return (_window_source(self.keys[h0:h1], layout.first_key, layout.source_len, self.acc),
+                _window_source(self.values[h0:h1], layout.first_key, layout.source_len,
+                               self.acc))
 
 
-def _window_source(x_SX: Tensor, start: int, length: int, dtype: torch.dtype) -> Tensor:
-    """Rows ``start .. start + length - 1`` of one head's ``(S, X)`` rows, zeros outside."""
-    S, X = x_SX.shape
+def _window_source(x_GSX: Tensor, start: int, length: int, dtype: torch.dtype) -> Tensor:
+    """Rows ``start .. start + length - 1`` of a group's ``(G, S, X)`` rows, zeros outside."""
+    G, S, X = x_GSX.shape
     lo, hi = max(start, 0), min(start + length, S)
-    core = x_SX[lo : max(hi, lo)]
+    core = x_GSX[:, lo : max(hi, lo)]
     left = min(length, max(0, -start))
-    src = torch.empty(length, X, dtype=dtype, device=x_SX.device)
-    src[:left].zero_()
-    src[left + core.shape[0] :].zero_()
-    src[left : left + core.shape[0]] = core
+    src = torch.empty(G, length, X, dtype=dtype, device=x_GSX.device)
+    src[:, :left].zero_()
+    src[:, left + core.shape[1] :].zero_()
+    src[:, left : left + core.shape[1]] = core
     return src
 
 
+def _times_tables(x: Tensor, tables: Tensor, G: int, transpose: bool) -> Tensor:
+    """``x @ table`` (``table.T`` if ``transpose``) per head of a group: ``x (G * rows, A)``
+    against ``tables (1 | G, A|C, C|A)``, returning ``(G * rows, C)``."""
+    tab = tables.transpose(1, 2) if transpose else tables
+    if tab.shape[0] == 1:
+        return torch.mm(x, tab[0])
+    return torch.bmm(x.view(G, -1, x.shape[-1]), tab).view(x.shape[0], -1)
+
+
+def _add_per_head(grad: Tensor, contrib: Tensor, h0: int) -> None:
+    """Add per-flat-head contributions ``(G, P, X)`` of heads ``[h0, h0 + G)`` into the
+    ``(H, P, X)`` per-head gradient, deterministically."""
+    H, G = grad.shape[0], contrib.shape[0]
+    if G >= H:
+        grad += contrib.view(G // H, H, *contrib.shape[1:]).sum(0)
+    else:
+        grad[h0 % H : h0 % H + G] += contrib
+
+
 def band_scores(
-    layout: BandLayout, ops: BandOperands, key_source: Tensor, h: int, t0: int, t1: int
+    layout: BandLayout, ops: BandOperands, key_source: Tensor, h0: int, h1: int, t0: int,
+    t1: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Scores of tiles ``[t0, t1)`` of flat head ``h``, -inf off the band.
+    """Scores of tiles ``[t0, t1)`` of flat heads ``[h0, h1)``, -inf off the band.
 
     Returns:
-        ``scores (tiles, T, W)``, the tiles' queries ``(tiles, T, D)`` and key windows
-        ``(tiles, W, D)``.
+        ``scores (G * tiles, T, W)``, the tiles' queries ``(G * tiles, T, D)`` and key windows
+        ``(G * tiles, W, D)``.
     """
-    T, P = layout.tile, layout.table_rows
+    T, P, G, tiles = layout.tile, layout.table_rows, h1 - h0, t1 - t0
     D = ops.queries.shape[-1]
-    q_tiles = ops.queries[h, t0 * T : t1 * T].view(t1 - t0, T, D)  # (tiles, T, D)
-    key_windows = layout.windows(key_source)[t0:t1]  # (tiles, W, D)
+    q_tiles = ops.queries[h0:h1, t0 * T : t1 * T].reshape(G * tiles, T, D)
+    key_windows = layout.windows(key_source, t0, t1)  # (G * tiles, W, D)
     s = torch.baddbmm(ops.off_band, q_tiles, key_windows.transpose(1, 2), alpha=ops.scale)
     if ops.key_table is not None:
-        rel = torch.mm(q_tiles.view(-1, D), ops.table_of(ops.key_table, h).t())  # (tiles*T, P)
-        unskew(s, P).add_(rel.view(t1 - t0, T, P))
+        tables = ops.tables_of(ops.key_table, h0, h1)
+        rel = _times_tables(q_tiles.view(-1, D), tables, G, transpose=True)  # (G*tiles*T, P)
+        unskew(s, P).add_(rel.view(G * tiles, T, P))
     need = ops.tiles_with_bias[t0:t1]
     if any(need):
-        bias = ops.column_bias[0 if ops.column_bias.shape[0] == 1 else h // ops.num_heads, t0:t1]
-        if all(need):
-            s += bias[:, None, :]
+        cb = ops.column_bias
+        if cb.shape[0] > 1:  # per batch row: flat head h is batch row h // H
+            cb = cb.index_select(0, torch.arange(h0, h1, device=cb.device) // ops.num_heads)
+        bias = cb[:, t0:t1]  # (1 | G, tiles, W)
+        if G > 1 or all(need):
+            s.view(G, tiles, T, -1).add_(bias[:, :, None, :])
         else:
             for t, flag in enumerate(need):
                 if flag:
-                    s[t] += bias[t, None, :]
+                    s[t] += bias[0, t, None, :]
     return s, q_tiles, key_windows
 
 
@@ -276,22 +320,23 @@ def band_forward(layout: BandLayout, ops: BandOperands) -> tuple[Tensor, Tensor,
     row_max = torch.empty(N, Lp, dtype=acc, device=dev)
     row_sum = torch.empty(N, Lp, dtype=acc, device=dev)
     low = torch.finfo(acc).min
-    source_head = -1
-    for h, t0, t1 in layout.chunks(N, CHUNK_ELEMS * 4):
-        if h != source_head:
-            key_source, value_source = ops.head_windows(layout, h)
-            source_head = h
-        rows = slice(t0 * T, t1 * T)
-        s, _, _ = band_scores(layout, ops, key_source, h, t0, t1)
-        m = s.amax(-1, keepdim=True).clamp_(min=low)  # (tiles, T, 1); finite
-        p = s.sub_(m).exp_()  # (tiles, T, W): probabilities up to a per-row factor
-        o_h = out[h, rows]  # (tiles*T, Dv), contiguous
-        torch.bmm(p, layout.windows(value_source)[t0:t1], out=o_h.view(t1 - t0, T, Dv))
-        torch.sum(p, -1, out=row_sum[h, rows].view(t1 - t0, T))
-        row_max[h, rows] = m.view(-1)
+    group = (-1, -1)
+    for h0, h1, t0, t1 in layout.chunks(N, CHUNK_ELEMS * 4, ops.num_heads):
+        if (h0, h1) != group:
+            key_source, value_source = ops.head_windows(layout, h0, h1)
+            group = (h0, h1)
+        G, tiles, rows = h1 - h0, t1 - t0, slice(t0 * T, t1 * T)
+        s, _, _ = band_scores(layout, ops, key_source, h0, h1, t0, t1)
+        m = s.amax(-1, keepdim=True).clamp_(min=low)  # (G*tiles, T, 1); finite
+        p = s.sub_(m).exp_()  # (G*tiles, T, W): probabilities up to a per-row factor
+        o = out[h0:h1, rows]  # (G, tiles*T, Dv), contiguous (a group spans whole heads)
+        torch.bmm(p, layout.windows(value_source, t0, t1), out=o.view(G * tiles, T, Dv))
+        torch.sum(p, -1, out=row_sum[h0:h1, rows].view(G * tiles, T))
+        row_max[h0:h1, rows] = m.view(G, -1)
         if ops.value_table is not None:
-            p_band = unskew(p, P).contiguous().view(-1, P)  # (tiles*T, P)
-            o_h.addmm_(p_band, ops.table_of(ops.value_table, h))
+            p_band = unskew(p, P).contiguous().view(-1, P)  # (G*tiles*T, P)
+            tables = ops.tables_of(ops.value_table, h0, h1)
+            o.view(-1, Dv).add_(_times_tables(p_band, tables, G, transpose=False))
     return out, row_max, row_sum.log_().add_(row_max)
 
 
@@ -317,54 +362,63 @@ def band_backward(
     dev, acc, Lp = grad_out.device, ops.acc, layout.padded_queries
     dq = torch.zeros(N, Lp, D, dtype=acc, device=dev)
     ds_sum = torch.zeros(N, Lp, dtype=acc, device=dev)
-    dk_src = torch.zeros(layout.source_len, D, dtype=acc, device=dev)
-    dv_src = torch.zeros(layout.source_len, Dv, dtype=acc, device=dev)
     dak = None if ops.key_table is None else torch.zeros(H, P, D, dtype=acc, device=dev)
     dav = None if ops.value_table is None else torch.zeros(H, P, Dv, dtype=acc, device=dev)
-    dk_blocks = dk_src.view(-1, T, D)  # source rows in blocks of T
-    dv_blocks = dv_src.view(-1, T, Dv)
     real_src, real_keys = layout.real_source_rows()
-    chunks = layout.chunks(N, CHUNK_ELEMS)
-    source_head = -1
-    for n, (h, t0, t1) in enumerate(chunks):
-        if h != source_head:
-            key_source, value_source = ops.head_windows(layout, h)
-            source_head = h
-        tiles = t1 - t0
-        rows = slice(t0 * T, t1 * T)
-        s, q_tiles, key_windows = band_scores(layout, ops, key_source, h, t0, t1)
-        p = s.sub_(lse[h, rows].view(tiles, T, 1)).exp_()  # (tiles, T, W): global P
-        go = grad_out[h, rows].view(tiles, T, Dv)
-        value_windows = layout.windows(value_source)[t0:t1]  # (tiles, W, Dv)
+    chunks = layout.chunks(N, CHUNK_ELEMS, H)
+    group = (-1, -1)
+    for n, (h0, h1, t0, t1) in enumerate(chunks):
+        G, tiles, rows = h1 - h0, t1 - t0, slice(t0 * T, t1 * T)
+        if (h0, h1) != group:
+            key_source, value_source = ops.head_windows(layout, h0, h1)
+            dk_src = torch.zeros(G, layout.source_len, D, dtype=acc, device=dev)
+            dv_src = torch.zeros(G, layout.source_len, Dv, dtype=acc, device=dev)
+            group = (h0, h1)
+        s, q_tiles, key_windows = band_scores(layout, ops, key_source, h0, h1, t0, t1)
+        p = s.sub_(lse[h0:h1, rows].reshape(G * tiles, T, 1)).exp_()  # global P
+        go = grad_out[h0:h1, rows].reshape(G * tiles, T, Dv)
+        value_windows = layout.windows(value_source, t0, t1)  # (G*tiles, W, Dv)
         # dP - delta = grad_out . (v_j + rel_values[r]) - delta
-        ds = torch.baddbmm(-delta[h, rows].view(tiles, T, 1), go, value_windows.transpose(1, 2))
+        ds = torch.baddbmm(-delta[h0:h1, rows].reshape(G * tiles, T, 1), go,
+                           value_windows.transpose(1, 2))
         if ops.value_table is not None:
-            rel = torch.mm(go.view(-1, Dv), ops.table_of(ops.value_table, h).t())  # (tiles*T, P)
-            unskew(ds, P).add_(rel.view(tiles, T, P))
-        ds = ds.mul_(p)  # (tiles, T, W): dS
-        ds_sum[h, rows] = ds.sum(-1).view(-1)
-        dq_tiles = dq[h, rows].view(tiles, T, D)
+            v_tables = ops.tables_of(ops.value_table, h0, h1)
+            rel = _times_tables(go.view(-1, Dv), v_tables, G, transpose=True)  # (G*tiles*T, P)
+            unskew(ds, P).add_(rel.view(G * tiles, T, P))
+        ds = ds.mul_(p)  # (G*tiles, T, W): dS
+        ds_sum[h0:h1, rows] = ds.sum(-1).view(G, -1)
+        dq_tiles = dq[h0:h1, rows].view(G * tiles, T, D)  # contiguous: whole heads or one head
         dq_tiles.baddbmm_(ds, key_windows, alpha=ops.scale)
         if ops.key_table is not None:
             assert dak is not None
-            ds_band = unskew(ds, P).contiguous().view(-1, P)  # (tiles*T, P)
-            dq_tiles.view(-1, D).addmm_(ds_band, ops.table_of(ops.key_table, h))
-            dak[h % H].addmm_(ds_band.t(), q_tiles.view(-1, D), alpha=ops.scale)
+            ds_band = unskew(ds, P).contiguous().view(-1, P)  # (G*tiles*T, P)
+            k_tables = ops.tables_of(ops.key_table, h0, h1)
+            dq_tiles.view(-1, D).add_(_times_tables(ds_band, k_tables, G, transpose=False))
+            contrib = torch.bmm(ds_band.view(G, -1, P).transpose(1, 2), q_tiles.view(G, -1, D))
+            _add_per_head(dak, contrib.mul_(ops.scale), h0)
         if ops.value_table is not None:
             assert dav is not None
             p_band = unskew(p, P).contiguous().view(-1, P)
-            dav[h % H].addmm_(p_band.t(), go.view(-1, Dv))
+            _add_per_head(dav, torch.bmm(p_band.view(G, -1, P).transpose(1, 2),
+                                         go.view(G, -1, Dv)), h0)
         # Windows overlap: add them block by block (T source rows), deterministically.
+        dk_blocks = dk_src.view(G, -1, T, D)
+        dv_blocks = dv_src.view(G, -1, T, Dv)
         for seg in range(layout.segments):
             cols = slice(seg * T, (seg + 1) * T)
             blocks = slice(t0 + seg, t1 + seg)
-            dk_blocks[blocks].baddbmm_(ds[:, :, cols].transpose(1, 2), q_tiles, alpha=ops.scale)
-            dv_blocks[blocks].baddbmm_(p[:, :, cols].transpose(1, 2), go)
-        if n + 1 == len(chunks) or chunks[n + 1][0] != h:  # head done: hand over dk, dv
-            dk[h, real_keys] += dk_src[real_src]
-            dv[h, real_keys] += dv_src[real_src]
-            dk_src.zero_()
-            dv_src.zero_()
+            if G == 1:
+                dk_blocks[0, blocks].baddbmm_(ds[:, :, cols].transpose(1, 2), q_tiles,
+                                              alpha=ops.scale)
+                dv_blocks[0, blocks].baddbmm_(p[:, :, cols].transpose(1, 2), go)
+            else:
+                dk_part = torch.bmm(ds[:, :, cols].transpose(1, 2), q_tiles).mul_(ops.scale)
+                dk_blocks[:, blocks] += dk_part.view(G, tiles, T, D)
+                dv_part = torch.bmm(p[:, :, cols].transpose(1, 2), go)
+                dv_blocks[:, blocks] += dv_part.view(G, tiles, T, Dv)
+        if n + 1 == len(chunks) or chunks[n + 1][:2] != (h0, h1):  # group done: hand over
+            dk[h0:h1, real_keys] += dk_src[:, real_src]
+            dv[h0:h1, real_keys] += dv_src[:, real_src]
     used = layout.num_offsets
     return (dq, ds_sum, None if dak is None else dak[:, :used],
             None if dav is None else dav[:, :used])

@@ -74,30 +74,41 @@ def far_key_terms(q: Tensor, rel_keys: Tensor, scale: float) -> Tensor:
     return torch.matmul(q.to(acc), rows)  # (B, H, L, 2)
 
 
+ROWS_PER_CHUNK = 1 << 16
+"""Row-wise merges take heads in chunks of about this many rows: no temporary as large as a
+whole ``(B, H, L, X)`` input, and no Python loop over B·H for short sequences."""
+
+
+def _head_chunks(N: int, L: int) -> range:
+    return range(0, N, max(1, ROWS_PER_CHUNK // max(1, L)))
+
+
 def row_dot(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
-    """``(a * b).sum(-1)`` of ``(B, H, L, X)`` tensors in ``acc``, one head at a time, so no
-    temporary as large as ``a`` is made."""
+    """``(a * b).sum(-1)`` of ``(B, H, L, X)`` tensors in ``acc``, heads in chunks."""
     B, H, L, X = a.shape
     af, bf = a.reshape(B * H, L, X), b.reshape(B * H, L, X)
     res = torch.empty(B * H, L, dtype=acc, device=a.device)
-    for h in range(B * H):
-        res[h] = (af[h].to(acc) * bf[h].to(acc)).sum(-1)
+    step = _head_chunks(B * H, L).step
+    for h in _head_chunks(B * H, L):
+        res[h : h + step] = (af[h : h + step].to(acc) * bf[h : h + step].to(acc)).sum(-1)
     return res.view(B, H, L)
 
 
 def add_rows_times_table(x: Tensor, w: Tensor, table: Tensor, alpha: float) -> None:
-    """``x += alpha * w @ table[head]`` in place, one head at a time (no full-size temporary).
+    """``x += alpha * w @ table[head]`` in place, heads in chunks (no full-size temporary).
 
     Args:
-        x: ``(B, H, L, X)``, updated in place.
+        x: ``(B, H, L, X)``, contiguous, updated in place.
         w: ``(B, H, L, F)``.
         table: ``(Hr, F, X)``.
     """
-    B, H = x.shape[:2]
-    tab = table.to(x.dtype)
-    for b in range(B):
-        for h in range(H):
-            x[b, h].addmm_(w[b, h].to(x.dtype), tab[0 if tab.shape[0] == 1 else h], alpha=alpha)
+    B, H, L, X = x.shape
+    tab = table.to(x.dtype).expand(H, *table.shape[1:])[None].expand(B, H, *table.shape[1:])
+    xf, wf, tf = x.view(B * H, L, X), w.reshape(B * H, L, -1).to(x.dtype), tab.reshape(
+        B * H, *table.shape[1:])
+    step = _head_chunks(B * H, L).step
+    for h in _head_chunks(B * H, L):
+        xf[h : h + step].baddbmm_(wf[h : h + step], tf[h : h + step], alpha=alpha)
 
 
 def add_far_rows(table_grad: Tensor, g_rows: Tensor) -> None:
