@@ -95,15 +95,20 @@ def assert_same_as_reference(
 
 
 def manual_mha(mha: relpos.RelativeMultiheadAttention, x: torch.Tensor, **kwargs) -> torch.Tensor:
-    """The module's math written out: projections, heads, reference attention, output."""
+    """The module's math written out: projections, heads, reference attention, output.
+
+    ``x`` is ``(B, L, E)``; ``kwargs`` are :func:`relpos.relative_attention`'s (its mask
+    meanings: True = may attend, ``key_mask`` True = real token)."""
     B, L, E = x.shape
     H, D = mha.num_heads, mha.head_dim
 
     def heads(t):
         return t.view(B, L, H, D).transpose(1, 2)
 
+    wq, wk, wv = mha.in_proj_weight.chunk(3)
+    bq, bk, bv = mha.in_proj_bias.chunk(3)
     out = relpos.relative_attention(
-        heads(mha.q_proj(x)), heads(mha.k_proj(x)), heads(mha.v_proj(x)),
+        heads(x @ wq.T + bq), heads(x @ wk.T + bk), heads(x @ wv.T + bv),
         max_distance=mha.max_distance, rel_keys=mha.rel_keys, rel_values=mha.rel_values,
         implementation="reference", **kwargs,
     )

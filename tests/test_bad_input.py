@@ -51,8 +51,31 @@ def attn(**overrides: Any) -> Callable[[], object]:
     return lambda: relative_attention(**kwargs)
 
 
-def mha(*args: Any, **kwargs: Any) -> RelativeMultiheadAttention:
-    return RelativeMultiheadAttention(8, 2, 2, *args, **kwargs)
+def mha(**kwargs: Any) -> RelativeMultiheadAttention:
+    """A batch-first attention (E = 8, H = 2, K = 2) with ``kwargs`` changed."""
+    options: dict[str, Any] = dict(batch_first=True, max_distance=2)
+    options.update(kwargs)
+    return RelativeMultiheadAttention(8, 2, **options)
+
+
+def enc(**kwargs: Any) -> EncoderLayer:
+    options: dict[str, Any] = dict(dim_feedforward=16, batch_first=True, max_distance=2)
+    options.update(kwargs)
+    return EncoderLayer(8, 2, **options)
+
+
+def dec(**kwargs: Any) -> DecoderLayer:
+    options: dict[str, Any] = dict(dim_feedforward=16, batch_first=True, max_distance=2)
+    options.update(kwargs)
+    return DecoderLayer(8, 2, **options)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _state_with(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A valid attention state dict with some entries replaced."""
+    return {**mha().state_dict(), **changes}
 
 
 def _filled_cache() -> KVCache:
@@ -121,47 +144,144 @@ CASES: list[tuple[str, Callable[[], object], type[BaseException], str]] = [
      "implementation 'fused' cannot serve this call: dropout_p=0.1"),
     ("fused with Dv != D", attn(value=torch.randn(B, H, S, 6), rel_values=None,
                                 implementation="fused"), RuntimeError, "Dv=6 differs from D=4"),
-    # --- modules ----------------------------------------------------------------------------
-    ("embed_dim % heads", lambda: RelativeMultiheadAttention(10, 3, 2), ValueError,
+    # --- modules: construction ---------------------------------------------------------------
+    ("embed_dim % heads", lambda: RelativeMultiheadAttention(10, 3, max_distance=2), ValueError,
      "embed_dim=10 is not divisible by num_heads=3"),
-    ("zero heads", lambda: RelativeMultiheadAttention(8, 0, 2), ValueError,
+    ("zero heads", lambda: RelativeMultiheadAttention(8, 0, max_distance=2), ValueError,
      "num_heads must be a positive int, got 0"),
     ("module dropout 1.5", lambda: mha(dropout=1.5), ValueError, "dropout must be in [0, 1)"),
-    ("module negative K", lambda: RelativeMultiheadAttention(8, 2, -3), ValueError,
+    ("module negative K", lambda: RelativeMultiheadAttention(8, 2, max_distance=-3), ValueError,
      "max_distance must be a non-negative int"),
+    ("old positional K", lambda: RelativeMultiheadAttention(8, 2, 3), TypeError,
+     "third positional argument, which is dropout (as in torch.nn), and no max_distance; "
+     "max_distance is keyword-only: pass max_distance=3"),
+    ("module without K", lambda: RelativeMultiheadAttention(8, 2), TypeError,
+     "RelativeMultiheadAttention needs max_distance=K"),
+    ("encoder layer without K", lambda: EncoderLayer(8, 2, 16), TypeError,
+     "RelativeTransformerEncoderLayer needs max_distance=K (the clip distance"),
+    ("decoder layer without K", lambda: DecoderLayer(8, 2, 16), TypeError,
+     "RelativeTransformerDecoderLayer needs max_distance=K"),
+    ("module K = 10**9", lambda: mha(max_distance=10**9), ValueError,
+     "max_distance=1000000000 needs relative tables of 2K+1 = 2000000001 rows x 4"),
+    ("per-head K = 10**8 names the limit",
+     lambda: mha(max_distance=10**8, share_heads=False), ValueError,
+     f"allowed: at most {1 << 28} elements, max_distance <= 16777215 for this module"),
+    ("layer K = 10**9", lambda: enc(max_distance=10**9), ValueError,
+     "needs relative tables of 2K+1 = 2000000001 rows"),
+    ("negative kdim", lambda: mha(kdim=-1), ValueError,
+     "kdim must be a positive int or None (= embed_dim), got -1"),
+    ("float kdim", lambda: mha(kdim=2.7), TypeError,
+     "kdim must be a positive int or None (= embed_dim), got 2.7 of type float"),
+    ("str vdim", lambda: mha(vdim="8"), TypeError,
+     "vdim must be a positive int or None (= embed_dim), got '8' of type str"),
+    ("module unknown implementation", lambda: mha(implementation="bogus"), ValueError,
+     "unknown implementation 'bogus'; allowed: None (auto), 'reference'"),
+    ("str relative_keys", lambda: mha(relative_keys="no"), TypeError,
+     "relative_keys must be a bool (True or False), got 'no'"),
+    ("int batch_first", lambda: mha(batch_first=1), TypeError,
+     "batch_first must be a bool (True or False), got 1"),
+    ("add_bias_kv with tables", lambda: mha(add_bias_kv=True), ValueError,
+     "add_bias_kv/add_zero_attn append key/value rows that have no position"),
+    ("layer dim_feedforward -1", lambda: enc(dim_feedforward=-1), ValueError,
+     "dim_feedforward must be a positive int, got -1"),
+    ("layer dim_feedforward float", lambda: enc(dim_feedforward=16.0), TypeError,
+     "dim_feedforward must be a positive int, got 16.0 of type float"),
+    ("layer_norm_eps 0", lambda: enc(layer_norm_eps=0.0), ValueError,
+     "layer_norm_eps must be a positive finite float, got 0.0"),
+    ("layer norm_first str", lambda: enc(norm_first="yes"), TypeError,
+     "norm_first must be a bool (True or False), got 'yes'"),
+    ("layer activation", lambda: enc(activation="tanh"), ValueError,
+     "activation must be 'relu', 'gelu' or a callable, got 'tanh'"),
+    # --- modules: inputs ----------------------------------------------------------------------
     ("module wrong features", lambda: mha()(torch.randn(2, 5, 7)), ValueError,
-     "query must have shape (B, N, F) with F=8, got (2, 5, 7)"),
+     "query must have shape (B, N, F) (or (N, F) unbatched) with F=8, got (2, 5, 7)"),
     ("module input not a tensor", lambda: mha()([[0.0] * 8]), TypeError,
      "query must be a torch.Tensor, got list"),
+    ("int64 input into a float32 module", lambda: mha()(torch.ones(2, 5, 8, dtype=torch.long)),
+     TypeError, "query has dtype torch.int64; allowed: floating point, the module's dtype "
+     "torch.float32"),
+    ("float64 input into a float32 module", lambda: mha()(torch.randn(2, 5, 8).double()),
+     TypeError, "query has dtype torch.float64 but the module's parameters are torch.float32; "
+     "allowed: torch.float32"),
+    ("float64 key into a float32 module",
+     lambda: mha()(torch.randn(2, 5, 8), torch.randn(2, 5, 8).double()), TypeError,
+     "key has dtype torch.float64 but the module's parameters are torch.float32"),
+    ("meta input into a cpu module", lambda: mha()(torch.randn(2, 5, 8, device="meta")),
+     ValueError, "query is on meta but the module's parameters are on cpu; allowed: inputs on "
+     "the parameters' device"),
+    ("cpu input into a meta module", lambda: mha(device="meta")(torch.randn(2, 5, 8)),
+     ValueError, "query is on cpu but the module's parameters are on meta"),
+    ("int64 input into a layer", lambda: enc()(torch.ones(2, 5, 8, dtype=torch.long)),
+     TypeError, "src has dtype torch.int64; allowed: floating point"),
+    ("float64 memory into a float32 decoder",
+     lambda: dec()(torch.randn(2, 5, 8), torch.randn(2, 6, 8).double()), TypeError,
+     "memory has dtype torch.float64 but the module's parameters are torch.float32"),
     ("module self-attention with kdim", lambda: mha(kdim=4)(torch.randn(2, 5, 8)), ValueError,
      "key=None (self-attention) needs kdim == embed_dim"),
     ("module key batch differs", lambda: mha()(torch.randn(2, 5, 8), torch.randn(3, 6, 8)),
      ValueError, "disagree on batch or length"),
-    ("module unknown implementation", lambda: mha(implementation="flash")(torch.randn(2, 5, 8)),
-     ValueError, "unknown implementation 'flash'"),
-    ("layer activation", lambda: EncoderLayer(8, 2, 16, activation="tanh"), ValueError,
-     "activation must be 'relu', 'gelu' or a callable, got 'tanh'"),
-    ("layer input not a tensor", lambda: EncoderLayer(8, 2, 16)([1.0, 2.0]), TypeError,
-     "layer inputs must be torch.Tensor, got list"),
-    ("layer 2-D input", lambda: EncoderLayer(8, 2, 16, batch_first=True)(torch.randn(5, 8)),
-     ValueError, "layer inputs must be 3-D (B, L, E), got shape (5, 8)"),
+    ("module batched query, unbatched key",
+     lambda: mha()(torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(6, 8)), ValueError,
+     "query, key and value must all be batched (3-D) or all unbatched (2-D)"),
+    ("need_weights not a bool", lambda: mha()(torch.randn(2, 5, 8), need_weights=1), TypeError,
+     "need_weights must be a bool (True or False), got 1"),
+    ("integer attn_mask into a module",
+     lambda: mha()(torch.randn(2, 5, 8), attn_mask=torch.ones(5, 5, dtype=torch.int32)),
+     TypeError, "attn_mask must be bool (True = NOT allowed, as in torch.nn) or floating point"),
+    ("attn_mask (S, L) into a module",
+     lambda: mha()(torch.randn(2, 5, 8), torch.randn(2, 7, 8),
+                   attn_mask=torch.ones(7, 5, dtype=torch.bool)),
+     ValueError, "a 2-D attn_mask must have shape (L, S) = (5, 7), got (7, 5)"),
+    ("module key_padding_mask (B, L)",
+     lambda: mha()(torch.randn(2, 5, 8), torch.randn(2, 7, 8),
+                   key_padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+     ValueError, "key_padding_mask must have shape (B, S) = (2, 7), got (2, 5)"),
+    ("module key_padding_mask and key_mask",
+     lambda: mha()(torch.randn(2, 5, 8), key_padding_mask=torch.zeros(2, 5, dtype=torch.bool),
+                   key_mask=torch.ones(2, 5, dtype=torch.bool)),
+     ValueError, "got both key_padding_mask (torch.nn's meaning, True = padding) and key_mask"),
+    ("layer input not a tensor", lambda: enc()([1.0, 2.0]), TypeError,
+     "src must be a torch.Tensor, got list"),
+    ("layer 1-D input", lambda: enc()(torch.randn(8)), ValueError,
+     "src must have shape 3-D (B, L, E) or 2-D (L, E) unbatched, got (8,)"),
     ("layer (B*H, L, S) mask size",
-     lambda: EncoderLayer(8, 2, 16, batch_first=True)(
-         torch.randn(2, 5, 8), src_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
-     ValueError, "(B * H, L, S) with B * H = 2 * 2 = 4, got (3, 5, 5)"),
-    ("layer mask not a tensor",
-     lambda: EncoderLayer(8, 2, 16)(torch.randn(5, 2, 8), src_mask=[[True]]),
-     TypeError, "attention mask must be a torch.Tensor or None, got list"),
+     lambda: enc()(torch.randn(2, 5, 8), src_mask=torch.zeros(3, 5, 5, dtype=torch.bool)),
+     ValueError, "a 3-D src_mask must have shape (B * H, L, S) with B * H = 2 * 2 = 4, "
+     "got (3, 5, 5)"),
+    ("layer mask not a tensor", lambda: enc()(torch.randn(2, 5, 8), src_mask=[[True]]),
+     TypeError, "src_mask must be a torch.Tensor or None, got list"),
     ("layer 1-D padding mask",
-     lambda: EncoderLayer(8, 2, 16, batch_first=True)(
-         torch.randn(2, 5, 8), src_key_padding_mask=torch.zeros(5, dtype=torch.bool)),
-     ValueError, "key padding mask must have shape (B, S), got (5,)"),
-    ("decoder memory batch",
-     lambda: DecoderLayer(8, 2, 16, batch_first=True)(torch.randn(2, 5, 8), torch.randn(3, 6, 8)),
+     lambda: enc()(torch.randn(2, 5, 8), src_key_padding_mask=torch.zeros(5, dtype=torch.bool)),
+     ValueError, "src_key_padding_mask must have shape (B, S) = (2, 5), got (5,)"),
+    ("layer is_causal not a bool", lambda: enc()(torch.randn(2, 5, 8), is_causal=None),
+     TypeError, "is_causal must be a bool (True or False), got None"),
+    ("decoder memory padding mask length",
+     lambda: dec()(torch.randn(2, 5, 8), torch.randn(2, 6, 8),
+                   memory_key_padding_mask=torch.zeros(2, 5, dtype=torch.bool)),
+     ValueError, "memory_key_padding_mask must have shape (B, S) = (2, 6), got (2, 5)"),
+    ("decoder memory batch", lambda: dec()(torch.randn(2, 5, 8), torch.randn(3, 6, 8)),
      ValueError, "disagree on batch or length"),
+    # --- saved states -------------------------------------------------------------------------
     ("load state with other K",
-     lambda: mha().load_state_dict(RelativeMultiheadAttention(8, 2, 5).state_dict()),
+     lambda: mha().load_state_dict(RelativeMultiheadAttention(8, 2, max_distance=5).state_dict()),
      relpos.RelativeStateError, "trained with max_distance=5 (11 rows) but this module has"),
+    ("NaN _extra_state",
+     lambda: mha().load_state_dict(_state_with(_extra_state=torch.tensor([1.0, NAN, 1, 1]))),
+     relpos.RelativeStateError, "RelativeMultiheadAttention: unrecognized relpos module state "
+     "[1.0, nan, 1.0, 1.0] (dtype torch.float32): its values must be whole finite numbers"),
+    ("infinite _extra_state",
+     lambda: mha().load_state_dict(_state_with(_extra_state=torch.tensor([1.0, INF, 1, 1]))),
+     relpos.RelativeStateError, "its values must be whole finite numbers"),
+    ("load_state_dict_resized with a list",
+     lambda: relpos.load_state_dict_resized(mha(), list(mha().state_dict().items())),
+     TypeError, "state_dict must be a mapping of names to tensors (as module.state_dict() "
+     "returns), got list"),
+    ("load_state_dict_resized into a non-module",
+     lambda: relpos.load_state_dict_resized({}, mha().state_dict()), TypeError,
+     "module must be a torch.nn.Module, got dict"),
+    ("load_state_dict_resized strict='no'",
+     lambda: relpos.load_state_dict_resized(mha(), mha().state_dict(), strict="no"), TypeError,
+     "strict must be a bool (True or False), got 'no'"),
     # --- KV cache ---------------------------------------------------------------------------
     ("cache not a LayerCache", lambda: mha()(torch.randn(2, 5, 8), cache=KVCache(1)), TypeError,
      "cache must be a relpos.LayerCache"),
@@ -173,6 +293,15 @@ CASES: list[tuple[str, Callable[[], object], type[BaseException], str]] = [
      ValueError, "a fixed capacity of 4 allows at most 4 more"),
     ("cache batch changes", lambda: mha()(torch.randn(3, 1, 8), cache=_filled_cache()[0]),
      ValueError, "batch size mismatch: the cache holds 2"),
+    ("cache step with a float padding mask",
+     lambda: mha()(torch.randn(2, 1, 8), key_padding_mask=torch.zeros(2, 1),
+                   cache=_filled_cache()[0]),
+     TypeError, "key_padding_mask of a cached step must be bool (True = padding; it is stored "
+     "with the cache), got dtype torch.float32"),
+    ("cache step padding mask over the whole cache",
+     lambda: mha()(torch.randn(2, 1, 8), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool),
+                   cache=_filled_cache()[0]),
+     ValueError, "key_padding_mask must have shape (B, t) = (2, 1), got (2, 4)"),
     ("cache capacity 0", lambda: KVCache(1, capacity=0), ValueError,
      "capacity must be a positive int or None, got 0"),
     ("cache truncate -1", lambda: _filled_cache()[0].truncate(-1), ValueError,
@@ -196,7 +325,7 @@ CASES: list[tuple[str, Callable[[], object], type[BaseException], str]] = [
 
 
 def test_table_is_large_enough():
-    assert len(CASES) >= 25
+    assert len(CASES) >= 100
     assert len({name for name, *_ in CASES}) == len(CASES)
 
 

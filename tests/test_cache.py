@@ -21,7 +21,8 @@ def _mha(K: int, *, share_heads: bool, keys: bool, values: bool, dtype: torch.dt
          implementation: str | None = None, seed: int = 0) -> RelativeMultiheadAttention:
     torch.manual_seed(seed)
     return RelativeMultiheadAttention(
-        24, 3, K, relative_keys=keys, relative_values=values, share_heads=share_heads,
+        24, 3, batch_first=True, max_distance=K, relative_keys=keys, relative_values=values,
+        share_heads=share_heads,
         implementation=implementation, dtype=dtype,  # type: ignore[arg-type]
     ).eval()
 
@@ -31,7 +32,7 @@ def _decode_in_chunks(mha: RelativeMultiheadAttention, x: torch.Tensor, sizes: l
     cache = LayerCache() if cache is None else cache
     outs, pos = [], 0
     for size in sizes:
-        out, _ = mha(x[:, pos : pos + size], is_causal=True, cache=cache)
+        out, _ = mha(x[:, pos : pos + size], need_weights=False, is_causal=True, cache=cache)
         outs.append(out)
         pos += size
     assert pos == x.shape[1] and cache.length == pos
@@ -59,7 +60,7 @@ def test_token_by_token_and_chunked_equal_full_pass(dtype, K, share_heads, terms
     mha = _mha(K, share_heads=share_heads, keys=terms[0], values=terms[1], dtype=dtype)
     x = torch.randn(2, 17, 24, dtype=dtype)
     with torch.no_grad():
-        full, _ = mha(x, is_causal=True)
+        full, _ = mha(x, need_weights=False, is_causal=True)
         one_by_one = _decode_in_chunks(mha, x, [1] * 17)
         chunked = _decode_in_chunks(mha, x, _random_sizes(17, seed=K))
         prefill_then_steps = _decode_in_chunks(mha, x, [11, 1, 1, 4])
@@ -78,7 +79,7 @@ def test_cached_decoding_with_every_backend(implementation, K):
                implementation="reference")
     x = torch.randn(2, 19, 24, dtype=F64)
     with torch.no_grad():
-        full, _ = ref(x, is_causal=True)
+        full, _ = ref(x, need_weights=False, is_causal=True)
         chunks = [5, 1, 1, 7, 1, 4]
         got = _decode_in_chunks(mha, x, chunks)
     torch.testing.assert_close(got, full, atol=1e-10, rtol=0)
@@ -98,7 +99,7 @@ def test_any_chunk_schedule_equals_full_pass(n, K, data):
     mha = _mha(K, share_heads=share, keys=True, values=True, dtype=F64)
     x = torch.randn(2, n, 24, dtype=F64)
     with torch.no_grad():
-        full, _ = mha(x, is_causal=True)
+        full, _ = mha(x, need_weights=False, is_causal=True)
         got = _decode_in_chunks(mha, x, sizes)
     torch.testing.assert_close(got, full, atol=1e-10, rtol=0)
 
@@ -107,7 +108,7 @@ def test_growable_cache_equals_preallocated_and_fixed():
     mha = _mha(4, share_heads=True, keys=True, values=True, dtype=F64)
     x = torch.randn(1, 150, 24, dtype=F64)  # grows past the default capacity twice
     with torch.no_grad():
-        full, _ = mha(x, is_causal=True)
+        full, _ = mha(x, need_weights=False, is_causal=True)
         grown = _decode_in_chunks(mha, x, [1] * 150, LayerCache())
         fixed = _decode_in_chunks(mha, x, [50] * 3, LayerCache(capacity=150, growable=False))
     torch.testing.assert_close(grown, full, atol=1e-10, rtol=0)
@@ -144,11 +145,13 @@ def test_key_mask_stored_with_the_cache():
     key_mask[1, :pad] = False
     with torch.no_grad():
         cache = LayerCache()
-        first, _ = mha(x[:, :8], is_causal=True, key_mask=key_mask[:, :8], cache=cache)
-        rest = [mha(x[:, i : i + 1], is_causal=True, cache=cache)[0] for i in range(8, 12)]
+        first, _ = mha(x[:, :8], need_weights=False, is_causal=True, key_mask=key_mask[:, :8],
+                       cache=cache)
+        rest = [mha(x[:, i : i + 1], need_weights=False, is_causal=True, cache=cache)[0]
+                for i in range(8, 12)]
         got = torch.cat([first, *rest], dim=1)
-        alone, _ = mha(x[1:, pad:], is_causal=True)  # row 1 without its padding
-        full_row0, _ = mha(x[:1], is_causal=True)
+        alone, _ = mha(x[1:, pad:], need_weights=False, is_causal=True)  # row 1 without its padding
+        full_row0, _ = mha(x[:1], need_weights=False, is_causal=True)
     assert cache.key_mask is not None and cache.key_mask.shape == (2, 12)
     assert torch.equal(cache.key_mask, key_mask)
     torch.testing.assert_close(got[1:, pad:], alone, atol=1e-10, rtol=0)
@@ -203,12 +206,13 @@ def test_beam_reorder_equals_decoding_the_reordered_batch():
     cont = torch.randn(4, 5, 24, dtype=F64)  # different continuations per beam
     with torch.no_grad():
         cache = KVCache(1)
-        mha(x, is_causal=True, cache=cache[0])
+        mha(x, need_weights=False, is_causal=True, cache=cache[0])
         cache.reorder(beams)
         assert cache.batch_size == 4
-        steps = [mha(cont[:, i : i + 1], is_causal=True, cache=cache[0])[0] for i in range(5)]
+        steps = [mha(cont[:, i : i + 1], need_weights=False, is_causal=True, cache=cache[0])[0]
+                 for i in range(5)]
         got = torch.cat(steps, dim=1)
-        scratch, _ = mha(torch.cat([x[beams], cont], dim=1), is_causal=True)
+        scratch, _ = mha(torch.cat([x[beams], cont], dim=1), need_weights=False, is_causal=True)
     torch.testing.assert_close(got, scratch[:, 10:], atol=1e-10, rtol=0)
 
 
@@ -279,9 +283,12 @@ def test_refused_module_step_leaves_cache_unchanged():
     mha = _mha(2, share_heads=True, keys=True, values=True, dtype=F64)
     cache = LayerCache()
     with torch.no_grad():
-        mha(torch.randn(2, 5, 24, dtype=F64), is_causal=True, cache=cache)
+        mha(torch.randn(2, 5, 24, dtype=F64), need_weights=False, is_causal=True, cache=cache)
         snap = _snapshot(cache)
-        with pytest.raises(ValueError, match="broadcast"):  # a bad attn_mask after the append
+        # A float attn_mask of another dtype, refused after the append:
+        with pytest.raises(TypeError, match=r"float attn_mask has dtype torch\.float32"):
+            mha(torch.randn(2, 2, 24, dtype=F64), attn_mask=torch.zeros(2, 7), cache=cache)
+        with pytest.raises(ValueError, match=r"attn_mask must have shape \(L, S\) = \(2, 7\)"):
             mha(torch.randn(2, 2, 24, dtype=F64), attn_mask=torch.ones(3, 3, dtype=torch.bool),
                 cache=cache)
         _assert_same(cache, snap)
@@ -291,9 +298,8 @@ def test_refused_module_step_leaves_cache_unchanged():
             mha(torch.randn(2, 1, 24, dtype=F64), cache=KVCache(1))  # type: ignore[arg-type]
         _assert_same(cache, snap)
         fresh = LayerCache()
-        with pytest.raises(ValueError, match="broadcast"):
-            mha(torch.randn(2, 2, 24, dtype=F64), attn_mask=torch.ones(3, 3, dtype=torch.bool),
-                cache=fresh)
+        with pytest.raises(TypeError, match="float attn_mask has dtype"):
+            mha(torch.randn(2, 2, 24, dtype=F64), attn_mask=torch.zeros(2, 2), cache=fresh)
         assert fresh.keys is None and fresh.length == 0
 
 

@@ -37,7 +37,7 @@ def _zero(module: torch.nn.Module, x: torch.Tensor) -> None:
 def test_attention_compiles_fullgraph_once_for_all_lengths(implementation):
     torch.manual_seed(0)
     mha = relpos.RelativeMultiheadAttention(
-        24, 3, max_distance=3, implementation=implementation, dtype=F64
+        24, 3, batch_first=True, max_distance=3, implementation=implementation, dtype=F64
     )
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(mha, fullgraph=True, backend=counter)
@@ -46,11 +46,11 @@ def test_attention_compiles_fullgraph_once_for_all_lengths(implementation):
         x = torch.randn(2, n, 24, dtype=F64, requires_grad=True)
         key_mask = torch.ones(2, n, dtype=torch.bool)
         key_mask[1, : n // 3] = False
-        out, _ = compiled(x, key_mask=key_mask)
+        out, _ = compiled(x, need_weights=False, key_mask=key_mask)
         out.square().sum().backward()
         got = _grads(mha, x)
         _zero(mha, x)
-        want, _ = mha(x, key_mask=key_mask)
+        want, _ = mha(x, need_weights=False, key_mask=key_mask)
         want.square().sum().backward()
         torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
         for g, w in zip(got, _grads(mha, x), strict=True):
@@ -144,3 +144,23 @@ def test_decoder_layer_compiles_fullgraph_without_recompiling_per_length(impleme
         out.sum().backward()
         torch.testing.assert_close(out, layer(tgt, memory, tgt_is_causal=True), rtol=0, atol=1e-12)
     assert counter.frame_count <= 2, counter.frame_count
+
+
+def test_module_called_as_nn_compiles_fullgraph_without_recompiling_per_length():
+    """nn.MultiheadAttention's call: defaults (need_weights=True, (L, B, E)), masks in torch.nn's
+    meanings (True = blocked / padding), converted inside the graph."""
+    torch.manual_seed(0)
+    mha = relpos.RelativeMultiheadAttention(16, 2, max_distance=3, dtype=F64)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(mha, fullgraph=True, backend=counter)
+    for n in (5, 8, 11, 20):
+        x = torch.randn(n, 2, 16, dtype=F64, requires_grad=True)
+        pad = torch.zeros(2, n, dtype=torch.bool)
+        pad[1, -2:] = True
+        blocked = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+        out, weights = compiled(x, x, x, key_padding_mask=pad, attn_mask=blocked)
+        want, want_weights = mha(x, x, x, key_padding_mask=pad, attn_mask=blocked)
+        torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(weights, want_weights, rtol=1e-10, atol=1e-10)
+        out.sum().backward()
+    assert counter.frame_count <= 2, f"{counter.frame_count} compilations for 4 lengths"

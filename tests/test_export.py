@@ -60,15 +60,44 @@ V1_CONFIGS = {
 }
 
 
+# Constructor arguments added since, with the value a version-1 file means.
+ADDED_ARGUMENTS = {"RelativeMultiheadAttention": {"add_bias_kv": False, "add_zero_attn": False}}
+
+
+def _old_projection_names(state: dict) -> dict:
+    """A state dict as relpos 0.1 wrote it: q_proj/k_proj/v_proj linears, not
+    nn.MultiheadAttention's in_proj_weight/in_proj_bias."""
+    old = {}
+    for key, value in state.items():
+        prefix, _, name = key.rpartition(".") if "." in key else ("", "", key)
+        dot = f"{prefix}." if prefix else ""
+        if name in ("in_proj_weight", "in_proj_bias"):
+            kind = "weight" if name == "in_proj_weight" else "bias"
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3), strict=True):
+                old[f"{dot}{proj}.{kind}"] = part.clone()
+        else:
+            old[key] = value
+    return old
+
+
+@pytest.mark.parametrize("old_names", [False, True])
 @pytest.mark.parametrize("cls", sorted(V1_CONFIGS))
-def test_version_1_files_of_every_class_load(tmp_path, cls):
+def test_version_1_files_of_every_class_load(tmp_path, cls, old_names):
     config = V1_CONFIGS[cls]
     original = build_module({"class": cls, "config": config})
     assert type(original).__name__ == cls
-    assert module_config(original) == {"class": cls, "config": config}
-    _write_v1(tmp_path / "m.pt", cls, config, original.state_dict())
+    assert module_config(original) == {
+        "class": cls, "config": {**config, **ADDED_ARGUMENTS.get(cls, {})}
+    }
+    state = original.state_dict()
+    if old_names:  # a file written before the projections took nn.MultiheadAttention's names
+        state = _old_projection_names(state)
+        assert any(k.endswith("q_proj.weight") for k in state)
+        assert not any("in_proj" in k for k in state)
+    _write_v1(tmp_path / "m.pt", cls, config, state)
     loaded = load_module(tmp_path / "m.pt")
     assert type(loaded) is type(original)
+    assert loaded.state_dict().keys() == original.state_dict().keys()
     for key, value in original.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
@@ -102,14 +131,14 @@ def test_subclass_is_saved_as_its_relpos_class():
     class Mine(relpos.RelativeMultiheadAttention):
         pass
 
-    assert module_config(Mine(8, 2, 1))["class"] == "RelativeMultiheadAttention"
+    assert module_config(Mine(8, 2, max_distance=1))["class"] == "RelativeMultiheadAttention"
 
 
 def test_unsupported_modules_and_specs_raise_naming_what_is_allowed():
     with pytest.raises(ModuleFormatError, match=r"cannot save a Linear; allowed: .*"
                                                 r"RelativeMultiheadAttention"):
         module_config(nn.Linear(2, 2))
-    layer = relpos.RelativeTransformerEncoderLayer(8, 2, activation=torch.tanh)
+    layer = relpos.RelativeTransformerEncoderLayer(8, 2, activation=torch.tanh, max_distance=1)
     with pytest.raises(ModuleFormatError, match=r"custom activation .*'relu' or 'gelu'"):
         module_config(layer)
     with pytest.raises(ModuleFormatError, match=r"can only save an nn\.TransformerEncoder"):

@@ -14,7 +14,9 @@ F64 = torch.float64
 
 def _mha(K: int, **kwargs: object) -> relpos.RelativeMultiheadAttention:
     torch.manual_seed(0)
-    return relpos.RelativeMultiheadAttention(12, 3, K, dtype=F64, **kwargs)  # type: ignore[arg-type]
+    return relpos.RelativeMultiheadAttention(  # type: ignore[arg-type]
+        12, 3, batch_first=True, max_distance=K, dtype=F64, **kwargs
+    )
 
 
 @pytest.mark.parametrize("per_head", [False, True])

@@ -310,7 +310,7 @@ class _OnnxWrapper(nn.Module):
     def forward(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
         m = self.module
         if isinstance(m, RelativeMultiheadAttention):
-            out, _ = m(x, key_mask=key_mask, is_causal=self.is_causal)
+            out, _ = m(x, need_weights=False, is_causal=self.is_causal, key_mask=key_mask)
             return out
         if isinstance(m, RelativeTransformerEncoderLayer):
             return m(x, key_mask=key_mask, is_causal=self.is_causal)
@@ -343,7 +343,7 @@ def _io_layout(module: nn.Module) -> tuple[str, int, int, int | None, torch.dtyp
             f"nn.TransformerEncoder of those, "
             f"{', '.join(cls.__name__ for cls in _MODELS)}"
         )
-    dtype = attn.q_proj.weight.dtype
+    dtype = attn.out_proj.weight.dtype
     if attn.kdim != attn.embed_dim or attn.vdim != attn.embed_dim:
         raise ValueError("ONNX export serves self-attention: needs kdim == vdim == embed_dim")
     batch, length = (0, 1) if attn.batch_first else (1, 0)

@@ -104,6 +104,8 @@ def load_state_dict_resized(
         What ``module.load_state_dict`` returns (missing and unexpected keys).
 
     Raises:
+        TypeError: if ``module`` is not an ``nn.Module``, ``state_dict`` not a mapping or
+            ``strict`` not a bool.
         relpos.versioning.RelativeStateError: if a saved convention differs.
         ValueError: if a saved table's number of rows disagrees with its saved K.
 
@@ -115,6 +117,15 @@ def load_state_dict_resized(
     """
     from relpos.modules.attention import RelativeMultiheadAttention
 
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping of names to tensors (as module.state_dict() "
+            f"returns), got {type(state_dict).__name__}"
+        )
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool (True or False), got {strict!r}")
     resized = dict(state_dict)
     for name, sub in module.named_modules():
         if not isinstance(sub, RelativeMultiheadAttention):

@@ -20,6 +20,7 @@ be loaded on purpose with :func:`relpos.load_state_dict_resized`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -78,7 +79,15 @@ def parse_state(state: object, where: str = "state") -> dict[str, int]:
             f"[format_version, max_distance, offset_sign, alignment] as written by "
             f"RelativeMultiheadAttention.state_dict()"
         )
-    values = [round(float(x)) for x in state.tolist()]
+    raw = state.tolist()
+    if not all(isinstance(x, int) or (math.isfinite(x) and x == int(x)) for x in raw):
+        raise RelativeStateError(
+            f"{where}: unrecognized relpos module state {raw} (dtype {state.dtype}): "
+            f"its values must be whole finite numbers; expected an int64 tensor "
+            f"[format_version, max_distance, offset_sign, alignment] as written by "
+            f"RelativeMultiheadAttention.state_dict()"
+        )
+    values = [int(x) for x in raw]
     version, max_distance, sign, alignment = values[:_STATE_LEN]
     if version < 1 or version > FORMAT_VERSION:
         raise RelativeStateError(

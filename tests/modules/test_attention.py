@@ -19,9 +19,10 @@ from relpos import (
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_mha_matches_manual_math(share_heads, is_causal):
     torch.manual_seed(0)
-    mha = RelativeMultiheadAttention(12, 3, 2, share_heads=share_heads, dtype=F64)
+    mha = RelativeMultiheadAttention(12, 3, batch_first=True, max_distance=2,
+                                     share_heads=share_heads, dtype=F64)
     x = torch.randn(2, 7, 12, dtype=F64)
-    out, weights = mha(x, is_causal=is_causal)
+    out, weights = mha(x, need_weights=False, is_causal=is_causal)
     assert weights is None
     torch.testing.assert_close(out, manual_mha(mha, x, is_causal=is_causal))
     expected_table = (5, 4) if share_heads else (3, 5, 4)
@@ -30,21 +31,22 @@ def test_mha_matches_manual_math(share_heads, is_causal):
 
 def test_mha_need_weights_and_masks():
     torch.manual_seed(1)
-    mha = RelativeMultiheadAttention(8, 2, 3, dtype=F64)
+    mha = RelativeMultiheadAttention(8, 2, batch_first=True, max_distance=3, dtype=F64)
     x = torch.randn(2, 5, 8, dtype=F64)
     key_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
-    out, weights = mha(x, key_mask=key_mask, need_weights=True)
+    out, weights = mha(x, key_mask=key_mask, average_attn_weights=False)
     assert weights.shape == (2, 2, 5, 5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 5, dtype=F64))
+    torch.testing.assert_close(mha(x, key_mask=key_mask)[1], weights.mean(1))
     assert torch.all(weights[1, :, :, 3:] == 0)
     torch.testing.assert_close(out, manual_mha(mha, x, key_mask=key_mask))
-    out2, _ = mha(x, key_mask=key_mask)
+    out2, _ = mha(x, key_mask=key_mask, need_weights=False)
     torch.testing.assert_close(out, out2)
 
 
 def test_mha_cross_attention_kdim_vdim_and_seq_first():
     torch.manual_seed(2)
-    mha = RelativeMultiheadAttention(8, 2, 1, kdim=5, vdim=3, batch_first=False)
+    mha = RelativeMultiheadAttention(8, 2, kdim=5, vdim=3, max_distance=1)
     q = torch.randn(4, 2, 8)
     k = torch.randn(6, 2, 5)
     v = torch.randn(6, 2, 3)
@@ -54,7 +56,7 @@ def test_mha_cross_attention_kdim_vdim_and_seq_first():
 
 def test_mha_relative_terms_change_output():
     torch.manual_seed(3)
-    mha = RelativeMultiheadAttention(8, 2, 2)
+    mha = RelativeMultiheadAttention(8, 2, batch_first=True, max_distance=2)
     x = torch.randn(1, 6, 8)
     with_rel, _ = mha(x)
     with torch.no_grad():
@@ -66,8 +68,8 @@ def test_mha_relative_terms_change_output():
 
 def test_state_dict_round_trip():
     torch.manual_seed(4)
-    a = RelativeMultiheadAttention(8, 2, 3, share_heads=False)
-    b = RelativeMultiheadAttention(8, 2, 3, share_heads=False)
+    a = RelativeMultiheadAttention(8, 2, max_distance=3, share_heads=False)
+    b = RelativeMultiheadAttention(8, 2, max_distance=3, share_heads=False)
     buffer = io.BytesIO()
     torch.save(a.state_dict(), buffer)
     buffer.seek(0)
@@ -77,7 +79,8 @@ def test_state_dict_round_trip():
 
 
 def test_dtype_device_kwargs_and_repr():
-    mha = RelativeMultiheadAttention(8, 2, 5, dtype=F64, device="cpu", relative_values=False)
+    mha = RelativeMultiheadAttention(8, 2, max_distance=5, dtype=F64, device="cpu",
+                                     relative_values=False)
     assert all(p.dtype == F64 for p in mha.parameters())
     assert mha.rel_values is None and mha.rel_keys.shape == (11, 4)
     assert "max_distance=5" in repr(mha) and "relative_values=False" in repr(mha)
@@ -86,23 +89,12 @@ def test_dtype_device_kwargs_and_repr():
     assert "max_distance=3" in repr(layer)
 
 
-
-
-
-
-
-
 def test_module_backward_reaches_tables():
-    mha = RelativeMultiheadAttention(8, 2, 2)
-    out, _ = mha(torch.randn(2, 6, 8), is_causal=True)
+    mha = RelativeMultiheadAttention(8, 2, max_distance=2)
+    out, _ = mha(torch.randn(6, 2, 8), is_causal=True)
     out.square().sum().backward()
     assert mha.rel_keys.grad is not None and mha.rel_keys.grad.abs().sum() > 0
     assert mha.rel_values.grad is not None and mha.rel_values.grad.abs().sum() > 0
-
-
-# --- relpos's key_mask straight into the layers ------------------------------------------
-
-
 
 
 
@@ -116,7 +108,11 @@ def test_module_backward_reaches_tables():
         (RelativeMultiheadAttention, dict(embed_dim=12, num_heads=3, max_distance=2,
                                           relative_values=False, share_heads=False,
                                           dropout=0.1, bias=False, kdim=5, vdim=7,
+                                          add_zero_attn=False,
                                           batch_first=False, implementation="bucketed")),
+        (RelativeMultiheadAttention, dict(embed_dim=8, num_heads=2, max_distance=3,
+                                          relative_keys=False, relative_values=False,
+                                          add_bias_kv=True, add_zero_attn=True)),
         (RelativeTransformerEncoderLayer, dict(d_model=12, nhead=3, dim_feedforward=20,
                                                dropout=0.2, activation="gelu",
                                                layer_norm_eps=1e-6, batch_first=True,
@@ -142,11 +138,12 @@ def test_get_config_rebuilds_the_module(cls, kwargs):
 
 
 def test_get_config_defaults_and_custom_activation():
-    layer = RelativeTransformerEncoderLayer(8, 2)  # default activation F.relu
+    layer = RelativeTransformerEncoderLayer(8, 2, max_distance=1)  # default activation F.relu
     assert layer.get_config()["activation"] == "relu"
-    assert RelativeTransformerDecoderLayer(8, 2).get_config()["relative_cross_attention"] is False
+    decoder = RelativeTransformerDecoderLayer(8, 2, max_distance=1)
+    assert decoder.get_config()["relative_cross_attention"] is False
     with pytest.raises(ValueError, match=r"custom activation .*allowed: 'relu' or 'gelu'"):
-        RelativeTransformerEncoderLayer(8, 2, activation=torch.tanh).get_config()
+        RelativeTransformerEncoderLayer(8, 2, activation=torch.tanh, max_distance=1).get_config()
 
 
 @pytest.mark.parametrize("kwargs,exc,fragment", [
@@ -161,8 +158,32 @@ def test_bad_module_construction(kwargs, exc, fragment):
 
 
 def test_bad_module_input_shape():
-    mha = RelativeMultiheadAttention(8, 2, 2)
+    mha = RelativeMultiheadAttention(8, 2, max_distance=2)
     with pytest.raises(ValueError, match=r"F=8, got \(2, 5, 7\)"):
         mha(torch.randn(2, 5, 7))
     with pytest.raises(TypeError, match="got list"):
         mha([[1.0]])
+
+
+def test_huge_k_without_tables_allocates_nothing():
+    # The table-size limit applies to tables only: without them any K is served.
+    mha = RelativeMultiheadAttention(8, 2, batch_first=True, max_distance=10**9,
+                                     relative_keys=False, relative_values=False)
+    assert mha.rel_keys is None and mha.rel_values is None
+    x = torch.randn(2, 5, 8)
+    out, _ = mha(x, need_weights=False, is_causal=True)
+    assert out.shape == (2, 5, 8)
+    # Just under the limit (2**28 elements) still builds.
+    big = RelativeMultiheadAttention(8, 2, max_distance=(2**28 // 4 - 1) // 2,
+                                     relative_values=False, device="meta")
+    assert big.rel_keys is not None and big.rel_keys.numel() <= 2**28
+
+
+def test_old_positional_k_and_missing_k_are_refused_clearly():
+    with pytest.raises(TypeError, match=r"pass max_distance=4$"):
+        RelativeMultiheadAttention(8, 2, 4)
+    with pytest.raises(TypeError, match="needs max_distance=K"):
+        RelativeMultiheadAttention(8, 2, 0.1)  # nn's dropout, no K
+    # nn's positional dropout works once K is given by keyword.
+    assert RelativeMultiheadAttention(8, 2, 0.25, max_distance=4).dropout == 0.25
+    assert RelativeMultiheadAttention(8, 2, 0, max_distance=4).dropout == 0.0

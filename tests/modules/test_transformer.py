@@ -75,7 +75,7 @@ def test_encoder_layer_key_mask_equals_padding_mask_and_refuses_both():
     key_mask[1, 4:] = False  # relpos meaning: True = real token
     want = layer(x, src_key_padding_mask=~key_mask, is_causal=True)
     torch.testing.assert_close(layer(x, key_mask=key_mask, is_causal=True), want, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"both a key padding mask .* and key_mask"):
+    with pytest.raises(ValueError, match=r"both src_key_padding_mask .* and key_mask"):
         layer(x, src_key_padding_mask=~key_mask, key_mask=key_mask)
     with pytest.raises(TypeError, match=r"key_mask must be a torch\.Tensor or None, got list"):
         layer(x, key_mask=[[True] * 6] * 3)

@@ -1,9 +1,12 @@
 """Drop-in replacements for ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer``.
 
-Same constructor arguments, forward signatures and mask meanings as PyTorch's layers (so they
-work inside ``nn.TransformerEncoder`` / ``nn.TransformerDecoder``): boolean ``*_mask`` True =
-NOT allowed and ``*_key_padding_mask`` True = padding, as in PyTorch. Self-attention uses
-clipped relative positions; cross-attention is plain unless ``relative_cross_attention``.
+Same constructor arguments and defaults (``batch_first=False``), forward signatures, mask
+meanings (bool ``*_mask`` True = NOT allowed, ``*_key_padding_mask`` True = padding, float
+masks added) and submodule names as PyTorch's layers, so they work inside
+``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` and a PyTorch layer's state dict loads
+into them with only the relative tables missing. Self-attention uses clipped relative
+positions (``max_distance``, required, keyword-only); cross-attention is plain unless
+``relative_cross_attention``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,16 @@ from torch import Tensor, nn
 
 from relpos.cache import LayerCache
 from relpos.functional import Implementation
+from relpos.modules._checks import (
+    REQUIRED,
+    check_bool,
+    check_dropout,
+    check_input_tensor,
+    check_module_max_distance,
+    check_positive_float,
+    check_positive_int,
+    nn_masks_to_relpos,
+)
 from relpos.modules.attention import RelativeMultiheadAttention
 
 __all__ = ["RelativeTransformerDecoderLayer", "RelativeTransformerEncoderLayer"]
@@ -34,16 +47,6 @@ def _activation(activation: Activation) -> Callable[[Tensor], Tensor]:
     raise ValueError(f"activation must be 'relu', 'gelu' or a callable, got {activation!r}")
 
 
-def _batch_size(x: object, batch_first: bool) -> int:
-    """B of a layer input, after checking it is a 3-D tensor."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"layer inputs must be torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 3:
-        layout = "(B, L, E)" if batch_first else "(L, B, E)"
-        raise ValueError(f"layer inputs must be 3-D {layout}, got shape {tuple(x.shape)}")
-    return x.shape[0] if batch_first else x.shape[1]
-
-
 def _activation_name(fn: Callable[[Tensor], Tensor]) -> str:
     """The constructor argument that rebuilds the activation ``fn``."""
     if fn is F.relu:
@@ -56,63 +59,15 @@ def _activation_name(fn: Callable[[Tensor], Tensor]) -> str:
     )
 
 
-def _relpos_masks(
-    mask: Tensor | None,
-    padding_mask: Tensor | None,
-    key_mask: Tensor | None,
-    batch: int,
-    heads: int,
-) -> tuple[Tensor | None, Tensor | None]:
-    """PyTorch's mask meanings -> relpos's: (attn_mask True = may attend, key_mask True = real).
-
-    Args:
-        mask: PyTorch's attention mask: bool (True = NOT allowed) or float (added),
-            ``(L, S)`` or ``(B * H, L, S)``.
-        padding_mask: PyTorch's key padding mask ``(B, S)``: bool (True = padding) or float
-            (added to the scores).
-        key_mask: relpos's ``(B, S)`` bool key mask (True = real token), passed through as is;
-            not together with ``padding_mask``.
-        batch, heads: B and H, to unfold a 3-D ``mask``.
-
-    Returns:
-        ``(attn_mask, key_mask)`` in the meanings of :func:`relpos.relative_attention`.
-    """
-    for name, m in (
-        ("attention mask", mask), ("key padding mask", padding_mask), ("key_mask", key_mask)
-    ):
-        if m is not None and not isinstance(m, Tensor):
-            raise TypeError(f"the {name} must be a torch.Tensor or None, got {type(m).__name__}")
-    if padding_mask is not None and key_mask is not None:
-        raise ValueError(
-            "got both a key padding mask (PyTorch's meaning, True = padding) and key_mask "
-            "(relpos's, True = real token); allowed: one of them"
-        )
-    if padding_mask is not None and padding_mask.dim() != 2:
-        raise ValueError(
-            f"the key padding mask must have shape (B, S), got {tuple(padding_mask.shape)}"
-        )
-    attn_mask = None
-    if mask is not None:
-        if mask.dim() == 3:  # (B * H, L, S), as nn.MultiheadAttention accepts
-            if mask.shape[0] != batch * heads:
-                raise ValueError(
-                    f"a 3-D attention mask must have shape (B * H, L, S) with B * H = "
-                    f"{batch} * {heads} = {batch * heads}, got {tuple(mask.shape)}"
-                )
-            mask = mask.view(batch, heads, *mask.shape[-2:])  # (B, H, L, S)
-        attn_mask = ~mask if mask.dtype == torch.bool else mask
-    if padding_mask is not None:
-        if padding_mask.dtype == torch.bool:
-            key_mask = ~padding_mask
-        else:  # a float padding mask is added to the scores
-            pad = padding_mask[:, None, None, :]  # (B, 1, 1, S)
-            if attn_mask is None:
-                attn_mask = pad
-            elif attn_mask.dtype == torch.bool:
-                attn_mask = pad.masked_fill(~attn_mask, float("-inf"))
-            else:
-                attn_mask = attn_mask + pad
-    return attn_mask, key_mask
+def _layer_dims(x: object, like: Tensor, batch_first: bool, name: str) -> tuple[bool, int, int]:
+    """(batched, B, L) of a layer input, after checking it is a 2-D or 3-D floating-point
+    tensor with the dtype and device of the layer's parameters ``like``."""
+    layout = "(B, L, E)" if batch_first else "(L, B, E)"
+    t = check_input_tensor(name, x, like=like, ndims=(2, 3),
+                           layout=f"3-D {layout} or 2-D (L, E) unbatched")
+    if t.dim() == 2:
+        return False, 1, t.shape[0]
+    return True, t.shape[0 if batch_first else 1], t.shape[1 if batch_first else 0]
 
 
 class _LayerBase(nn.Module):
@@ -146,20 +101,30 @@ class _LayerBase(nn.Module):
         relative_cross_attention: bool | None = None,
     ) -> None:
         super().__init__()
+        d_model = check_positive_int("d_model", d_model)
+        nhead = check_positive_int("nhead", nhead)
+        dim_feedforward = check_positive_int("dim_feedforward", dim_feedforward)
+        dropout = check_dropout(dropout)
+        layer_norm_eps = check_positive_float("layer_norm_eps", layer_norm_eps)
+        norm_first = check_bool("norm_first", norm_first)
+        # K is checked here so that a missing one names the layer, not its attention.
+        check_module_max_distance(type(self).__name__, max_distance, dropout=None,
+                                  table_columns=None)
+        self.activation = _activation(activation)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         attention: dict[str, Any] = dict(
-            share_heads=share_heads, dropout=dropout, bias=bias, batch_first=batch_first,
-            implementation=implementation, **factory,
+            dropout=dropout, bias=bias, batch_first=batch_first, max_distance=max_distance,
+            share_heads=share_heads, implementation=implementation, **factory,
         )
         self.self_attn = RelativeMultiheadAttention(
-            d_model, nhead, max_distance, relative_keys=relative_keys,
-            relative_values=relative_values, **attention,
+            d_model, nhead, relative_keys=relative_keys, relative_values=relative_values,
+            **attention,
         )
         decoder = relative_cross_attention is not None
         if decoder:
-            cross = bool(relative_cross_attention)
+            cross = check_bool("relative_cross_attention", relative_cross_attention)
             self.multihead_attn = RelativeMultiheadAttention(
-                d_model, nhead, max_distance, relative_keys=relative_keys and cross,
+                d_model, nhead, relative_keys=relative_keys and cross,
                 relative_values=relative_values and cross, **attention,
             )
         self.linear1 = nn.Linear(d_model, dim_feedforward, bias=bias, **factory)
@@ -174,7 +139,10 @@ class _LayerBase(nn.Module):
         self.dropout2 = nn.Dropout(dropout)
         if decoder:
             self.dropout3 = nn.Dropout(dropout)
-        self.activation = _activation(activation)
+        # As nn.TransformerEncoderLayer stashes it (1 = relu, 2 = gelu, 0 = other).
+        self.activation_relu_or_gelu = (
+            1 if self.activation is F.relu else 2 if self.activation is F.gelu else 0
+        )
 
     def get_config(self) -> dict[str, Any]:
         """The constructor's keyword arguments that rebuild this layer (``device``/``dtype``
@@ -195,23 +163,48 @@ class _LayerBase(nn.Module):
             "share_heads": attn.share_heads, "implementation": attn.implementation,
         }
 
-    def _masks(
-        self, x: object, mask: Tensor | None, padding: Tensor | None, key_mask: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None]:
-        """relpos's ``(attn_mask, key_mask)`` for attention from the layer input ``x``."""
-        batch = _batch_size(x, self.self_attn.batch_first)
-        return _relpos_masks(mask, padding, key_mask, batch, self.self_attn.num_heads)
+    def _check_masks(
+        self,
+        x: object,
+        x_name: str,
+        names: tuple[str, str],
+        mask: object,
+        padding: object,
+        key_mask: object,
+        *,
+        memory: object = None,
+        cache: object = None,
+    ) -> None:
+        """Check an attention's masks against the layer input under the layer's argument
+        names (the attention converts them again)."""
+        attn = self.self_attn
+        like = attn.out_proj.weight
+        batched, B, L = _layer_dims(x, like, attn.batch_first, x_name)
+        S, pad_len, cached = L, L, False
+        if memory is not None:
+            mem_batched, mem_B, S = _layer_dims(memory, like, attn.batch_first, "memory")
+            if (mem_batched, mem_B) != (batched, B):
+                return  # the attention says how they disagree
+            pad_len = S
+        elif isinstance(cache, LayerCache):
+            S, cached = cache.length + L, True
+        nn_masks_to_relpos(
+            mask, padding, key_mask, batch=B, heads=attn.num_heads, query_len=L, key_len=S,
+            batched=batched, pad_len=pad_len, cached=cached, names=names,
+        )
 
     def _sa_block(
         self,
         x: Tensor,
         attn_mask: Tensor | None,
-        key_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
         is_causal: bool,
+        key_mask: Tensor | None,
         cache: LayerCache | None,
     ) -> Tensor:
         out, _ = self.self_attn(
-            x, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal, cache=cache
+            x, x, x, key_padding_mask=key_padding_mask, need_weights=False,
+            attn_mask=attn_mask, is_causal=is_causal, key_mask=key_mask, cache=cache,
         )
         return self.dropout1(out)
 
@@ -224,17 +217,20 @@ class RelativeTransformerEncoderLayer(_LayerBase):
     """``nn.TransformerEncoderLayer`` with relative self-attention.
 
     ``d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-    norm_first, bias, device, dtype`` are as in ``nn.TransformerEncoderLayer`` (inputs are
-    ``(L, B, E)`` unless ``batch_first``, as in PyTorch).
+    norm_first, bias, device, dtype`` are as in ``nn.TransformerEncoderLayer``, defaults
+    included (inputs are ``(L, B, E)`` unless ``batch_first``); so are the submodule and
+    parameter names: ``nn.TransformerEncoderLayer(...).state_dict()`` loads with
+    ``strict=False`` and only ``self_attn.rel_keys``/``self_attn.rel_values`` missing.
 
     Args:
-        max_distance: K, the clip distance.
+        max_distance: K, the clip distance; required, keyword-only.
         relative_keys, relative_values, share_heads: see :class:`RelativeMultiheadAttention`.
         implementation: backend (None = auto).
 
     Example:
         >>> layer = RelativeTransformerEncoderLayer(32, 4, 64, batch_first=True, max_distance=8)
-        >>> nn.TransformerEncoder(layer, num_layers=2)(torch.randn(3, 11, 32)).shape
+        >>> nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)(
+        ...     torch.randn(3, 11, 32)).shape
         torch.Size([3, 11, 32])
     """
 
@@ -252,7 +248,7 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        max_distance: int = 16,
+        max_distance: int = REQUIRED,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
@@ -275,33 +271,38 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         key_mask: Tensor | None = None,
         cache: LayerCache | None = None,
     ) -> Tensor:
-        """As ``nn.TransformerEncoderLayer.forward``; ``is_causal`` applies a causal mask.
+        """As ``nn.TransformerEncoderLayer.forward``.
 
         Args:
-            src: ``(B, L, E)`` if ``batch_first`` else ``(L, B, E)``.
-            src_mask: PyTorch's meaning: bool True = NOT allowed, or float (added);
+            src: ``(L, B, E)``, ``(B, L, E)`` if ``batch_first``, or ``(L, E)`` unbatched.
+            src_mask: torch.nn's meaning: bool True = NOT allowed, or float (added);
                 ``(L, S)`` or ``(B * H, L, S)``.
-            src_key_padding_mask: ``(B, S)``, PyTorch's meaning: bool True = padding, or float
-                (added).
-            is_causal: key ``j`` visible to query ``i`` iff ``j <= p_i``.
+            src_key_padding_mask: ``(B, S)``, torch.nn's meaning: bool True = padding, or
+                float (added).
+            is_causal: without ``src_mask``, key ``j`` is visible to query ``i`` iff
+                ``j <= p_i`` (relpos builds the mask); with ``src_mask``, torch.nn's hint that
+                the mask is causal (the mask is used as given).
             key_mask: ``(B, S)`` bool in relpos's meaning (True = real token), instead of
                 ``src_key_padding_mask``.
             cache: a :class:`relpos.LayerCache`: ``src`` holds the ``t`` new tokens of an
                 incremental step; their keys/values are appended and they attend over the
-                whole cache (queries aligned to its end). The padding/key mask is then
-                ``(B, t)`` for the new tokens and ``src_mask`` must broadcast to
-                ``(B, H, t, S)``.
+                whole cache (queries aligned to its end). The padding/key mask is then a
+                ``(B, t)`` bool mask of the new tokens and ``src_mask`` is ``(t, S)`` or
+                ``(B * H, t, S)``.
 
         Returns:
             Like ``src``.
         """
-        attn_mask, key_mask = self._masks(src, src_mask, src_key_padding_mask, key_mask)
+        check_bool("is_causal", is_causal)
+        self._check_masks(src, "src", ("src_mask", "src_key_padding_mask"), src_mask,
+                          src_key_padding_mask, key_mask, cache=cache)
         x = src
+        masks = (src_mask, src_key_padding_mask, is_causal, key_mask, cache)
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), attn_mask, key_mask, is_causal, cache)
+            x = x + self._sa_block(self.norm1(x), *masks)
             x = x + self._ff_block(self.norm2(x))
         else:
-            x = self.norm1(x + self._sa_block(x, attn_mask, key_mask, is_causal, cache))
+            x = self.norm1(x + self._sa_block(x, *masks))
             x = self.norm2(x + self._ff_block(x))
         return x
 
@@ -310,10 +311,11 @@ class RelativeTransformerDecoderLayer(_LayerBase):
     """``nn.TransformerDecoderLayer`` with relative self-attention.
 
     ``d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-    norm_first, bias, device, dtype`` are as in ``nn.TransformerDecoderLayer``.
+    norm_first, bias, device, dtype`` are as in ``nn.TransformerDecoderLayer``, defaults and
+    submodule names included.
 
     Args:
-        max_distance: K, the clip distance.
+        max_distance: K, the clip distance; required, keyword-only.
         relative_keys, relative_values, share_heads: see :class:`RelativeMultiheadAttention`.
         relative_cross_attention: also use relative positions in cross-attention (queries
             aligned to the end of the memory); default plain cross-attention.
@@ -338,7 +340,7 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        max_distance: int = 16,
+        max_distance: int = REQUIRED,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
@@ -350,7 +352,7 @@ class RelativeTransformerDecoderLayer(_LayerBase):
             norm_first, bias, device, dtype, max_distance=max_distance,
             relative_keys=relative_keys, relative_values=relative_values,
             share_heads=share_heads, implementation=implementation,
-            relative_cross_attention=bool(relative_cross_attention),
+            relative_cross_attention=relative_cross_attention,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -381,13 +383,14 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         """As ``nn.TransformerDecoderLayer.forward``.
 
         Args:
-            tgt: ``(B, L, E)`` if ``batch_first`` else ``(L, B, E)``.
-            memory: ``(B, S, E)`` if ``batch_first`` else ``(S, B, E)``.
-            tgt_mask, memory_mask: PyTorch's meaning: bool True = NOT allowed, or float
+            tgt: ``(L, B, E)``, ``(B, L, E)`` if ``batch_first``, or ``(L, E)`` unbatched.
+            memory: ``(S, B, E)``, ``(B, S, E)`` if ``batch_first``, or ``(S, E)``.
+            tgt_mask, memory_mask: torch.nn's meaning: bool True = NOT allowed, or float
                 (added); ``(L, L)``/``(L, S)`` or with a leading ``B * H``.
-            tgt_key_padding_mask, memory_key_padding_mask: ``(B, L)``/``(B, S)``, PyTorch's
+            tgt_key_padding_mask, memory_key_padding_mask: ``(B, L)``/``(B, S)``, torch.nn's
                 meaning: bool True = padding, or float (added).
-            tgt_is_causal, memory_is_causal: apply a causal mask in that attention.
+            tgt_is_causal, memory_is_causal: without the matching mask, a causal mask in that
+                attention (bottom-right aligned); with it, torch.nn's hint (the mask decides).
             key_mask, memory_key_mask: ``(B, L)``/``(B, S)`` bool in relpos's meaning (True =
                 real token), instead of the matching ``*_key_padding_mask``.
             cache: a :class:`relpos.LayerCache` for the self-attention: ``tgt`` holds the
@@ -398,16 +401,22 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         Returns:
             Like ``tgt``.
         """
-        self_masks = self._masks(tgt, tgt_mask, tgt_key_padding_mask, key_mask)
-        cross_masks = self._masks(tgt, memory_mask, memory_key_padding_mask, memory_key_mask)
+        check_bool("tgt_is_causal", tgt_is_causal)
+        check_bool("memory_is_causal", memory_is_causal)
+        self._check_masks(tgt, "tgt", ("tgt_mask", "tgt_key_padding_mask"), tgt_mask,
+                          tgt_key_padding_mask, key_mask, cache=cache)
+        self._check_masks(tgt, "tgt", ("memory_mask", "memory_key_padding_mask"), memory_mask,
+                          memory_key_padding_mask, memory_key_mask, memory=memory)
+        self_masks = (tgt_mask, tgt_key_padding_mask, tgt_is_causal, key_mask, cache)
+        cross = (memory_mask, memory_key_padding_mask, memory_is_causal, memory_key_mask)
         x = tgt
         if self.norm_first:
-            x = x + self._sa_block(self.norm1(x), *self_masks, tgt_is_causal, cache)
-            x = x + self._mha_block(self.norm2(x), memory, *cross_masks, memory_is_causal)
+            x = x + self._sa_block(self.norm1(x), *self_masks)
+            x = x + self._mha_block(self.norm2(x), memory, *cross)
             x = x + self._ff_block(self.norm3(x))
         else:
-            x = self.norm1(x + self._sa_block(x, *self_masks, tgt_is_causal, cache))
-            x = self.norm2(x + self._mha_block(x, memory, *cross_masks, memory_is_causal))
+            x = self.norm1(x + self._sa_block(x, *self_masks))
+            x = self.norm2(x + self._mha_block(x, memory, *cross))
             x = self.norm3(x + self._ff_block(x))
         return x
 
@@ -416,11 +425,13 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         x: Tensor,
         mem: Tensor,
         attn_mask: Tensor | None,
-        key_mask: Tensor | None,
+        key_padding_mask: Tensor | None,
         is_causal: bool,
+        key_mask: Tensor | None,
     ) -> Tensor:
         out, _ = self.multihead_attn(
-            x, mem, mem, attn_mask=attn_mask, key_mask=key_mask, is_causal=is_causal
+            x, mem, mem, key_padding_mask=key_padding_mask, need_weights=False,
+            attn_mask=attn_mask, is_causal=is_causal, key_mask=key_mask,
         )
         return self.dropout2(out)
 
