@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-FULL = [  # (layers, frames, mode, variants)
+FULL = [  # (layers, frames, mode, variants), cheapest first
     (24, 1500, "forward", ("eager", "sdpa", "relpos")),
+    (2, 30000, "forward", ("eager", "sdpa", "relpos")),
     (24, 6000, "forward", ("eager", "sdpa", "relpos")),
     (24, 1500, "forward+backward", ("eager", "sdpa", "relpos")),
-    (2, 30000, "forward", ("eager", "sdpa", "relpos")),
 ]
 QUICK = [(2, 300, "forward", ("eager", "sdpa", "relpos")),
          (2, 300, "forward+backward", ("sdpa", "relpos"))]
@@ -118,47 +118,29 @@ def _machine() -> str:
     return f"{cpu} ({isa or 'ISA unknown'}), {os.cpu_count()} logical CPUs"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="write the markdown report here")
-    parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="timed calls after a warm-up for cases under 3000 frames")
-    parser.add_argument("--case", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.case:
-        print(json.dumps(run_case(*json.loads(args.case))))
-        return 0
+def _report(args: argparse.Namespace, rows: list, started: float) -> str:
     import torch
+    import transformers
 
-    rows = []
-    started = time.time()
-    for layers, frames, mode, variants in QUICK if args.quick else FULL:
-        results = {}
-        for variant in variants:
-            repeats = args.repeats if frames < 3000 else 1
-            t0 = time.time()
-            results[variant] = _subprocess(layers, frames, mode, variant, repeats)
-            print(f"{layers} layers, {frames} frames, {mode}, {variant}: {results[variant]} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
-        rows.append((layers, frames, mode, results))
     lines = [
         "# w2v-BERT 2.0 architecture: stock transformers attention against relpos",
         "",
         f"- **date**: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-        f"- **command**: `python benchmarks/w2v_bert.py{' --quick' if args.quick else ''}"
+        f"- **command**: `OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+        f"python benchmarks/w2v_bert.py{' --quick' if args.quick else ''}"
         f"{' --out ' + str(args.out) if args.out else ''}`",
         f"- **machine**: {_machine()}, {platform.system()} {platform.release()}",
-        f"- **versions**: torch {torch.__version__}, transformers "
-        f"{__import__('transformers').__version__}, Python {platform.python_version()}",
-        f"- **threads**: {torch.get_num_threads()}, OMP_WAIT_POLICY="
-        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}",
+        f"- **versions**: torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"Python {platform.python_version()}",
+        f"- **threads**: {torch.get_num_threads()} (torch default)",
         "- **model**: hidden 1024, 16 heads, FFN 4096, kernel 31, window (64, 8), random "
         "weights, float32, batch 1",
-        "- **timing**: median of the timed calls after one warm-up call (one call, no warm-up, "
-        "for 3000 frames and more); each case in a fresh process",
+        f"- **timing**: {args.repeats} timed call(s) per case"
+        f"{' after one warm-up call (median)' if args.repeats > 1 else ', no warm-up'} "
+        "(one call for 3000 frames and more); each case in a fresh process",
         "- **memory**: peak RSS above the RSS once the model and input exist (VmHWM)",
-        f"- **wall time**: {(time.time() - started) / 60:.1f} min",
+        f"- **wall time so far**: {(time.time() - started) / 60:.1f} min; 1-minute load "
+        f"average {os.getloadavg()[0]:.1f} when written",
         "",
         "| layers | frames | mode | variant | seconds | peak MiB | relpos speed-up | "
         "relpos memory / stock |",
@@ -177,12 +159,39 @@ def main() -> int:
                 mem = f"{ours['peak_mib'] / r['peak_mib']:.2f}"
             lines.append(f"| {layers} | {frames} | {mode} | {variant} | {r['seconds']:.2f} | "
                          f"{r['peak_mib']:.0f} | {speed} | {mem} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        from relpos._io import atomic_write_text
+    return "\n".join(lines) + "\n"
 
-        atomic_write_text(args.out, text)
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the markdown report here (after every "
+                        "configuration, so an interrupted run keeps what it measured)")
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed calls per case under 3000 frames (after one warm-up call "
+                             "when more than 1)")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(run_case(*json.loads(args.case))))
+        return 0
+    rows: list = []
+    started = time.time()
+    for layers, frames, mode, variants in QUICK if args.quick else FULL:
+        results = {}
+        for variant in variants:
+            repeats = args.repeats if frames < 3000 else 1
+            t0 = time.time()
+            results[variant] = _subprocess(layers, frames, mode, variant, repeats)
+            print(f"{layers} layers, {frames} frames, {mode}, {variant}: {results[variant]} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+        rows.append((layers, frames, mode, results))
+        text = _report(args, rows, started)
+        if args.out:
+            from relpos._io import atomic_write_text
+
+            atomic_write_text(args.out, text)
+    print(text)
     return 0
 
 
