@@ -109,3 +109,32 @@ def test_cli_rejects_unknown_experiment_task(capsys):
 def test_cli_rejects_bad_sweep_values(capsys, bad):
     assert main(["experiment", *bad]) == 2
     assert capsys.readouterr().err.startswith("relpos: error:")
+
+
+def test_a_used_out_is_refused_reused_or_replaced(tmp_path):
+    from dataclasses import replace
+
+    said: list[str] = []
+    first = run_experiment(TINY, tmp_path, progress=False, log=said.append)
+    with pytest.raises(ValueError, match=r"already holds an experiment \(results.json, "
+                                         r"report.md, .*3 run files\); reuse=True keeps"):
+        run_experiment(TINY, tmp_path, progress=False, log=said.append)
+    # --reuse with a smaller sweep: the finished runs are kept, the one left out is removed.
+    smaller = replace(TINY, ks=(4,))
+    said.clear()
+    kept = run_experiment(smaller, tmp_path, progress=False, reuse=True, log=said.append)
+    assert [r["eval"] for r in kept["runs"]] == [r["eval"] for r in first["runs"][1:]]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "recall-K4-depth1.json", "recall-learned-depth1.json"]
+    assert "reused 2 finished run(s)" in said[-2] and "retrained 0" in said[-2]
+    assert said[-1].startswith("removed 1 run file") and "runs/recall-K0-depth1.json" in said[-1]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["spec"]["k"] for r in saved["runs"]] == [4, 0]
+    # --overwrite: everything of the old sweep goes first, and that is said.
+    said.clear()
+    again = run_experiment(TINY, tmp_path, progress=False, overwrite=True, log=said.append)
+    assert said[0].startswith(f"replaced the experiment in {tmp_path}: removed results.json, "
+                              "report.md")
+    assert [r["eval"] for r in again["runs"]] == [r["eval"] for r in first["runs"]]
+    with pytest.raises(ValueError, match="exclude each other"):
+        run_experiment(TINY, tmp_path, progress=False, overwrite=True, reuse=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -304,3 +305,150 @@ def test_cli_error_in_a_subprocess():
     assert proc.stderr.strip().splitlines() == [
         "relpos: error: unknown task 'nope'; allowed: recall, agree, sort, text"
     ]
+
+
+# --- settings that train NaN models are refused -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("lr", float("inf"), "lr must be finite and > 0, got inf"),
+        ("weight_decay", float("nan"), "weight_decay must be finite and >= 0, got nan"),
+        ("weight_decay", -1.0, "weight_decay must be finite and >= 0, got -1.0"),
+        ("weight_decay", float("inf"), "weight_decay must be finite and >= 0, got inf"),
+        ("grad_clip", float("nan"), "grad_clip must be finite and >= 0, got nan"),
+        ("grad_clip", -1.0, "grad_clip must be finite and >= 0"),
+        ("schedule_steps", 0, "schedule_steps must be an int >= 1 or None, got 0"),
+    ],
+)
+def test_train_config_rejects_values_that_train_nan(field, value, fragment):
+    with pytest.raises(ValueError) as info:
+        TrainConfig(**{field: value})
+    assert fragment in str(info.value)
+
+
+def test_weight_decay_type_is_checked():
+    with pytest.raises(TypeError, match=r"weight_decay must be a float, got '0\.1'"):
+        TrainConfig(weight_decay="0.1")  # type: ignore[arg-type]
+
+
+# --- resuming for longer: the schedule of the run stays -----------------------------------
+
+
+def test_lr_holds_the_floor_after_the_schedule():
+    cfg = TrainConfig(steps=200, schedule_steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert cfg.schedule == 100
+    short = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr_ratio=0.1)
+    assert [lr_at(s, cfg) for s in range(100)] == [lr_at(s, short) for s in range(100)]
+    assert all(lr_at(s, cfg) == pytest.approx(0.1) for s in range(100, 200))
+    assert TrainConfig(steps=5, schedule_steps=5).schedule_steps is None
+    assert "schedule_steps" not in TrainConfig().to_dict()  # as written before the field
+
+
+def test_resume_with_more_steps_equals_an_uninterrupted_run_of_that_schedule(tmp_path):
+    short = _cfg(steps=4, checkpoint_every=2)
+    train(_tiny(), TASK, short, out_dir=tmp_path / "a", progress=False)
+    longer = _cfg(steps=7, checkpoint_every=2, schedule_steps=4)
+    resumed, metrics = train(_tiny(), TASK, longer, out_dir=tmp_path / "a", resume=True,
+                             progress=False)
+    full, full_metrics = train(_tiny(), TASK, longer, out_dir=tmp_path / "b", progress=False)
+    assert metrics["resumed_from"] == 4 and len(metrics["history"]["train"]) == 7
+    for k, v in full.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k], v), k
+    assert metrics["history"]["train"] == full_metrics["history"]["train"]
+    assert load_checkpoint(tmp_path / "a" / "checkpoints").state["train"]["schedule_steps"] == 4
+
+
+def test_resume_with_more_steps_and_another_schedule_is_refused(tmp_path):
+    train(_tiny(), TASK, _cfg(steps=2), out_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match=r"schedule over 2 steps \(checkpoint\) vs 5.*"
+                                         r"TrainConfig\(steps=5, schedule_steps=2\)"):
+        train(_tiny(), TASK, _cfg(steps=5), out_dir=tmp_path, resume=True, progress=False)
+    with pytest.raises(ValueError, match="the checkpoint is at step 2, beyond the 1 steps"):
+        train(_tiny(), TASK, _cfg(steps=1, schedule_steps=2), out_dir=tmp_path, resume=True,
+              progress=False)
+
+
+# --- an output directory holds one run ----------------------------------------------------
+
+
+def test_train_refuses_a_used_out_dir_and_overwrite_replaces_it(tmp_path):
+    train(_tiny(), TASK, _cfg(steps=4, checkpoint_every=2), out_dir=tmp_path, progress=False)
+    old = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints, metrics.json\); "
+                                         "resume=True continues it, overwrite=True replaces it"):
+        train(_tiny(), TASK, _cfg(steps=2), out_dir=tmp_path, progress=False)
+    _, metrics = train(_tiny(k=2), TASK, _cfg(steps=2), out_dir=tmp_path, progress=False,
+                       overwrite=True)
+    new = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert not set(old) & set(new) - {"latest.json"}  # no step directory of the old run
+    assert [p for p in new if p.startswith("step-")] and len(new) == 2
+    assert load_checkpoint(tmp_path / "checkpoints").state["model"]["max_distance"] == 2
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 2 == metrics["steps"]
+
+
+# --- relpos train --resume reads the saved configuration ------------------------------------
+
+SMALL = ["--task", "recall", "--distances", "1,2", "--length", "8", "--steps", "3",
+         "--batch-size", "4", "--d-model", "16", "--heads", "2", "--layers", "1", "-k", "2",
+         "--per-head", "--lr", "0.005", "--warmup", "1", "--checkpoint-every", "2",
+         "--no-progress"]
+
+
+def test_cli_resume_needs_no_options_and_extends_with_steps(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--out", str(out)]) == 0
+    assert main(["train", "--resume", "--no-progress", "--out", str(out)]) == 0
+    assert f"resuming {out} from step 3 to step 3" in capsys.readouterr().out
+    # Agreeing options are fine; a larger --steps trains on, on the run's schedule.
+    assert main(["train", "--resume", "-k", "2", "--per-head", "--steps", "5",
+                 "--no-progress", "--out", str(out)]) == 0
+    assert "from step 3 to step 5 (learning-rate schedule of 3 steps)" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["resumed_from"] == 3 and len(metrics["history"]["train"]) == 5
+    saved = load_checkpoint(out / "checkpoints").state
+    assert saved["step"] == 5 and saved["train"]["schedule_steps"] == 3
+    assert saved["model"]["max_distance"] == 2 and saved["model"]["share_heads"] is False
+    assert saved["train"]["lr"] == 0.005 and saved["train"]["warmup"] == 1
+    # The same as training 5 steps on a 3-step schedule in one go.
+    full = tmp_path / "full"
+    model_cfg = ModelConfig.from_dict(saved["model"])
+    cfg = TrainConfig.from_dict({**saved["train"], "eval_every": 0})
+    _, want = train(model_cfg, OffsetRecall((1, 2)), cfg, out_dir=full, progress=False)
+    assert metrics["history"]["train"] == want["history"]["train"]
+
+
+def test_cli_overwrite_replaces_the_run_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["train", *SMALL, "-k", "1", "--overwrite", "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"--overwrite: removed the previous run's checkpoints, metrics.json from {out}" in said
+    assert load_checkpoint(out / "checkpoints").state["model"]["max_distance"] == 1
+    assert len([p for p in (out / "checkpoints").iterdir() if p.name.startswith("step-")]) == 2
+
+
+def test_resume_from_an_earlier_parameter_layout_is_refused_clearly(tmp_path):
+    """relpos <= 0.1 saved q_proj/k_proj/v_proj linears: the weights convert on load, the
+    optimizer state (one entry per old parameter) cannot."""
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    train(_tiny(), TASK, _cfg(steps=4, checkpoint_every=2), out_dir=tmp_path, progress=False)
+    step = load_checkpoint(tmp_path / "checkpoints").path
+    weights = st_load((step / "model.safetensors").read_bytes())
+    for key in [k for k in weights if k.endswith(("in_proj_weight", "in_proj_bias"))]:
+        prefix, kind = key.rsplit(".", 1)
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), weights.pop(key).chunk(3),
+                              strict=True):
+            weights[f"{prefix}.{name}.{'weight' if kind.endswith('weight') else 'bias'}"] = part
+    data = st_save(weights)
+    (step / "model.safetensors").write_bytes(data)
+    state = json.loads((step / "state.json").read_text())
+    state["files"]["model.safetensors"] = hashlib.sha256(data).hexdigest()
+    (step / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="its weights use an earlier parameter layout"):
+        train(_tiny(), TASK, _cfg(steps=6, schedule_steps=4), out_dir=tmp_path, resume=True,
+              progress=False)

@@ -52,11 +52,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args.func(args) or 0)
     except CLIError as err:
-        print(f"relpos: error: {err}", file=sys.stderr)
+        print(f"relpos: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except (ValueError, TypeError, FileNotFoundError, PermissionError) as err:
-        print(f"relpos: error: {err}", file=sys.stderr)
+        print(f"relpos: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print("relpos: error: out of memory; try smaller sizes", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("relpos: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line."""
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())

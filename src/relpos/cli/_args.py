@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,13 @@ __all__ = [
     "add_max_distance",
     "add_no_progress",
     "add_threads",
+    "check_output_dir",
     "check_output_file",
     "float_in",
+    "int_in",
     "int_list",
     "name_list",
+    "non_negative_float",
     "non_negative_int",
     "positive_float",
     "positive_int",
@@ -56,9 +60,24 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
-    """argparse type factory: at least one int >= ``minimum``, separated by commas (or
-    spaces), as a tuple."""
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type factory: an int in ``low..high`` (``high`` None = no upper bound)."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        allowed = "" if high is None else f"; allowed: {low}..{high}"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}{allowed}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be an int <= {high}, got {text!r}{allowed}")
+        return value
+
+    return parse
+
+
+def int_list(minimum: int, maximum: int | None = None) -> Callable[[str], tuple[int, ...]]:
+    """argparse type factory: at least one int in ``minimum..maximum`` (None = no upper
+    bound), separated by commas (or spaces), as a tuple."""
 
     def parse(text: str) -> tuple[int, ...]:
         try:
@@ -67,9 +86,14 @@ def int_list(minimum: int) -> Callable[[str], tuple[int, ...]]:
             raise argparse.ArgumentTypeError(
                 f"must be comma-separated ints, got {text!r}"
             ) from None
+        allowed = "" if maximum is None else f"; allowed: {minimum}..{maximum}"
         if not values or min(values) < minimum:
             raise argparse.ArgumentTypeError(
-                f"must be comma-separated ints >= {minimum}, got {text!r}"
+                f"must be comma-separated ints >= {minimum}, got {text!r}{allowed}"
+            )
+        if maximum is not None and max(values) > maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated ints <= {maximum}, got {text!r}{allowed}"
             )
         return values
 
@@ -104,6 +128,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def name_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str, ...]]:
     """argparse type factory: at least one of ``choices``, comma-separated, as a tuple;
     ``what`` names them in the message (``"task(s)"``)."""
@@ -131,16 +166,50 @@ def check_output_file(
         what: what the suffix tells, for the error message.
 
     Raises:
-        CLIError: if the suffix is not allowed or the directory does not exist.
+        CLIError: if the suffix is not allowed, ``path`` is a directory, or its directory
+            does not exist or cannot be written.
     """
     target = Path(path)
+    if target.is_dir() or str(path).endswith(("/", os.sep)):
+        what = "is a directory" if target.is_dir() else "names a directory"
+        raise CLIError(f"the output {str(path)!r} {what}; allowed: the path of a file to write")
     if suffixes is not None and target.suffix.lower() not in suffixes:
         raise CLIError(
             f"cannot tell the {what} of {str(path)!r} from its suffix; "
             f"allowed: {', '.join(suffixes)}"
         )
+    if target.parent.exists() and not target.parent.is_dir():
+        raise CLIError(f"output directory {str(target.parent)!r} is a file, not a directory")
     if not target.parent.is_dir():
         raise CLIError(f"output directory {str(target.parent)!r} does not exist")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise CLIError(f"cannot write in the output directory {str(target.parent)!r}")
+    return target
+
+
+def check_output_dir(path: str | Path, option: str = "--out") -> Path:
+    """``path`` as a :class:`~pathlib.Path` after checking it is, or can be made, a
+    writable directory (missing parents are created later).
+
+    Raises:
+        CLIError: if ``path`` or a parent of it is an existing file, or the nearest
+            existing directory cannot be written.
+    """
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise CLIError(f"{option} {str(path)!r} is a file; allowed: a directory")
+    existing = target
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise CLIError(
+            f"{option} {str(path)!r} cannot be created: {str(existing)!r} is a file, not a "
+            "directory"
+        )
+    if existing.is_dir() and not os.access(existing, os.W_OK | os.X_OK):
+        raise CLIError(f"{option} {str(path)!r}: cannot write in {str(existing)!r}")
     return target
 
 
@@ -162,12 +231,15 @@ def subcommand(
     return p
 
 
-def add_max_distance(p: Any, default: int, help: str | None = None) -> None:
-    """``--max-distance``/``-k K``: the clip distance (an int >= 0)."""
+def add_max_distance(
+    p: Any, default: int | None, help: str | None = None, maximum: int | None = None
+) -> None:
+    """``--max-distance``/``-k K``: the clip distance (an int in ``0..maximum``; None = no
+    upper bound)."""
     p.add_argument(
         "--max-distance",
         "-k",
-        type=non_negative_int,
+        type=non_negative_int if maximum is None else int_in(0, maximum),
         default=default,
         metavar="K",
         help=help or f"clip distance k (default {default})",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 from typing import Any
 
 from relpos._deprecated import module_getattr, moved
@@ -70,10 +71,36 @@ def add_parser(subparsers: Any) -> None:
                    help="new tokens per decode step, comma-separated (default: 1,64)")
 
 
+def output_files(args: argparse.Namespace) -> list[Path]:
+    """The report files ``--out`` names (none without it), checked before any timing.
+
+    Raises:
+        CLIError: if ``--out`` is a file (or lies under one) where a directory is meant, or
+            a report file would replace a directory.
+    """
+    if not args.out:
+        return []
+    out = Path(args.out)
+    if args.decode and out.suffix.lower() in (".md", ".csv"):
+        files = [out.with_suffix(".md"), out.with_suffix(".csv")]
+        _args.check_output_dir(out.parent, f"--out {str(out)!r}: its directory")
+    else:
+        _args.check_output_dir(out)
+        names = ("decode.md", "decode.csv") if args.decode else (
+            "attention.md", "attention.csv", "attention.png"
+        )
+        files = [out / name for name in names]
+    for path in files:
+        if path.is_dir():
+            raise CLIError(f"--out {str(args.out)!r}: the report {str(path)!r} is a directory")
+    return files
+
+
 def run(args: argparse.Namespace) -> int:
     """``relpos bench``: run the attention benchmark (or the decode one with ``--decode``)."""
     if args.steps is not None and not args.decode:
         raise CLIError("--steps applies to relpos bench --decode only")
+    output_files(args)
     if args.decode:
         from relpos.bench.decode import run_decode
 

@@ -1,9 +1,10 @@
 """``relpos export-onnx``: export a saved relpos module to ONNX with dynamic batch and length.
 
 ``relpos export-onnx layer.pt -o layer.onnx --check`` reads a module saved with
-:func:`relpos.export.save_module` (or a ``relpos train`` checkpoint directory), exports it with
-``torch.onnx.export(..., dynamo=True)`` and, with ``--check``, runs the file in onnxruntime at
-three lengths and compares it to PyTorch. Needs the ``onnx`` extra.
+:func:`relpos.export.save_module` (or a ``relpos train`` checkpoint: the ``--out`` directory of
+``relpos train`` or its ``checkpoints/``), exports it with ``torch.onnx.export(..., dynamo=True)``
+and, with ``--check``, runs the file in onnxruntime at three lengths and compares it to
+PyTorch. Needs the ``onnx`` extra. The output is checked before the (slow) export.
 """
 
 from __future__ import annotations
@@ -16,18 +17,26 @@ from typing import Any
 
 from relpos.cli import CLIError, _args
 
+#: The oldest ONNX opset the exporter writes (torch.onnx's dynamo exporter starts at 18;
+#: asked for an older one it silently writes 18 or fails to convert).
+MIN_OPSET = 18
+# What a checkpoint directory holds; relpos train --out DIR writes it in DIR/checkpoints.
+_MANIFEST = "latest.json"
+_CHECKPOINTS = "checkpoints"
+
 
 def add_parser(subparsers: Any) -> None:
     """Register ``relpos export-onnx``."""
     p = _args.subcommand(
         subparsers, "export-onnx", run,
         "export a saved module to ONNX (dynamic batch and sequence length)",
-        "Export a module saved with relpos.export.save_module (or a relpos train checkpoint "
-        "directory) to ONNX. The graph has dynamic batch and length axes and computes the "
-        "relative positions at run time, so it serves every sequence length. Needs the "
-        "'onnx' extra: pip install 'relpos[onnx]'.",
+        "Export a module saved with relpos.export.save_module (or a relpos train run: its "
+        "--out directory or the checkpoints/ in it) to ONNX. The graph has dynamic batch "
+        "and length axes and computes the relative positions at run time, so it serves "
+        "every sequence length. Needs the 'onnx' extra: pip install 'relpos[onnx]'.",
     )
-    p.add_argument("model", metavar="MODEL", help="saved module file or checkpoint directory")
+    p.add_argument("model", metavar="MODEL",
+                   help="saved module file, relpos train --out directory or checkpoint directory")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="ONNX file to write (default: MODEL with the suffix .onnx)")
     p.add_argument("--causal", action="store_true", help="export causal self-attention")
@@ -36,7 +45,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--example-length", type=_args.positive_int, default=7, metavar="L",
                    help="sequence length of the tracing example (default 7; the graph serves "
                         "all lengths)")
-    p.add_argument("--opset", type=_args.positive_int, help="ONNX opset version")
+    p.add_argument("--opset", type=_args.int_in(MIN_OPSET), metavar="N",
+                   help=f"ONNX opset version, from {MIN_OPSET} to the newest the installed "
+                        "onnx knows (default: the exporter's)")
     p.add_argument("--no-optimize", action="store_true",
                    help="skip the exporter's graph optimizer")
     p.add_argument("--check", action="store_true",
@@ -46,21 +57,38 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.example_length < 2:
+        raise CLIError(f"--example-length must be >= 2, got {args.example_length}")
+    # The paths first: they take no time, the imports and the export do.
+    given = Path(args.model)
+    if not given.exists():
+        raise CLIError(f"no such file or directory: {str(given)!r}")
+    source = checkpoint_dir(given) if given.is_dir() else given
+    if args.output is None and not given.name:
+        raise CLIError(f"name the output file with -o (MODEL is {str(given)!r})")
+    output = _args.check_output_file(args.output or given.with_suffix(".onnx"))
+    if output.resolve() == source.resolve():
+        raise CLIError(f"the output {str(output)!r} would overwrite the model")
+
     from relpos.export import check_onnx, export_onnx, load_module, require_onnx
 
     try:
         require_onnx()
     except ImportError as err:
         raise CLIError(str(err)) from None
-    if args.example_length < 2:
-        raise CLIError(f"--example-length must be >= 2, got {args.example_length}")
-    source = Path(args.model)
-    if not source.exists():
-        raise CLIError(f"no such file or directory: {str(source)!r}")
-    output = _args.check_output_file(args.output or source.with_suffix(".onnx"))
-    if output.resolve() == source.resolve():
-        raise CLIError(f"the output {str(output)!r} would overwrite the model")
-    module = load_module(source)
+    if args.opset is not None:
+        import onnx
+
+        newest = int(onnx.defs.onnx_opset_version())
+        if args.opset > newest:
+            raise CLIError(
+                f"--opset {args.opset} is newer than the installed onnx {onnx.__version__} "
+                f"knows; allowed: {MIN_OPSET}..{newest}"
+            )
+    try:
+        module = load_module(source)
+    except RuntimeError as err:  # load_state_dict: missing, unexpected or misshapen weights
+        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err)}") from None
     # The exporter's progress lines and internal deprecation notices are not for CLI users.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -77,9 +105,14 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         n = args.example_length
         lengths = (1, n + 3, 2 * n + 1)
-        worst = check_onnx(
-            output, module, lengths, is_causal=args.causal, key_mask=args.key_mask
-        )
+        try:
+            worst = check_onnx(
+                output, module, lengths, is_causal=args.causal, key_mask=args.key_mask
+            )
+        except Exception as err:  # onnxruntime's errors derive from Exception only
+            raise CLIError(
+                f"--check: onnxruntime could not run {str(output)!r}: {_one_line(err)}"
+            ) from None
         status = "ok" if worst <= args.atol else "FAILED"
         print(
             f"check: onnxruntime vs PyTorch at lengths {', '.join(map(str, lengths))}: "
@@ -88,3 +121,29 @@ def run(args: argparse.Namespace) -> int:
         if worst > args.atol:
             return 1
     return 0
+
+
+def checkpoint_dir(directory: Path) -> Path:
+    """The checkpoint directory of ``directory``: itself if it holds ``latest.json``, else
+    its ``checkpoints/`` (the layout ``relpos train --out DIR`` writes).
+
+    Raises:
+        CLIError: if neither holds a checkpoint.
+    """
+    if (directory / _MANIFEST).is_file():
+        return directory
+    if (directory / _CHECKPOINTS / _MANIFEST).is_file():
+        return directory / _CHECKPOINTS
+    raise CLIError(
+        f"{str(directory)!r} is a directory without a training checkpoint: neither "
+        f"{str(directory / _MANIFEST)!r} nor {str(directory / _CHECKPOINTS / _MANIFEST)!r} "
+        "exists; allowed: a file saved with relpos.export.save_module, or a relpos train "
+        "--out directory"
+    )
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line (PyTorch's load_state_dict spans several)."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    text = text or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -19,6 +19,8 @@ DEFAULT_LENGTH = 10
 DEFAULT_MAX_DISTANCE = 4
 # Larger matrices do not fit in an image or a terminal in any useful way.
 MAX_LENGTH = 4096
+# The suffixes of relpos.plotting.IMAGE_FORMATS (that module loads torch).
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -83,9 +85,12 @@ def run(args: argparse.Namespace) -> int:
             f"{args.query_start}..{args.query_start + queries - 1}, outside the {length} "
             f"keys; allowed: 0..{length - queries}"
         )
+    output = None
+    if args.output is not None:  # checked before torch and matplotlib load
+        output = _args.check_output_file(args.output, suffixes=IMAGE_SUFFIXES)
     from relpos import plotting  # torch (and matplotlib) only now, to draw
 
-    if args.output is None:
+    if output is None:
         offsets, hidden, start = plotting.clipped_offsets(
             length,
             args.max_distance,
@@ -96,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
         print(format_matrix(offsets, hidden, start), end="")
         return 0
 
-    output = _args.check_output_file(args.output, suffixes=plotting.IMAGE_FORMATS)
     try:
         fig = plotting.plot_relative_positions(
             length,

@@ -26,6 +26,8 @@ from relpos.cli import CLIError, _args
 FORMATS = ("text", "csv", "json", "markdown")
 DEFAULT_LENGTH = 10
 DEFAULT_MAX_DISTANCE = 4
+#: Longest table printed (one line per position).
+MAX_LENGTH = 100_000
 
 # Column titles of the text table and the width of the slot each sits in, between the
 # "|" separators; values are centred in their slot.
@@ -40,8 +42,9 @@ def add_parser(subparsers: Any) -> None:
         "clipped value clip(j - i, -k, k). The defaults reproduce the handbook table: length "
         "10, query 5, k = 4.",
     )
-    p.add_argument("--length", type=_args.positive_int, default=DEFAULT_LENGTH, metavar="N",
-                   help=f"number of positions (default {DEFAULT_LENGTH})")
+    p.add_argument("--length", type=_args.int_in(1, MAX_LENGTH), default=DEFAULT_LENGTH,
+                   metavar="N", help=f"number of positions, 1..{MAX_LENGTH} "
+                                     f"(default {DEFAULT_LENGTH})")
     p.add_argument("--query", type=_args.non_negative_int, metavar="I",
                    help="query position, 0..N-1 (default N // 2, i.e. 5 for the default length)")
     _args.add_max_distance(p, DEFAULT_MAX_DISTANCE)

@@ -3,15 +3,25 @@
 Examples::
 
     relpos train --task recall -k 8 --layers 1 --steps 300 --out runs/recall-k8
-    relpos train --task recall -k 8 --layers 1 --steps 300 --out runs/recall-k8 --resume
+    relpos train --out runs/recall-k8 --resume                    # the saved settings
+    relpos train --out runs/recall-k8 --resume --steps 600        # train longer
+    relpos train --task recall -k 4 --out runs/recall-k8 --overwrite  # start over
     relpos train --text notes.txt --length 128 --out runs/text
     relpos train --task agree --nproc 2 --out runs/agree-ddp      # 2 processes (torchrun)
     torchrun --nproc_per_node=2 -m relpos train --task agree --out runs/agree-ddp
+
+Resuming reads the run's settings from its checkpoint: options left out take the saved
+values, options given must agree with them, except the ones that do not change what is
+learned (``--eval-lengths``, ``--eval-every``, ``--checkpoint-every``, ``--threads``,
+``--device``, ``--nproc``, ``--no-progress``) and ``--steps``: a larger ``--steps`` trains
+longer (the learning-rate schedule of the run stays: after its cosine decay the rate holds
+at the floor), a smaller one (not below the checkpoint's step) stops earlier.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +31,10 @@ from relpos.cli import CLIError, _args
 from relpos.cli._args import non_negative_int, positive_int
 
 POSITIONS = ("relative", "learned", "sinusoidal", "none")
-
+#: Largest clip distance and sequence length ``relpos train`` accepts (a table of
+#: ``2K + 1`` rows; ``L x L`` attention scores per head).
+MAX_DISTANCE = 1 << 16
+MAX_LENGTH = 1 << 16
 
 # Options a --nproc launch does not hand on to the processes it starts (``command`` and
 # ``func`` are the subcommand's own entries in the namespace).
@@ -31,25 +44,43 @@ _TRAIN_OPTIONS = (
     "steps", "batch_size", "length", "lr", "warmup", "weight_decay", "seed", "eval_every",
     "checkpoint_every",
 )
+# The value an option takes when it is not given (and not read from a checkpoint). In the
+# namespace an option not given is None, so --resume can tell it from one given.
+DEFAULTS: dict[str, Any] = {
+    "task": None, "text": None, "distances": None, "length": 64, "eval_lengths": None,
+    "layers": 2, "heads": 4, "d_model": 64, "ff": None, "max_distance": 16,
+    "no_rel_keys": False, "no_rel_values": False, "per_head": False, "positions": "relative",
+    "bidirectional": False, "dropout": 0.0,
+    "steps": 300, "batch_size": 32, "lr": 3e-3, "warmup": 20, "weight_decay": 0.01, "seed": 0,
+    "eval_every": 100, "checkpoint_every": 100,
+}
+# Options --resume lets differ from the saved run (they do not change what is learned; for
+# --steps see the module docstring).
+_FREE_ON_RESUME = ("steps", "eval_lengths", "eval_every", "checkpoint_every")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The ``model`` options of ``relpos train`` (read by :func:`build_model_config`)."""
     g = p.add_argument_group("model")
-    g.add_argument("--layers", type=positive_int, default=2, help="transformer blocks (default 2)")
-    g.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
-    g.add_argument("--d-model", type=positive_int, default=64, help="model width (default 64)")
+    g.add_argument("--layers", type=positive_int, help="transformer blocks (default 2)")
+    g.add_argument("--heads", type=positive_int, help="attention heads (default 4)")
+    g.add_argument("--d-model", type=positive_int, help="model width (default 64)")
     g.add_argument("--ff", type=positive_int, help="MLP width (default 4*d-model)")
-    _args.add_max_distance(g, 16, "clip distance K of the relative positions (default 16)")
-    g.add_argument("--no-rel-keys", action="store_true", help="drop the relative key term")
-    g.add_argument("--no-rel-values", action="store_true", help="drop the relative value term")
-    g.add_argument("--per-head", action="store_true",
+    _args.add_max_distance(
+        g, None, f"clip distance K of the relative positions, 0..{MAX_DISTANCE} (default 16)",
+        maximum=MAX_DISTANCE,
+    )
+    g.add_argument("--no-rel-keys", action="store_true", default=None,
+                   help="drop the relative key term")
+    g.add_argument("--no-rel-values", action="store_true", default=None,
+                   help="drop the relative value term")
+    g.add_argument("--per-head", action="store_true", default=None,
                    help="one relative table per head (default: shared)")
-    g.add_argument("--positions", choices=POSITIONS, default="relative",
+    g.add_argument("--positions", choices=POSITIONS,
                    help="relative (default) or an absolute baseline without relative terms")
-    g.add_argument("--bidirectional", action="store_true", help="no causal mask (encoder)")
-    g.add_argument("--dropout", type=_args.float_in(0.0, 1.0), default=0.0,
-                   help="dropout rate (default 0)")
+    g.add_argument("--bidirectional", action="store_true", default=None,
+                   help="no causal mask (encoder)")
+    g.add_argument("--dropout", type=_args.float_in(0.0, 1.0), help="dropout rate (default 0)")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -58,7 +89,13 @@ def add_parser(subparsers: Any) -> None:
         subparsers, "train", run, "train a small relative-position transformer",
         "Train a small transformer with clipped relative positions (or an absolute baseline) "
         "on a built-in synthetic task or a text file, with AdamW, warmup and cosine decay, "
-        "periodic evaluation and crash-safe checkpoints.",
+        "periodic evaluation and crash-safe checkpoints. --out must not hold another run "
+        "(checkpoints/, metrics.json) unless --resume continues it or --overwrite replaces "
+        "it. --resume reads the run's settings from its checkpoint: leave the options out "
+        "(those given must agree with the saved ones); --eval-lengths, --eval-every and "
+        "--checkpoint-every may differ, and --steps: a larger one trains longer on the run's "
+        "learning-rate schedule (the floor rate after its end), a smaller one (not below "
+        "the checkpoint's step) stops earlier.",
     )
     g = p.add_argument_group("data")
     g.add_argument("--task", metavar="NAME",
@@ -66,26 +103,33 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--text", metavar="FILE", help="character-level LM on FILE")
     g.add_argument("--distances", type=_args.int_list(1), metavar="D,D,...",
                    help="dependency distances of recall/agree (default: the task's, up to 32)")
-    g.add_argument("--length", type=positive_int, default=64, help="training length (default 64)")
-    g.add_argument("--eval-lengths", type=_args.int_list(1), metavar="N,N,...",
+    g.add_argument("--length", type=_args.int_in(1, MAX_LENGTH), metavar="N",
+                   help=f"training length, 1..{MAX_LENGTH} (default 64)")
+    g.add_argument("--eval-lengths", type=_args.int_list(1, MAX_LENGTH), metavar="N,N,...",
                    help="lengths evaluated at the end (default: the training length)")
     add_model_arguments(p)
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=positive_int, default=300, help="steps (default 300)")
-    g.add_argument("--batch-size", type=positive_int, default=32,
-                   help="global batch size (default 32)")
-    g.add_argument("--lr", type=_args.positive_float, default=3e-3,
-                   help="peak learning rate (3e-3)")
-    g.add_argument("--warmup", type=non_negative_int, default=20, help="warmup steps (20)")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (0.01)")
-    g.add_argument("--seed", type=non_negative_int, default=0, help="seed (default 0)")
+    g.add_argument("--steps", type=positive_int,
+                   help="steps (default 300; with --resume: the saved run's)")
+    g.add_argument("--batch-size", type=positive_int, help="global batch size (default 32)")
+    g.add_argument("--lr", type=_args.positive_float, help="peak learning rate (3e-3)")
+    g.add_argument("--warmup", type=non_negative_int, help="warmup steps (20)")
+    g.add_argument("--weight-decay", type=_args.non_negative_float,
+                   help="AdamW weight decay, a finite number >= 0 (0.01)")
+    g.add_argument("--seed", type=non_negative_int, help="seed (default 0)")
     g = p.add_argument_group("run")
-    g.add_argument("--out", default="runs/train", metavar="DIR", help="output directory")
-    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    g.add_argument("--eval-every", type=non_negative_int, default=100,
-                   help="eval period (0 = end only)")
-    g.add_argument("--checkpoint-every", type=non_negative_int, default=100,
-                   help="checkpoint period (0 = end only)")
+    g.add_argument("--out", default="runs/train", metavar="DIR",
+                   help="output directory (default runs/train)")
+    used = g.add_mutually_exclusive_group()
+    used.add_argument("--resume", action="store_true",
+                      help="continue the run in --out with its saved settings")
+    used.add_argument("--overwrite", action="store_true",
+                      help="replace the run in --out (removes its checkpoints/ and "
+                           "metrics.json first)")
+    g.add_argument("--eval-every", type=non_negative_int,
+                   help="eval period (default 100; 0 = end only)")
+    g.add_argument("--checkpoint-every", type=non_negative_int,
+                   help="checkpoint period (default 100; 0 = end only)")
     _args.add_threads(g, "torch CPU threads per process (default 1; fixed for reproducible "
                          "numbers)")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -94,24 +138,33 @@ def add_parser(subparsers: Any) -> None:
     _args.add_no_progress(g)
 
 
+def _value(args: argparse.Namespace, name: str) -> Any:
+    """The option's value, or its default when it was not given."""
+    value = getattr(args, name, None)
+    return DEFAULTS.get(name) if value is None else value
+
+
 def build_model_config(args: argparse.Namespace, vocab_size: int, max_length: int) -> Any:
     from relpos.models import ModelConfig
 
-    relative = args.positions == "relative"
+    def v(name: str) -> Any:
+        return _value(args, name)
+
+    relative = v("positions") == "relative"
     return ModelConfig(
         vocab_size=vocab_size,
-        d_model=args.d_model,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        dim_feedforward=args.ff,
-        max_distance=args.max_distance if relative else 0,
-        relative_keys=relative and not args.no_rel_keys,
-        relative_values=relative and not args.no_rel_values,
-        share_heads=not args.per_head,
-        positions=args.positions,
+        d_model=v("d_model"),
+        num_layers=v("layers"),
+        num_heads=v("heads"),
+        dim_feedforward=v("ff"),
+        max_distance=v("max_distance") if relative else 0,
+        relative_keys=relative and not v("no_rel_keys"),
+        relative_values=relative and not v("no_rel_values"),
+        share_heads=not v("per_head"),
+        positions=v("positions"),
         max_length=max_length,
-        dropout=args.dropout,
-        causal=not args.bidirectional,
+        dropout=v("dropout"),
+        causal=not v("bidirectional"),
     )
 
 
@@ -121,7 +174,8 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
 
     Every option of ``relpos train`` stores its value under its own name (``--batch-size``
     in ``batch_size``), so the namespace itself lists them: each one set is handed on
-    (flags that are on, values that are not None), defaults included.
+    (flags that are on, values that are not None); options not given stay not given, so
+    the processes resolve them as this one does (defaults, or the checkpoint's).
     """
     argv = ["train"]
     for dest, value in vars(args).items():
@@ -137,60 +191,207 @@ def relaunch_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def saved_options(saved: Any) -> dict[str, Any]:
+    """The option values of ``relpos train`` a saved run (a
+    :class:`relpos.training.trainer.SavedRun`) was trained with; None where an option has
+    no effect on it (``-k`` of an absolute-position model)."""
+    m, t, task = saved.model, saved.train, saved.task
+    relative = m.positions == "relative"
+    return {
+        "task": task.get("name"),
+        "text": task.get("path"),
+        "distances": tuple(task["distances"]) if "distances" in task else None,
+        "length": t.length,
+        "eval_lengths": tuple(t.eval_lengths),
+        "layers": m.num_layers,
+        "heads": m.num_heads,
+        "d_model": m.d_model,
+        "ff": m.ffn_dim,
+        "max_distance": m.max_distance if relative else None,
+        "no_rel_keys": (not m.relative_keys) if relative else None,
+        "no_rel_values": (not m.relative_values) if relative else None,
+        "per_head": not m.share_heads,
+        "positions": m.positions,
+        "bidirectional": not m.causal,
+        "dropout": m.dropout,
+        "steps": t.steps,
+        "batch_size": t.batch_size,
+        "lr": t.lr,
+        "warmup": t.warmup,
+        "weight_decay": t.weight_decay,
+        "seed": t.seed,
+        "eval_every": t.eval_every,
+        "checkpoint_every": t.checkpoint_every,
+    }
+
+
+def _conflicts(args: argparse.Namespace, saved: dict[str, Any]) -> list[str]:
+    """The options given on the command line that disagree with the saved run."""
+    given = {name: getattr(args, name) for name in DEFAULTS if getattr(args, name) is not None}
+    if given.get("text") is not None:
+        given.setdefault("task", "text")
+    out = []
+    for name, value in given.items():
+        if name in _FREE_ON_RESUME or (saved.get(name) is None and name != "distances"):
+            continue
+        was = saved[name]
+        if name == "text":
+            same = os.path.realpath(value) == os.path.realpath(str(was))
+        else:
+            same = value == was
+        if not same:
+            flag = "-k" if name == "max_distance" else _flag(name)
+            shown = "(none)" if was is None else _shown(was)
+            out.append(f"{flag}{'' if value is True else ' ' + _shown(value)} "
+                       f"(the checkpoint: {shown})")
+    return out
+
+
+def _resume_settings(
+    args: argparse.Namespace, out: Path, *, say: bool
+) -> tuple[Any, Any, Any]:
+    """(task, model config, train config) of ``--resume``: the saved run's, with the
+    options it lets differ; ``say``: print where it resumes."""
+    from relpos.tasks import task_from_config
+    from relpos.training.trainer import read_saved_run
+
+    saved = read_saved_run(out)
+    options = saved_options(saved)
+    conflicts = _conflicts(args, options)
+    if conflicts:
+        raise CLIError(
+            f"cannot resume {str(out)!r} with a different configuration: "
+            f"{'; '.join(conflicts[:4])}{'; ...' if len(conflicts) > 4 else ''}; leave these "
+            "options out to use the saved ones, or pass --overwrite to start a new run"
+        )
+    steps = options["steps"] if args.steps is None else args.steps
+    if steps < saved.step:
+        raise CLIError(
+            f"--steps {steps} is below the step of the checkpoint in {str(out)!r}, "
+            f"{saved.step}; allowed: {saved.step} or more"
+        )
+    changes: dict[str, Any] = {"steps": steps, "schedule_steps": saved.train.schedule}
+    for name in ("eval_every", "checkpoint_every"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.eval_lengths is not None:
+        changes["eval_lengths"] = tuple(args.eval_lengths)
+    config = dataclasses.replace(saved.train, **changes)
+    task = task_from_config(saved.task)
+    if say:
+        print(
+            f"resuming {out} from step {saved.step} to step {steps}"
+            + (f" (learning-rate schedule of {saved.train.schedule} steps)"
+               if steps != saved.train.schedule else ""),
+            flush=True,
+        )
+    return task, saved.model, config
+
+
+def _new_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(task, model config, train config) of a new run, from the options and defaults."""
     from relpos.tasks import TASKS, build_task
-    from relpos.training import TrainConfig, init_distributed, launch, train
-    from relpos.training.distributed import shutdown
-    from relpos.training.trainer import summarize
+    from relpos.training import TrainConfig
 
     name = args.task or ("text" if args.text else "recall")
     if name not in TASKS:
         raise CLIError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+    task = build_task(name, distances=args.distances, text=args.text)
+    length = _value(args, "length")
+    eval_lengths = tuple(args.eval_lengths or (length,))
+    model_config = build_model_config(args, task.vocab_size, max(length, *eval_lengths))
+    config = TrainConfig(
+        **{name: _value(args, name) for name in _TRAIN_OPTIONS}, eval_lengths=eval_lengths
+    )
+    return task, model_config, config
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    text = str(err)
+    return isinstance(err, MemoryError) or any(
+        s in text for s in ("can't allocate memory", "not enough memory", "out of memory")
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    out = _args.check_output_dir(args.out)
     if args.text is not None and not Path(args.text).is_file():
         raise CLIError(f"text file {args.text!r} does not exist")
-    task = build_task(name, distances=args.distances, text=args.text)
-    eval_lengths = args.eval_lengths or (args.length,)
 
-    if args.nproc is not None and "WORLD_SIZE" not in os.environ:
-        if args.batch_size % args.nproc:
+    import torch
+
+    from relpos.training import init_distributed, launch, train
+    from relpos.training.distributed import shutdown
+    from relpos.training.trainer import clear_run, previous_run, summarize
+
+    launching = args.nproc is not None and "WORLD_SIZE" not in os.environ
+    if args.resume:
+        say = not launching and _rank() == 0  # the processes launched say it
+        task, model_config, config = _resume_settings(args, out, say=say)
+    else:
+        task, model_config, config = _new_settings(args)
+    world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    if config.batch_size % world:
+        what = f"--nproc {world}" if launching else f"the {world} processes"
+        raise CLIError(f"--batch-size {config.batch_size} must be divisible by {what}")
+    if not args.resume and _rank() == 0:
+        found = previous_run(out)
+        if found and not args.overwrite:
             raise CLIError(
-                f"--batch-size {args.batch_size} must be divisible by --nproc {args.nproc}"
+                f"--out {str(out)!r} already holds a run "
+                f"({', '.join(p.name for p in found)}); pass --resume to continue it, "
+                "--overwrite to replace it, or choose another --out"
             )
+        if found:
+            clear_run(out)
+            print(f"--overwrite: removed the previous run's {', '.join(p.name for p in found)} "
+                  f"from {out}", flush=True)
+
+    if launching:
         status = launch(args.nproc, relaunch_argv(args))
         if status:
             raise CLIError(f"the {args.nproc}-process run failed with exit status {status}")
         return 0
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(args.threads or 1)
-    max_length = max(args.length, *eval_lengths)
-    model_config = build_model_config(args, task.vocab_size, max_length)
-    config = TrainConfig(
-        **{name: getattr(args, name) for name in _TRAIN_OPTIONS}, eval_lengths=tuple(eval_lengths)
-    )
-    if config.batch_size % world:
-        raise CLIError(
-            f"--batch-size {config.batch_size} must be divisible by the {world} processes"
-        )
     ctx = init_distributed(args.device)
     try:
         _, metrics = train(
             model_config,
             task,
             config,
-            out_dir=args.out,
+            out_dir=out,
             resume=args.resume,
             progress=not args.no_progress,
             ctx=ctx,
         )
+    except RuntimeError as err:
+        if not _out_of_memory(err):
+            raise
+        raise CLIError(
+            f"out of memory ({str(err).splitlines()[0][:160]}); try a smaller --batch-size, "
+            "--length, --d-model, --layers or -k"
+        ) from None
     finally:
         shutdown(ctx)
     if ctx.is_main:
         for line in summarize(metrics):
             print(line)
-        print(f"metrics: {Path(args.out) / 'metrics.json'}")
+        print(f"metrics: {out / 'metrics.json'}")
     return 0
 
 

@@ -15,6 +15,11 @@ a temporary file, fsynced and renamed over ``latest.json``, followed by an fsync
 directory - point at it. A crash at any moment leaves ``latest.json`` naming a complete
 checkpoint (the new one or the previous one); the hashes in ``state.json`` catch files
 damaged later. Older checkpoints are removed only after the manifest moved on.
+
+Reading checks the structure of everything it reads (the manifest, ``state.json``, both
+safetensors files, the RNG states) and raises :class:`CheckpointError` naming the file and
+what is wrong; :func:`check_model_state` and :func:`check_optimizer_state` compare the
+tensors with the model and optimizer they are about to be loaded into.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor
@@ -42,9 +49,12 @@ __all__ = [
     "CheckpointError",
     "atomic_write_bytes",
     "atomic_write_json",
+    "check_model_state",
+    "check_optimizer_state",
     "load_checkpoint",
     "optimizer_state_from_parts",
     "optimizer_state_to_parts",
+    "read_state",
     "save_checkpoint",
 ]
 
@@ -201,48 +211,249 @@ def has_checkpoint(directory: str | os.PathLike[str]) -> bool:
     return (Path(directory) / MANIFEST).is_file()
 
 
-def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
-    """Read the checkpoint ``latest.json`` names, verifying format and hashes.
+def _damaged(where: Path, detail: str) -> CheckpointError:
+    return CheckpointError(f"damaged checkpoint {str(where)!r}: {detail}")
 
-    Raises:
-        CheckpointError: if there is no checkpoint, its format version is unknown or a file
-            is missing or does not match its recorded hash.
-    """
-    root = Path(directory)
+
+def _is_int(value: object, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _step_dir(root: Path) -> Path:
+    """The step directory ``latest.json`` names."""
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"no checkpoint in {str(root)!r} (missing {MANIFEST})")
     try:
         manifest = json.loads(manifest_path.read_text())
-        step_dir = root / str(manifest["checkpoint"])
-        version = manifest.get("format_version")
-    except (ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise CheckpointError(
             f"damaged checkpoint manifest {str(manifest_path)!r}: {err}"
         ) from None
-    if version != FORMAT_VERSION:
+    if isinstance(manifest, dict) and manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint {str(root)!r} has format version {version!r}; this relpos reads "
-            f"version {FORMAT_VERSION}"
+            f"checkpoint {str(root)!r} has format version {manifest.get('format_version')!r}; "
+            f"this relpos reads version {FORMAT_VERSION}"
         )
+    name = manifest.get("checkpoint") if isinstance(manifest, dict) else None
+    if not isinstance(name, str) or not name.startswith("step-") or Path(name).name != name:
+        raise CheckpointError(
+            f"damaged checkpoint manifest {str(manifest_path)!r}: expected "
+            f'{{"format_version": {FORMAT_VERSION}, "checkpoint": "step-..."}}, got '
+            f"{_short(manifest)}"
+        )
+    return root / name
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_document(document: object, step_dir: Path) -> dict[str, Any]:
+    """``state.json`` after checking the entries every checkpoint has."""
+    where = step_dir / STATE_FILE
+    if not isinstance(document, dict):
+        raise _damaged(where, f"expected a JSON object, got a {type(document).__name__}")
+    if document.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(step_dir)!r} has format version "
+            f"{document.get('format_version')!r}; this relpos reads version {FORMAT_VERSION}"
+        )
+    missing = [k for k in ("step", "optimizer", "files") if k not in document]
+    if missing:
+        raise _damaged(where, f"missing {', '.join(map(repr, missing))}")
+    if not _is_int(document["step"]):
+        raise _damaged(where, f"'step' must be an int >= 0, got {_short(document['step'])}")
+    files = document["files"]
+    if not isinstance(files, dict) or any(
+        not isinstance(files.get(name), str) for name in (MODEL_FILE, OPTIMIZER_FILE)
+    ):
+        raise _damaged(
+            where, f"'files' must map {MODEL_FILE} and {OPTIMIZER_FILE} to their sha256, got "
+            f"{_short(files)}"
+        )
+    optimizer = document["optimizer"]
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list)
+        and all(_is_int(i) for i in g["params"])
+        for g in groups
+    ):
+        raise _damaged(
+            where, "'optimizer' must hold 'param_groups', a list of objects with 'params' "
+            f"(lists of ints), got {_short(optimizer)}"
+        )
+    scalars = optimizer.get("scalars", {})
+    if not isinstance(scalars, dict) or not all(
+        isinstance(k, str) and k.isdigit() and isinstance(v, dict) for k, v in scalars.items()
+    ):
+        raise _damaged(where, f"'optimizer.scalars' is malformed: {_short(scalars)}")
+    return document
+
+
+def read_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``state.json`` document of the checkpoint ``latest.json`` names (no tensors read).
+
+    Raises:
+        CheckpointError: as :func:`load_checkpoint`, for the manifest and ``state.json``.
+    """
+    return _read_document(_step_dir(Path(directory)))
+
+
+def _read_document(step_dir: Path) -> dict[str, Any]:
     try:
         document = json.loads((step_dir / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise _damaged(step_dir, str(err)) from None
+    return _check_document(document, step_dir)
+
+
+def _tensors(data: bytes, where: Path) -> dict[str, Tensor]:
+    try:
+        return st_load(data)
+    except (SafetensorError, ValueError, RuntimeError, OSError) as err:
+        raise _damaged(where, f"not a readable safetensors file ({err})") from None
+
+
+def _check_rng(name: str, tensor: Tensor, where: Path) -> None:
+    if name != "torch" and not (name.startswith("cuda.") and name[5:].isdigit()):
+        raise _damaged(where, f"unknown RNG state 'rng.{name}'; allowed: rng.torch, rng.cuda.<n>")
+    if tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise _damaged(
+            where, f"RNG state 'rng.{name}' must be a 1-D uint8 tensor, got "
+            f"{tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
+    if name == "torch" and tensor.numel() != torch.get_rng_state().numel():
+        raise _damaged(
+            where, f"RNG state 'rng.torch' has {tensor.numel()} bytes; torch's has "
+            f"{torch.get_rng_state().numel()}"
+        )
+
+
+def load_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
+    """Read the checkpoint ``latest.json`` names, verifying format, hashes and structure.
+
+    Raises:
+        CheckpointError: if there is no checkpoint, its format version is unknown, a file
+            is missing, does not match its recorded hash or is malformed (``state.json``
+            not an object or without ``step``/``optimizer``/``files``, a safetensors file
+            that does not parse, optimizer tensors that do not belong to the recorded
+            parameters, an RNG state that is not torch's).
+    """
+    step_dir = _step_dir(Path(directory))
+    document = _read_document(step_dir)
+    try:
         model_bytes = (step_dir / MODEL_FILE).read_bytes()
         opt_bytes = (step_dir / OPTIMIZER_FILE).read_bytes()
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"damaged checkpoint {str(step_dir)!r}: {err}") from None
-    files = document.get("files", {})
+    except OSError as err:
+        raise _damaged(step_dir, str(err)) from None
+    files = document["files"]
     for fname, data in ((MODEL_FILE, model_bytes), (OPTIMIZER_FILE, opt_bytes)):
-        if files.get(fname) != _sha256(data):
-            raise CheckpointError(
-                f"damaged checkpoint {str(step_dir)!r}: {fname} does not match its hash"
+        if files[fname] != _sha256(data):
+            raise _damaged(step_dir, f"{fname} does not match its hash")
+    model_state = _tensors(model_bytes, step_dir / MODEL_FILE)
+    opt_tensors = _tensors(opt_bytes, step_dir / OPTIMIZER_FILE)
+    ids = {i for g in document["optimizer"]["param_groups"] for i in g["params"]}
+    rng: dict[str, Tensor] = {}
+    state_tensors: dict[str, Tensor] = {}
+    for key, value in opt_tensors.items():
+        if key.startswith("rng."):
+            _check_rng(key[4:], value, step_dir / OPTIMIZER_FILE)
+            rng[key[4:]] = value
+            continue
+        parts = key.split(".", 2)
+        if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() or (
+            int(parts[1]) not in ids
+        ):
+            raise _damaged(
+                step_dir / OPTIMIZER_FILE,
+                f"unexpected tensor {key!r}; allowed: state.<parameter>.<name> for the "
+                f"{len(ids)} recorded parameters, rng.torch, rng.cuda.<n>",
             )
-    model_state = st_load(model_bytes)
-    opt_tensors = st_load(opt_bytes)
-    rng = {k[4:]: v for k, v in opt_tensors.items() if k.startswith("rng.")}
-    opt_tensors = {k: v for k, v in opt_tensors.items() if k.startswith("state.")}
-    optimizer_state = optimizer_state_from_parts(opt_tensors, document["optimizer"])
+        state_tensors[key] = value
+    for index in document["optimizer"].get("scalars", {}):
+        if int(index) not in ids:
+            raise _damaged(
+                step_dir / STATE_FILE, f"optimizer state of unknown parameter {index}"
+            )
+    optimizer_state = optimizer_state_from_parts(state_tensors, document["optimizer"])
     return Checkpoint(step_dir, model_state, optimizer_state, rng, document)
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_model_state(checkpoint: Checkpoint, expected: Mapping[str, Tensor]) -> None:
+    """Check that the checkpoint's weights fit a model whose ``state_dict()`` is
+    ``expected``: the same names, shapes and dtypes.
+
+    Raises:
+        CheckpointError: naming the first names that differ.
+    """
+    where = checkpoint.path / MODEL_FILE
+    saved = checkpoint.model_state
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(map(repr, missing[:3]))}"
+                         + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+        if unexpected:
+            parts.append(f"unexpected {', '.join(map(repr, unexpected[:3]))}"
+                         + (f" and {len(unexpected) - 3} more" if len(unexpected) > 3 else ""))
+        raise _damaged(where, "its weights do not fit the model: " + "; ".join(parts))
+    for name, want in expected.items():
+        got = saved[name]
+        if _shape(got) != _shape(want) or got.dtype != want.dtype:
+            raise _damaged(
+                where, f"weight {name!r} is {got.dtype} of shape {_shape(got)}; the model "
+                f"has {want.dtype} of shape {_shape(want)}"
+            )
+
+
+def check_optimizer_state(checkpoint: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
+    """Check that the checkpoint's optimizer state fits ``optimizer``: as many parameter
+    groups of the same sizes, and per-parameter tensors of the parameter's shape (0-d or
+    one-element ``step`` counters).
+
+    Raises:
+        CheckpointError: naming the first entry that does not fit.
+    """
+    where = checkpoint.path / OPTIMIZER_FILE
+    groups = checkpoint.optimizer_state["param_groups"]
+    sizes = [len(g["params"]) for g in groups]
+    want_sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != want_sizes:
+        raise _damaged(
+            checkpoint.path / STATE_FILE,
+            f"the optimizer has parameter groups of sizes {sizes}; the model's are {want_sizes}",
+        )
+    params = {
+        saved: param
+        for g, mine in zip(groups, optimizer.param_groups, strict=True)
+        for saved, param in zip(g["params"], mine["params"], strict=True)
+    }
+    for index, entries in checkpoint.optimizer_state["state"].items():
+        param = params.get(index)
+        if param is None:
+            raise _damaged(where, f"optimizer state of unknown parameter {index}")
+        for name, value in entries.items():
+            if not isinstance(value, Tensor):
+                continue
+            if name == "step":
+                ok = value.numel() == 1
+                want = "one element"
+            else:
+                ok = _shape(value) == _shape(param) and value.is_floating_point()
+                want = f"a float tensor of shape {_shape(param)}, as its parameter"
+            if not ok:
+                raise _damaged(
+                    where, f"optimizer state {name!r} of parameter {index} is {value.dtype} "
+                    f"of shape {_shape(value)}; expected {want}"
+                )
 
 
 def rng_state() -> dict[str, Tensor]:

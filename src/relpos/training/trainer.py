@@ -5,13 +5,18 @@ Determinism: the batch of step ``s`` is a pure function of ``(seed, s)`` (see
 :mod:`relpos.tasks`), the learning rate a pure function of ``s``, and the checkpoint holds
 the weights, the optimizer state and the torch RNG states, so a run resumed from a
 checkpoint ends with the same weights as an uninterrupted one.
+
+Output directory: ``checkpoints/`` and ``metrics.json``. :func:`train` refuses a directory
+that already holds a run unless it resumes it or is told to replace it (``overwrite``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -25,16 +30,31 @@ from torch import Tensor, nn
 
 from relpos.tasks import Batch, Task
 from relpos.training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
     atomic_write_json,
+    check_model_state,
+    check_optimizer_state,
     has_checkpoint,
     load_checkpoint,
+    read_state,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from relpos.training.distributed import DistContext, rank_slice
 
-__all__ = ["METRICS_FILE", "TrainConfig", "evaluate", "lr_at", "train"]
+__all__ = [
+    "METRICS_FILE",
+    "SavedRun",
+    "TrainConfig",
+    "clear_run",
+    "evaluate",
+    "lr_at",
+    "previous_run",
+    "read_saved_run",
+    "train",
+]
 
 METRICS_FILE = "metrics.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -58,6 +78,10 @@ class TrainConfig:
         eval_tokens: about this many tokens are evaluated per length.
         eval_every: evaluate every this many steps (0 = only at the end).
         checkpoint_every: checkpoint every this many steps (0 = only at the end).
+        schedule_steps: the learning-rate schedule (warmup, then cosine decay to the floor)
+            spans this many steps, the floor holds after them; None = ``steps``. A run
+            resumed with more ``steps`` than it was started with keeps its schedule this
+            way (``relpos train --resume --steps N`` sets it).
     """
 
     steps: int = 300
@@ -73,9 +97,12 @@ class TrainConfig:
     eval_tokens: int = 16384
     eval_every: int = 0
     checkpoint_every: int = 0
+    schedule_steps: int | None = None
 
     #: Fields that do not change the trained weights (may differ on resume).
     NON_DEFINING = ("eval_lengths", "eval_tokens", "eval_every", "checkpoint_every")
+    #: Fields that may differ on resume as long as the schedule stays (see ``schedule``).
+    LENGTH = ("steps", "schedule_steps")
 
     def __post_init__(self) -> None:
         self.eval_lengths = tuple(self.eval_lengths) or (self.length,)
@@ -87,16 +114,41 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.schedule_steps is not None:
+            value = self.schedule_steps
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"schedule_steps must be an int >= 1 or None, got {value!r}")
+            if value == self.steps:
+                self.schedule_steps = None
+        for name, low, high, closed in (
+            ("lr", 0.0, math.inf, False),
+            ("min_lr_ratio", 0.0, 1.0, True),
+            ("weight_decay", 0.0, math.inf, True),
+            ("grad_clip", 0.0, math.inf, True),
+        ):
+            given = getattr(self, name)
+            if isinstance(given, bool) or not isinstance(given, numbers.Real):
+                raise TypeError(f"{name} must be a float, got {given!r}")
+            value = float(given)
+            inside = (low <= value if closed else low < value) and value <= high
+            if not (inside and math.isfinite(value)):
+                allowed = f"in [{low:g}, {high:g}]" if high < math.inf else (
+                    f"finite and {'>=' if closed else '>'} {low:g}"
+                )
+                raise ValueError(f"{name} must be {allowed}, got {given!r}")
         if any(not isinstance(n, int) or n < 1 for n in self.eval_lengths):
             raise ValueError(f"eval lengths must be ints >= 1, got {list(self.eval_lengths)!r}")
+
+    @property
+    def schedule(self) -> int:
+        """The steps the learning-rate schedule spans (``schedule_steps`` or ``steps``)."""
+        return self.schedule_steps or self.steps
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eval_lengths"] = list(self.eval_lengths)
+        if d["schedule_steps"] is None:  # as written before the field existed
+            del d["schedule_steps"]
         return d
 
     @classmethod
@@ -109,10 +161,11 @@ class TrainConfig:
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
-    """Learning rate of ``step`` (0-based): linear warmup, then cosine to the floor."""
+    """Learning rate of ``step`` (0-based): linear warmup, then cosine to the floor at
+    ``config.schedule`` steps, and the floor after."""
     if step < config.warmup:
         return config.lr * (step + 1) / config.warmup
-    span = max(1, config.steps - config.warmup)
+    span = max(1, config.schedule - config.warmup)
     progress = min(1.0, (step - config.warmup) / span)
     floor = config.lr * config.min_lr_ratio
     return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -217,16 +270,135 @@ def _compare(saved: dict[str, Any], wanted: dict[str, Any], prefix: str) -> list
 
 
 def _check_compatible(state: dict[str, Any], model: dict, task: dict, cfg: dict) -> None:
-    diffs = _compare(state.get("model", {}), model, "model.")
-    diffs += _compare(state.get("task", {}), task, "task.")
-    saved_train = {
-        k: v for k, v in state.get("train", {}).items() if k not in TrainConfig.NON_DEFINING
-    }
-    wanted_train = {k: v for k, v in cfg.items() if k not in TrainConfig.NON_DEFINING}
+    diffs = _compare(state["model"], model, "model.")
+    diffs += _compare(state["task"], task, "task.")
+    skip = (*TrainConfig.NON_DEFINING, *TrainConfig.LENGTH)
+    saved_train = {k: v for k, v in state["train"].items() if k not in skip}
+    wanted_train = {k: v for k, v in cfg.items() if k not in skip}
     diffs += _compare(saved_train, wanted_train, "")
+    saved_schedule = state["train"].get("schedule_steps") or state["train"].get("steps")
+    wanted_schedule = cfg.get("schedule_steps") or cfg["steps"]
+    if saved_schedule != wanted_schedule:
+        diffs.append(
+            f"learning-rate schedule over {saved_schedule!r} steps (checkpoint) vs "
+            f"{wanted_schedule!r} (now; to train longer keep it: "
+            f"TrainConfig(steps={cfg['steps']}, schedule_steps={saved_schedule!r}))"
+        )
     if diffs:
         shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
         raise ValueError(f"cannot resume: the checkpoint has a different configuration: {shown}")
+
+
+def _check_sections(state: dict[str, Any], where: str) -> None:
+    """The entries of a training checkpoint's ``state.json`` beyond every checkpoint's."""
+    for key in ("model", "task", "train"):
+        if not isinstance(state.get(key), dict):
+            raise CheckpointError(
+                f"damaged checkpoint {where!r}: state.json has no {key!r} configuration "
+                f"(got {type(state.get(key)).__name__})"
+            )
+    history = state.get("history", {"train": [], "eval": []})
+    if not (
+        isinstance(history, dict)
+        and isinstance(history.get("train"), list)
+        and isinstance(history.get("eval"), list)
+    ):
+        raise CheckpointError(
+            f"damaged checkpoint {where!r}: state.json 'history' must hold 'train' and "
+            "'eval' lists"
+        )
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """The configuration of the run whose checkpoint is in an output directory.
+
+    Attributes:
+        step: the step of the checkpoint.
+        model: the model configuration (a :class:`relpos.models.ModelConfig`).
+        task: the task's ``config()`` (see :func:`relpos.tasks.task_from_config`).
+        train: the :class:`TrainConfig` it was trained with.
+    """
+
+    step: int
+    model: Any
+    task: dict[str, Any]
+    train: TrainConfig
+
+
+def read_saved_run(out_dir: str | Path) -> SavedRun:
+    """The configuration saved with the latest checkpoint of the run in ``out_dir``
+    (``out_dir/checkpoints``), without reading its tensors.
+
+    Raises:
+        CheckpointError: if there is no checkpoint or its configuration is damaged.
+    """
+    from relpos.models import ModelConfig
+
+    ckpt_dir = Path(out_dir) / CHECKPOINT_DIR
+    if not has_checkpoint(ckpt_dir):
+        raise CheckpointError(f"no checkpoint in {str(ckpt_dir)!r} (missing {MANIFEST})")
+    state = read_state(ckpt_dir)
+    _check_sections(state, str(ckpt_dir))
+    try:
+        model = ModelConfig.from_dict(state["model"])
+        train = TrainConfig.from_dict(state["train"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"damaged checkpoint {str(ckpt_dir)!r}: its configuration is invalid: {err}"
+        ) from None
+    if "name" not in state["task"]:
+        raise CheckpointError(f"damaged checkpoint {str(ckpt_dir)!r}: its task has no name")
+    return SavedRun(int(state["step"]), model, dict(state["task"]), train)
+
+
+def previous_run(out_dir: str | Path) -> list[Path]:
+    """What a run left in ``out_dir``: its ``checkpoints/`` (if not empty) and
+    ``metrics.json``, those present."""
+    out = Path(out_dir)
+    found = []
+    ckpt = out / CHECKPOINT_DIR
+    if ckpt.exists() and not (ckpt.is_dir() and not any(ckpt.iterdir())):
+        found.append(ckpt)
+    if (out / METRICS_FILE).exists():
+        found.append(out / METRICS_FILE)
+    return found
+
+
+def _ours(name: str) -> bool:
+    """Whether a name in ``checkpoints/`` is one :func:`save_checkpoint` writes."""
+    return name == MANIFEST or name.startswith(("step-", ".tmp-")) or (
+        name.startswith(".") and name.endswith(".tmp")
+    )
+
+
+def clear_run(out_dir: str | Path) -> list[Path]:
+    """Remove what a run left in ``out_dir`` (see :func:`previous_run`); returns it.
+
+    Raises:
+        ValueError: if ``checkpoints/`` holds anything a run does not write (nothing is
+            removed then).
+    """
+    found = previous_run(out_dir)
+    for path in found:
+        if path.name == CHECKPOINT_DIR:
+            if not path.is_dir():
+                raise ValueError(f"{str(path)!r} is not a checkpoint directory; remove it")
+            foreign = sorted(p.name for p in path.iterdir() if not _ours(p.name))
+            if foreign:
+                raise ValueError(
+                    f"{str(path)!r} holds files relpos train does not write "
+                    f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                    "remove them or choose another output directory"
+                )
+        elif path.is_dir():
+            raise ValueError(f"{str(path)!r} is a directory, not a metrics file; remove it")
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return found
 
 
 def _environment() -> dict[str, Any]:
@@ -250,6 +422,7 @@ def train(
     progress: bool = True,
     ctx: DistContext | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    overwrite: bool = False,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train a model on a task; returns the (unwrapped) model and the metrics document.
 
@@ -260,17 +433,25 @@ def train(
         config: optimisation and evaluation settings.
         out_dir: where checkpoints (``checkpoints/``) and ``metrics.json`` go (None = no
             files).
-        resume: continue from the latest checkpoint in ``out_dir``.
+        resume: continue from the latest checkpoint in ``out_dir``. ``config.steps`` may
+            differ from the saved run's (to stop earlier or train longer) when
+            ``config.schedule`` equals its schedule; everything else that shapes the
+            weights must be the same.
         progress: show a progress bar (rank 0 only).
         ctx: the distributed context (None = one process on CPU).
         on_step: called on every rank as ``on_step(step, stats)`` after each step (and its
             checkpoint) with the global ``loss``/``accuracy`` of that step.
+        overwrite: replace a run already in ``out_dir`` (its ``checkpoints/`` and
+            ``metrics.json``); without it (and without ``resume``) such a directory is
+            refused, so the files of two runs never mix.
 
     Returns:
         ``(model, metrics)``; ``metrics`` is also written to ``out_dir/metrics.json``.
 
     Raises:
-        ValueError: on an inconsistent setup, a missing or incompatible checkpoint.
+        ValueError: on an inconsistent setup, a missing or incompatible checkpoint, or an
+            ``out_dir`` holding another run.
+        relpos.training.CheckpointError: (a ValueError) on a damaged checkpoint.
     """
     from relpos.models import build_model
 
@@ -296,6 +477,15 @@ def train(
     start, stop = rank_slice(config.batch_size, ctx)
     out = Path(out_dir) if out_dir is not None else None
     ckpt_dir = out / CHECKPOINT_DIR if out is not None else None
+    if out is not None and ctx.is_main and not resume:
+        found = previous_run(out)
+        if found and not overwrite:
+            raise ValueError(
+                f"{str(out)!r} already holds a run ({', '.join(p.name for p in found)}); "
+                "resume=True continues it, overwrite=True replaces it"
+            )
+        if found:
+            clear_run(out)
 
     torch.manual_seed(config.seed)
     model = build_model(model_config).to(ctx.device)
@@ -311,10 +501,43 @@ def train(
         if ckpt_dir is None or not has_checkpoint(ckpt_dir):
             raise ValueError(f"--resume: no checkpoint in {str(ckpt_dir)!r}")
         ckpt = load_checkpoint(ckpt_dir)
+        _check_sections(ckpt.state, str(ckpt.path))
         _check_compatible(ckpt.state, model_cfg, task_cfg, train_cfg)
-        model.load_state_dict(ckpt.model_state)
-        optimizer.load_state_dict(ckpt.optimizer_state)
-        set_rng_state(ckpt.rng_state)
+        if ckpt.step > config.steps:
+            raise ValueError(
+                f"cannot resume: the checkpoint is at step {ckpt.step}, beyond the "
+                f"{config.steps} steps asked for"
+            )
+        expected = model.state_dict()
+        try:  # load_state_dict also converts the states of earlier relpos versions
+            model.load_state_dict(ckpt.model_state)
+        except RuntimeError as err:
+            check_model_state(ckpt, expected)  # raises naming the weights that do not fit
+            raise CheckpointError(
+                f"damaged checkpoint {str(ckpt.path)!r}: {' '.join(str(err).split())}"
+            ) from None
+        if set(ckpt.model_state) != set(expected):
+            env = ckpt.state.get("environment")
+            version = env.get("relpos") if isinstance(env, dict) else None
+            raise CheckpointError(
+                f"cannot resume from {str(ckpt.path)!r}: its weights use an earlier parameter "
+                f"layout (written by relpos {version or '<= 0.1'}); they load (relpos "
+                "export-onnx reads them) but its optimizer state does not carry over; start "
+                "a new run"
+            )
+        check_optimizer_state(ckpt, optimizer)
+        if "torch" not in ckpt.rng_state:
+            raise CheckpointError(
+                f"damaged checkpoint {str(ckpt.path)!r}: no torch RNG state (rng.torch)"
+            )
+        try:
+            optimizer.load_state_dict(ckpt.optimizer_state)
+            set_rng_state(ckpt.rng_state)
+        except (RuntimeError, ValueError, TypeError, KeyError) as err:
+            raise CheckpointError(
+                f"damaged checkpoint {str(ckpt.path)!r}: cannot restore the optimizer and "
+                f"RNG state: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            ) from None
         history = ckpt.state.get("history", history)
         first_step = ckpt.step
     if out is not None and ctx.is_main:

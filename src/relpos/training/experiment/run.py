@@ -4,6 +4,11 @@
 :func:`plan`, evaluates each at several lengths with accuracy broken down by dependency
 distance, writes ``runs/<name>.json`` per run and ``results.json``, then hands the results
 to :mod:`relpos.training.experiment.report` for the figures and ``report.md``.
+
+An output directory that already holds an experiment is refused unless its finished runs
+are to be reused (``reuse``: runs with other settings are retrained, files that are not
+part of the new sweep are removed afterwards) or the old experiment replaced
+(``overwrite``: its files are removed first), so two sweeps never mix.
 """
 
 from __future__ import annotations
@@ -18,12 +23,20 @@ from typing import Any
 
 import torch
 
+from relpos._io import atomic_write_text
 from relpos.tasks import Task, build_task
 from relpos.training.checkpoint import atomic_write_json
-from relpos.training.experiment.report import write_report
+from relpos.training.experiment.figures import write_figures
+from relpos.training.experiment.report import make_report
 from relpos.training.trainer import TrainConfig, train
 
-__all__ = ["ExperimentConfig", "RunSpec", "plan", "run_experiment"]
+__all__ = ["ExperimentConfig", "RunSpec", "experiment_files", "plan", "run_experiment"]
+
+RESULTS_FILE = "results.json"
+REPORT_FILE = "report.md"
+RUNS_DIR = "runs"
+# The figures of figures.write_figures, per task.
+FIGURE_PATTERNS = ("heatmap_*.png", "extrapolation_*.png")
 
 
 @dataclass
@@ -110,12 +123,37 @@ def _model_config(spec: RunSpec, task: Task, config: ExperimentConfig) -> Any:
     )
 
 
+def experiment_files(out_dir: str | Path) -> list[Path]:
+    """The files of an experiment in ``out_dir``: ``results.json``, ``report.md``, the
+    figures and ``runs/*.json``, those present."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    found = [out / name for name in (RESULTS_FILE, REPORT_FILE) if (out / name).is_file()]
+    for pattern in FIGURE_PATTERNS:
+        found += sorted(p for p in out.glob(pattern) if p.is_file())
+    if (out / RUNS_DIR).is_dir():
+        found += sorted(p for p in (out / RUNS_DIR).glob("*.json") if p.is_file())
+    return found
+
+
+def describe(files: list[Path], out: Path) -> str:
+    """``results.json, report.md, 2 figures, 12 run files`` for :func:`experiment_files`."""
+    names = [p.name for p in files if p.parent == out and not p.name.endswith(".png")]
+    figures = sum(1 for p in files if p.parent == out and p.name.endswith(".png"))
+    runs = sum(1 for p in files if p.parent != out)
+    parts = names + [f"{figures} figure{'s' * (figures != 1)}"] * bool(figures)
+    parts += [f"{runs} run file{'s' * (runs != 1)}"] * bool(runs)
+    return ", ".join(parts)
+
+
 def run_experiment(
     config: ExperimentConfig,
     out_dir: str | Path,
     *,
     progress: bool = True,
     reuse: bool = False,
+    overwrite: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate every run of :func:`plan`; write results, figures and report.
@@ -124,14 +162,34 @@ def run_experiment(
         config: the sweep.
         out_dir: output directory (``results.json``, ``report.md``, ``*.png``, ``runs/``).
         progress: show a progress bar over the sweep.
-        reuse: keep finished runs found in ``out_dir/runs`` with the same settings.
-        log: where to print tables (None = stdout).
+        reuse: keep finished runs found in ``out_dir/runs`` with the same settings
+            (others are retrained); after the sweep, remove the run files and figures of
+            ``out_dir`` that are not part of it.
+        overwrite: remove the files of an experiment already in ``out_dir`` first.
+        log: where to print tables and what was removed (None = stdout).
 
     Returns:
         The results document (also in ``results.json``).
+
+    Raises:
+        ValueError: if ``out_dir`` already holds an experiment and neither ``reuse`` nor
+            ``overwrite`` is set, or both are.
     """
+    say = log or print
     out = Path(out_dir)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if reuse and overwrite:
+        raise ValueError("reuse and overwrite exclude each other")
+    previous = experiment_files(out)
+    if previous and not (reuse or overwrite):
+        raise ValueError(
+            f"{str(out)!r} already holds an experiment ({describe(previous, out)}); "
+            "reuse=True keeps its finished runs, overwrite=True replaces it"
+        )
+    if overwrite and previous:
+        for path in previous:
+            path.unlink()
+        say(f"replaced the experiment in {out}: removed {describe(previous, out)}")
+    (out / RUNS_DIR).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     specs = plan(config)
     tasks = {name: build_task(name) for name in config.tasks}
@@ -144,6 +202,7 @@ def run_experiment(
         )
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
+    reused = retrained = 0
     for spec in specs:
         task = tasks[spec.task]
         model_config = _model_config(spec, task, config)
@@ -157,16 +216,23 @@ def run_experiment(
             eval_lengths=config.eval_lengths,
             eval_tokens=config.eval_tokens,
         )
-        path = out / "runs" / f"{spec.name}.json"
+        path = out / RUNS_DIR / f"{spec.name}.json"
         record = None
         if reuse and path.is_file():
-            old = json.loads(path.read_text())
+            try:
+                old = json.loads(path.read_text())
+            except (OSError, ValueError):
+                old = None
             if (
-                old.get("model") == model_config.to_dict()
+                isinstance(old, dict)
+                and old.get("model") == model_config.to_dict()
                 and old.get("train") == (train_config.to_dict())
                 and old.get("task") == task.config()
             ):
                 record = old
+                reused += 1
+            else:
+                retrained += 1
         if record is None:
             if bar is not None:
                 bar.set_postfix_str(spec.name)
@@ -201,9 +267,25 @@ def run_experiment(
             "threads": torch.get_num_threads(),
         },
     }
-    atomic_write_json(out / "results.json", results)
-    report = write_report(results, out)
-    (log or print)(report)
+    atomic_write_json(out / RESULTS_FILE, results)
+    figures = write_figures(results, out)
+    report = make_report(results, figures=[f.name for f in figures])
+    atomic_write_text(out / REPORT_FILE, report)
+    say(report)
+    if reuse:
+        if reused or retrained:
+            say(f"reused {reused} finished run(s) of {out}; retrained {retrained} whose "
+                "settings differ")
+        wanted = {out / RUNS_DIR / f"{spec.name}.json" for spec in specs}
+        wanted |= set(figures)
+        stale = [p for p in experiment_files(out) if p.suffix != ".md" and p not in wanted
+                 and p.name != RESULTS_FILE]
+        for path in stale:
+            path.unlink()
+        if stale:
+            say(f"removed {describe(stale, out)} of {out} that are not part of this sweep: "
+                + ", ".join(str(p.relative_to(out)) for p in stale[:5])
+                + (", ..." if len(stale) > 5 else ""))
     return results
 
 
