@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from relpos._io import atomic_write
-from relpos.positions import check_max_distance, relative_position_index
+from relpos.positions import check_window, relative_position_index
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -65,7 +65,7 @@ def _check_positive_int(value: object, name: str) -> int:
 
 def clipped_offsets(
     length: int,
-    max_distance: int,
+    max_distance: int | tuple[int, int],
     *,
     queries: int | None = None,
     query_start: int | None = None,
@@ -75,7 +75,7 @@ def clipped_offsets(
 
     Args:
         length: S, the number of keys (positions ``0..S-1``).
-        max_distance: K, the clip distance (>= 0).
+        max_distance: K, the clip distance (>= 0), or a window ``(left, right)``.
         queries: L, the number of queries; default ``S`` (self-attention).
         query_start: position of query 0; default ``S - L`` (queries aligned to the end of
             the keys, as everywhere in relpos).
@@ -96,15 +96,16 @@ def clipped_offsets(
         [[0, 1, 1], [-1, 0, 1], [-1, -1, 0]]
     """
     key_len = _check_positive_int(length, "length")
-    k = check_max_distance(max_distance)
+    left, right = check_window(max_distance)
     query_len = key_len if queries is None else _check_positive_int(queries, "queries")
     if query_len > key_len:
         raise ValueError(
             f"queries must be at most length (each query is one of the key positions), "
             f"got queries={query_len}, length={key_len}"
         )
-    index = relative_position_index(query_len, key_len, k, query_start=query_start)  # (L, S)
-    offsets = index - k  # (L, S)
+    index = relative_position_index(query_len, key_len, (left, right),
+                                    query_start=query_start)  # (L, S)
+    offsets = index - left  # (L, S)
     start = key_len - query_len if query_start is None else int(query_start)
     positions_q = torch.arange(start, start + query_len)  # (L,)
     positions_k = torch.arange(key_len)  # (S,)
@@ -120,7 +121,7 @@ def _format_offset(value: int) -> str:
 
 def plot_relative_positions(
     length: int,
-    max_distance: int,
+    max_distance: int | tuple[int, int],
     *,
     causal: bool = False,
     query_start: int | None = None,
@@ -139,7 +140,7 @@ def plot_relative_positions(
 
     Args:
         length: S, the number of keys.
-        max_distance: K, the clip distance (>= 0).
+        max_distance: K, the clip distance (>= 0), or a window ``(left, right)``.
         causal: blank out (light gray, no number) the cells with ``j > p_i``.
         query_start: position of query 0; default ``S - L``.
         queries: L, the number of queries; default ``S``.
@@ -165,7 +166,7 @@ def plot_relative_positions(
     offsets_t, hidden_t, start = clipped_offsets(
         length, max_distance, queries=queries, query_start=query_start, causal=causal
     )
-    k = int(max_distance)
+    left, right = check_window(max_distance)
     query_len, key_len = offsets_t.shape
     _require_matplotlib()
     import matplotlib as mpl
@@ -187,8 +188,9 @@ def plot_relative_positions(
         fig = ax.figure.figure  # the root Figure, also when ax lives in a SubFigure
 
     colormap = mpl.colormaps[cmap].with_extremes(bad=_MASKED_COLOR)
-    # K = 0 has a single value; keep it at the white centre of the map.
-    norm = Normalize(vmin=-max(k, 1), vmax=max(k, 1))
+    # Offset 0 at the white centre of the map (a window may be lopsided, K = 0 a single value).
+    reach = max(left, right, 1)
+    norm = Normalize(vmin=-reach, vmax=reach)
     offsets = np.array(offsets_t.tolist(), dtype=np.int64).reshape(query_len, key_len)
     hidden = np.array(hidden_t.tolist(), dtype=bool).reshape(query_len, key_len)
     data = np.ma.masked_array(offsets, mask=hidden)  # (L, S)
@@ -236,14 +238,15 @@ def plot_relative_positions(
     ax.set_xlabel("Key position j")
     ax.set_ylabel("Query position i")
     colorbar = ax.figure.colorbar(image, ax=ax, shrink=0.85)
-    colorbar.set_label(f"clipped offset clip(j - i, {-k}, {k})")
-    if k == 0:
+    colorbar.set_label(f"clipped offset clip(j - i, {-left}, {right})")
+    if left == right == 0:
         colorbar.set_ticks([0])
     else:
-        colorbar.locator = MaxNLocator(integer=True, nbins=min(2 * k + 1, 9))
+        colorbar.locator = MaxNLocator(integer=True, nbins=min(left + right + 1, 9))
         colorbar.update_ticks()
 
-    title = f"Clipped relative positions (k = {k}, {key_len} keys"
+    bound = f"k = {left}" if left == right else f"window [-{left}, +{right}]"
+    title = f"Clipped relative positions ({bound}, {key_len} keys"
     if query_len != key_len:
         title += f", queries at {start}..{start + query_len - 1}"
     title += ", causal)" if causal else ")"

@@ -340,3 +340,22 @@ def test_missing_matplotlib_is_one_line(
     code, out, _ = run_cli(capsys, "--length", "3", "-k", "1")
     assert code == 0
     assert out.splitlines()[1].split() == ["0", "0", "+1", "+1"]
+
+
+@pytest.mark.parametrize(("left", "right"), [(2, 1), (0, 3), (5, 0)])
+def test_window_matrix_and_figure(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                  left: int, right: int) -> None:
+    code, out, err = run_cli(capsys, "--length", "7", "--left", str(left), "--right", str(right))
+    assert (code, err) == (0, "")
+    _, cells = parse_matrix(out)
+    assert len(cells) == 49
+    for (i, j), v in cells.items():
+        assert int(v) == clip_relative_position(j, i, (left, right))
+    path = tmp_path / "window.png"
+    code, _, err = run_cli(capsys, "--length", "7", "--left", str(left), "--right", str(right),
+                           "-o", str(path))
+    assert (code, err) == (0, "") and path.stat().st_size > 0
+    fig = plot_relative_positions(7, (left, right))
+    data = fig.axes[0].images[0].get_array()
+    want = relative_position_index(7, 7, (left, right)) - left
+    assert data.tolist() == want.tolist()

@@ -206,3 +206,31 @@ def test_python_m_relpos_prints_the_seed_block() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == EXPECTED_BLOCK
+
+
+@pytest.mark.parametrize(("left", "right"), [(2, 1), (0, 3), (4, 0), (20, 1)])
+def test_window_rows_agree_with_clip(capsys: pytest.CaptureFixture[str], left, right) -> None:
+    code, out, err = run_cli(capsys, "--left", str(left), "--right", str(right),
+                             "--format", "json")
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["max_distance"] == [left, right]
+    for row in doc["rows"]:
+        clipped = clip_relative_position(row["position"], doc["query"], (left, right))
+        assert row["clipped_offset"] == clipped and row["table_row"] == clipped + left
+    code, out, _ = run_cli(capsys, "--left", str(left), "--right", str(right))
+    assert f"Clip window: [-{left}, +{right}]" in out
+    assert [r[2] for r in parse_rows(out)] == [r["clipped_offset"] for r in doc["rows"]]
+
+
+def test_one_side_defaults_to_max_distance(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out, _ = run_cli(capsys, "-k", "3", "--right", "1", "--format", "json")
+    assert json.loads(out)["max_distance"] == [3, 1]
+    _, out, _ = run_cli(capsys, "-k", "3", "--left", "3", "--right", "3")
+    assert out.splitlines()[1] == "Maximum relative distance (k): 3"
+
+
+@pytest.mark.parametrize("bad", [["--left", "-1"], ["--right", "x"]])
+def test_bad_window_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], bad) -> None:
+    code, out, err = run_cli(capsys, *bad)
+    assert code == 2 and out == "" and err.startswith("relpos: error:") and err.count("\n") == 1

@@ -246,6 +246,22 @@ def add_max_distance(
     )
 
 
+def add_window(p: Any) -> None:
+    """``--left L`` / ``--right R``: an asymmetric clip window ``[-L, +R]`` (each defaults to
+    ``--max-distance``)."""
+    p.add_argument("--left", type=non_negative_int, metavar="L",
+                   help="clip offsets below -L (default: --max-distance)")
+    p.add_argument("--right", type=non_negative_int, metavar="R",
+                   help="clip offsets above +R (default: --max-distance)")
+
+
+def window(args: argparse.Namespace) -> int | tuple[int, int]:
+    """``K`` or ``(left, right)`` from ``--max-distance`` and ``--left``/``--right``."""
+    left = args.max_distance if args.left is None else args.left
+    right = args.max_distance if args.right is None else args.right
+    return left if left == right else (left, right)
+
+
 def add_threads(p: Any, help: str) -> None:
     """``--threads N``: torch CPU threads (default None: the command's own default)."""
     p.add_argument("--threads", type=positive_int, default=None, help=help)

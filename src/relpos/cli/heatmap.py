@@ -35,6 +35,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--length", type=_args.positive_int, default=DEFAULT_LENGTH, metavar="S",
                    help=f"number of key positions (default {DEFAULT_LENGTH})")
     _args.add_max_distance(p, DEFAULT_MAX_DISTANCE)
+    _args.add_window(p)
     p.add_argument("--queries", type=_args.positive_int, metavar="L",
                    help="number of queries (default: S, self-attention)")
     p.add_argument("--query-start", type=_args.non_negative_int, metavar="P",
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if output is None:
         offsets, hidden, start = plotting.clipped_offsets(
             length,
-            args.max_distance,
+            _args.window(args),
             queries=queries,
             query_start=args.query_start,
             causal=args.causal,
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         fig = plotting.plot_relative_positions(
             length,
-            args.max_distance,
+            _args.window(args),
             causal=args.causal,
             query_start=args.query_start,
             queries=queries,

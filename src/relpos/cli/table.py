@@ -39,8 +39,8 @@ def add_parser(subparsers: Any) -> None:
     p = _args.subcommand(
         subparsers, "table", run, "print the clipped offset of every key seen from one query",
         "Print, for one query position, the raw offset j - i of every key position j and its "
-        "clipped value clip(j - i, -k, k). The defaults reproduce the handbook table: length "
-        "10, query 5, k = 4.",
+        "clipped value clip(j - i, -k, k), or clip(j - i, -L, R) with --left/--right. The "
+        "defaults reproduce the handbook table: length 10, query 5, k = 4.",
     )
     p.add_argument("--length", type=_args.int_in(1, MAX_LENGTH), default=DEFAULT_LENGTH,
                    metavar="N", help=f"number of positions, 1..{MAX_LENGTH} "
@@ -48,30 +48,40 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--query", type=_args.non_negative_int, metavar="I",
                    help="query position, 0..N-1 (default N // 2, i.e. 5 for the default length)")
     _args.add_max_distance(p, DEFAULT_MAX_DISTANCE)
+    _args.add_window(p)
     p.add_argument("--format", choices=FORMATS, default="text", help="output format (default text)")
 
 
-def table_rows(length: int, query: int, max_distance: int) -> list[dict[str, int]]:
+Window = int | tuple[int, int]
+
+
+def _bounds(max_distance: Window) -> tuple[int, int]:
+    return (max_distance, max_distance) if isinstance(max_distance, int) else max_distance
+
+
+def table_rows(length: int, query: int, max_distance: Window) -> list[dict[str, int]]:
     """One row per key position: ``position``, ``raw_offset``, ``clipped_offset`` and
-    ``table_row`` (the row of the ``2K + 1``-row embedding table, ``clipped_offset + K``).
+    ``table_row`` (the row of the ``left + right + 1``-row embedding table,
+    ``clipped_offset + left``; ``2K + 1`` rows and ``+ K`` for a clip distance K).
     """
+    left, right = _bounds(max_distance)
     rows = []
     for j in range(length):
-        # clip(j - i, -K, K) in plain Python, as relpos.clip_relative_position (no torch here)
-        clipped = max(-max_distance, min(max_distance, j - query))
+        # clip(j - i, -left, right) in plain Python, as relpos.clip_relative_position (no torch)
+        clipped = max(-left, min(right, j - query))
         rows.append(
             {
                 "position": j,
                 "raw_offset": j - query,
                 "clipped_offset": clipped,
-                "table_row": clipped + max_distance,
+                "table_row": clipped + left,
             }
         )
     return rows
 
 
-def format_text(length: int, query: int, max_distance: int) -> str:
-    """The handbook's console table, generalised to any length, query and K."""
+def format_text(length: int, query: int, max_distance: Window) -> str:
+    """The handbook's console table, generalised to any length, query and K (or window)."""
     rows = table_rows(length, query, max_distance)
     cells = [
         (str(r["position"]), f"{r['raw_offset']:+d}", f"{r['clipped_offset']:+d}") for r in rows
@@ -84,7 +94,8 @@ def format_text(length: int, query: int, max_distance: int) -> str:
     header = f"{titles[0]:<{widths[0]}}|{' ' + titles[1]:<{widths[1]}}|{titles[2]:>{widths[2]}}"
     lines = [
         f"Query position: {query}",
-        f"Maximum relative distance (k): {max_distance}",
+        f"Maximum relative distance (k): {max_distance}" if isinstance(max_distance, int)
+        else f"Clip window: [-{max_distance[0]}, +{max_distance[1]}]",
         "",
         header.rstrip(),
         "-" * (len(header.rstrip()) + 4),
@@ -95,7 +106,7 @@ def format_text(length: int, query: int, max_distance: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def format_csv(length: int, query: int, max_distance: int) -> str:
+def format_csv(length: int, query: int, max_distance: Window) -> str:
     rows = table_rows(length, query, max_distance)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]), lineterminator="\n")
@@ -104,17 +115,17 @@ def format_csv(length: int, query: int, max_distance: int) -> str:
     return buffer.getvalue()
 
 
-def format_json(length: int, query: int, max_distance: int) -> str:
+def format_json(length: int, query: int, max_distance: Window) -> str:
     document = {
         "length": length,
         "query": query,
-        "max_distance": max_distance,
+        "max_distance": max_distance if isinstance(max_distance, int) else list(max_distance),
         "rows": table_rows(length, query, max_distance),
     }
     return json.dumps(document, indent=2) + "\n"
 
 
-def format_markdown(length: int, query: int, max_distance: int) -> str:
+def format_markdown(length: int, query: int, max_distance: Window) -> str:
     rows = table_rows(length, query, max_distance)
     lines = [
         "| Position | Raw Offset | Clipped Offset | Table Row |",
@@ -144,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             f"--query {query} is not a position of a length-{length} sequence; "
             f"allowed: 0..{length - 1}"
         )
-    print(_FORMATTERS[args.format](length, query, args.max_distance), end="")
+    print(_FORMATTERS[args.format](length, query, _args.window(args)), end="")
     return 0
 
 
