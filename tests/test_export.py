@@ -127,6 +127,51 @@ def test_models_round_trip_keeps_their_class(tmp_path):
     assert isinstance(load_module(tmp_path / "m.pt"), RelativeTransformerEncoderModel)
 
 
+# Every saved class with a window (left, right) instead of K.
+WINDOW_CONFIGS = {
+    **{cls: {**config, "max_distance": (5, 1)} for cls, config in V1_CONFIGS.items()
+       if "max_distance" in config},
+    "RelativeTransformerLM": ModelConfig(vocab_size=11, d_model=8, num_heads=2,
+                                         max_distance=(4, 0)).to_dict(),
+    "RelativeTransformerEncoderModel": ModelConfig(
+        vocab_size=11, d_model=8, num_heads=2, causal=False, num_classes=3,
+        max_distance=(0, 6)).to_dict(),
+}
+
+
+def _windows(module: nn.Module) -> set[tuple[int, int]]:
+    return {m.window for m in module.modules()
+            if isinstance(m, relpos.RelativeMultiheadAttention)}
+
+
+@pytest.mark.parametrize("cls", sorted(WINDOW_CONFIGS))
+def test_windows_round_trip_through_save_and_load_module(tmp_path, cls):
+    config = WINDOW_CONFIGS[cls]
+    torch.manual_seed(0)
+    original = build_module({"class": cls, "config": config}).eval()
+    window = tuple(config["max_distance"])
+    assert _windows(original) == {window}
+    loaded = load_module(save_module(tmp_path / "m.pt", original))
+    assert type(loaded) is type(original) and _windows(loaded) == {window}
+    assert module_config(loaded) == module_config(original)  # the pair, not a JSON list
+    for key, value in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    state = loaded.state_dict()
+    assert all(state[k].tolist() == [2, *window, 1, 1] for k in state
+               if k.endswith("_extra_state"))
+
+
+def test_window_transformer_encoder_round_trips(tmp_path):
+    layer = {**V1_CONFIGS["RelativeTransformerEncoderLayer"], "max_distance": (64, 8)}
+    config = {"layer": layer, "num_layers": 2, "norm_eps": 1e-6, "norm_bias": True}
+    torch.manual_seed(0)
+    original = build_module({"class": "TransformerEncoder", "config": config}).eval()
+    loaded = load_module(save_module(tmp_path / "m.pt", original))
+    assert _windows(loaded) == {(64, 8)}
+    x = torch.randn(2, 70, 8)
+    torch.testing.assert_close(loaded(x), original(x), rtol=0, atol=0)
+
+
 def test_subclass_is_saved_as_its_relpos_class():
     class Mine(relpos.RelativeMultiheadAttention):
         pass

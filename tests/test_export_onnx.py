@@ -153,3 +153,59 @@ def test_cli_user_errors(tmp_path, capsys, make, extra, fragment):
     assert main([*argv, *extra]) == 2
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
+
+
+# --- windows (left, right) ------------------------------------------------------------------
+
+WINDOW = (64, 8)  # w2v-BERT's; the left side is wider than the tracing example (7)
+
+
+@pytest.fixture(scope="module")
+def window_exports(tmp_path_factory):
+    _require_onnx()
+    import onnxruntime as ort
+
+    from relpos.models import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    layer = relpos.RelativeTransformerEncoderLayer(
+        E, HEADS, 32, dropout=0.0, batch_first=True, max_distance=WINDOW,
+    )
+    with torch.no_grad():
+        for table in (layer.self_attn.rel_keys, layer.self_attn.rel_values):
+            assert table is not None
+            table.mul_(3.0)
+    lm = build_model(ModelConfig(vocab_size=11, d_model=E, num_heads=HEADS, max_distance=(3, 0)))
+    folder = tmp_path_factory.mktemp("onnx_windows")
+    sessions = {}
+    for name, module, key_mask in (("layer", layer, True), ("lm", lm, False)):
+        path = relpos.export.export_onnx(module, folder / f"{name}.onnx", key_mask=key_mask,
+                                         example_length=EXAMPLE_LENGTH)
+        sessions[name] = (module.eval(), path,
+                          ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
+    return sessions
+
+
+@pytest.mark.parametrize("length", [1, 3, 9, 20, 70, 90])
+def test_window_layer_onnx_matches_eager_at_other_lengths(window_exports, length):
+    layer, _, session = window_exports["layer"]
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(2, length, E, generator=g)
+    key_mask = torch.rand(2, length, generator=g) > 0.3
+    key_mask[:, -1] = True
+    got = torch.from_numpy(session.run(None, {"x": x.numpy(), "key_mask": key_mask.numpy()})[0])
+    with torch.no_grad():
+        want = layer(x, key_mask=key_mask)
+        mirrored = relpos.RelativeTransformerEncoderLayer(
+            **{**layer.get_config(), "max_distance": WINDOW[::-1]})
+        relpos.load_state_dict_resized(mirrored, layer.state_dict())
+        other = mirrored.eval()(x, key_mask=key_mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    if length > WINDOW[1] + 1:  # the window's right edge clips: (8, 64) would differ
+        assert (other - want).abs().max() > 1e-3
+
+
+def test_window_lm_onnx_matches_eager(window_exports):
+    lm, path, _ = window_exports["lm"]
+    assert lm.layers[0].self_attn.max_distance == (3, 0)
+    assert relpos.export.check_onnx(path, lm, lengths=(1, 4, 13, 30)) < 1e-5

@@ -8,9 +8,11 @@ A saved module is ONE file written by :func:`save_module` with ``torch.save`` (l
      "state_dict": {...CPU tensors, including each attention's _extra_state...}}
 
 :func:`load_module` rebuilds the module from ``class`` and ``config`` and loads the state (the
-state's format version, clip distance and offset convention are checked, see
-:mod:`relpos.versioning`). It also reads a training checkpoint directory written by
-``relpos train`` (``latest.json`` + ``model.safetensors`` + ``state.json``).
+state's format version, clip window and offset convention are checked, see
+:mod:`relpos.versioning`). A window ``max_distance=(left, right)`` is written to the JSON
+config as a list ``[left, right]`` and comes back as the pair. It also reads a training
+checkpoint directory written by ``relpos train`` (``latest.json`` + ``model.safetensors`` +
+``state.json``).
 
 :func:`export_onnx` exports with the ``torch.export``-based exporter
 (``torch.onnx.export(..., dynamo=True)``) with dynamic batch and sequence axes: the ONNX graph

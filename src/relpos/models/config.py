@@ -22,6 +22,26 @@ def _positive_int(name: str, value: object, *, allow_none: bool = False, minimum
         raise ValueError(f"ModelConfig.{name} must be >= {minimum}, got {value}")
 
 
+def _window(value: object) -> int | tuple[int, int]:
+    """``ModelConfig.max_distance``: an int K >= 0, or a pair (left, right) of them."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(
+                f"ModelConfig.max_distance must be an int K >= 0 or a pair (left, right), got "
+                f"{len(value)} values: {tuple(value)!r}"
+            )
+        _positive_int("max_distance[0] (left)", value[0], minimum=0)
+        _positive_int("max_distance[1] (right)", value[1], minimum=0)
+        return int(value[0]), int(value[1])
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"ModelConfig.max_distance must be an int >= 0 or a pair (left, right) of them, "
+            f"got {value!r}"
+        )
+    _positive_int("max_distance", value, minimum=0)
+    return int(value)
+
+
 @dataclass
 class ModelConfig:
     """Hyperparameters of :class:`relpos.models.RelativeTransformerLM` and
@@ -38,7 +58,9 @@ class ModelConfig:
         num_layers: number of transformer blocks.
         num_heads: H; must divide ``d_model``.
         dim_feedforward: hidden size of the MLP; None = ``4 * d_model``.
-        max_distance: K, the clip distance of the relative positions.
+        max_distance: K, the clip distance of the relative positions, or a window
+            ``(left, right)`` (offsets clipped to ``[-left, +right]``; a list, as JSON gives it
+            back, becomes a tuple).
         relative_keys: learn the relative key term (``positions="relative"`` only).
         relative_values: learn the relative value term (``positions="relative"`` only).
         share_heads: one relative table for all heads (Shaw's choice) or one per head.
@@ -63,7 +85,7 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     dim_feedforward: int | None = None
-    max_distance: int = 16
+    max_distance: int | tuple[int, int] = 16
     relative_keys: bool = True
     relative_values: bool = True
     share_heads: bool = True
@@ -88,7 +110,7 @@ class ModelConfig:
         _positive_int("num_layers", self.num_layers)
         _positive_int("num_heads", self.num_heads)
         _positive_int("dim_feedforward", self.dim_feedforward, allow_none=True)
-        _positive_int("max_distance", self.max_distance, minimum=0)
+        self.max_distance = _window(self.max_distance)
         _positive_int("max_length", self.max_length)
         _positive_int("num_classes", self.num_classes, allow_none=True)
         if self.d_model % self.num_heads != 0:

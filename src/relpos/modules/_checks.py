@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from relpos.functional import available_backends
-from relpos.positions import check_max_distance
+from relpos.positions import check_window
 
 __all__ = [
     "MAX_TABLE_ELEMENTS",
@@ -100,14 +100,19 @@ def check_implementation(value: object) -> Any:
 
 def check_module_max_distance(
     owner: str, max_distance: object, *, dropout: object, table_columns: int | None
-) -> int:
-    """The module's K: required, keyword-only, and small enough to allocate its tables.
+) -> int | tuple[int, int]:
+    """The module's clip distance ``K`` or window ``(left, right)``: required, keyword-only,
+    and small enough to allocate its tables of ``left + right + 1`` rows.
 
     Args:
         owner: the class name, for messages.
         max_distance: the argument (``REQUIRED`` when missing).
         dropout: the third positional argument, to recognize an old positional K.
         table_columns: elements per table row (``D`` or ``H * D``), None = no tables.
+
+    Returns:
+        ``K`` as an int for an int, ``(left, right)`` as a tuple for a pair (a list becomes a
+        tuple), so that ``get_config()`` gives back what was passed.
     """
     if max_distance is REQUIRED:
         if isinstance(dropout, numbers.Integral) and not isinstance(dropout, bool):
@@ -118,18 +123,29 @@ def check_module_max_distance(
             )
         raise TypeError(
             f"{owner} needs max_distance=K (the clip distance, an int >= 0, keyword-only; "
-            f"there is no default)"
+            f"there is no default) or a window max_distance=(left, right)"
         )
-    k = check_max_distance(max_distance)
-    if table_columns is not None and (2 * k + 1) * table_columns > MAX_TABLE_ELEMENTS:
-        k_max = (MAX_TABLE_ELEMENTS // table_columns - 1) // 2
+    pair = isinstance(max_distance, (tuple, list))
+    left, right = check_window(max_distance)
+    rows = left + right + 1
+    if table_columns is not None and rows * table_columns > MAX_TABLE_ELEMENTS:
+        max_rows = MAX_TABLE_ELEMENTS // table_columns
+        if not pair:
+            raise ValueError(
+                f"max_distance={left} needs relative tables of 2K+1 = {rows} rows x "
+                f"{table_columns} ({rows * table_columns} elements each); allowed: at most "
+                f"{MAX_TABLE_ELEMENTS} elements, max_distance <= {(max_rows - 1) // 2} for "
+                f"this module (a K beyond the longest sequence clips nothing, so use that "
+                f"length)"
+            )
         raise ValueError(
-            f"max_distance={k} needs relative tables of 2K+1 = {2 * k + 1} rows x "
-            f"{table_columns} ({(2 * k + 1) * table_columns} elements each); allowed: at most "
-            f"{MAX_TABLE_ELEMENTS} elements, max_distance <= {k_max} for this module (a K "
-            f"beyond the longest sequence clips nothing, so use that length)"
+            f"max_distance=({left}, {right}) needs relative tables of left + right + 1 = "
+            f"{rows} rows x {table_columns} ({rows * table_columns} elements each); allowed: "
+            f"at most {MAX_TABLE_ELEMENTS} elements, left + right <= {max_rows - 1} for this "
+            f"module (a side beyond the longest sequence clips nothing, so cap each side at that "
+            f"length)"
         )
-    return k
+    return (left, right) if pair else left
 
 
 def check_input_tensor(name: str, x: object, *, like: Tensor, ndims: tuple[int, ...],

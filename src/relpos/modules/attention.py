@@ -24,7 +24,7 @@ from relpos.modules._checks import (
     check_positive_int,
     nn_masks_to_relpos,
 )
-from relpos.versioning import RelativeStateError, check_state, make_state
+from relpos.versioning import RelativeStateError, check_state, describe_window, make_state
 
 __all__ = ["RelativeMultiheadAttention"]
 
@@ -44,10 +44,12 @@ class RelativeMultiheadAttention(nn.Module):
     ``nn.MultiheadAttention``'s state dict loads with only the relative keys missing. With
     zero tables it computes exactly what ``nn.MultiheadAttention`` computes.
 
-    On top of that: learned tables ``rel_keys``/``rel_values`` of ``2K + 1`` rows
-    (``(2K+1, D)`` if ``share_heads`` else ``(H, 2K+1, D)``, ``D = embed_dim // num_heads``)
-    whose row ``clip(j - p_i, -K, K) + K`` is added to key ``j`` and value ``j`` as seen from
-    query ``i`` (see :func:`relpos.relative_attention`).
+    On top of that: learned tables ``rel_keys``/``rel_values`` of ``R = 2K + 1`` rows
+    (``(R, D)`` if ``share_heads`` else ``(H, R, D)``, ``D = embed_dim // num_heads``) whose
+    row ``clip(j - p_i, -K, K) + K`` is added to key ``j`` and value ``j`` as seen from query
+    ``i`` (see :func:`relpos.relative_attention`). With a window
+    ``max_distance=(left, right)`` offsets are clipped to ``[-left, +right]``, the tables have
+    ``R = left + right + 1`` rows and row ``clip(j - p_i, -left, right) + left`` is used.
 
     Args:
         embed_dim: E, the model dimension.
@@ -62,7 +64,9 @@ class RelativeMultiheadAttention(nn.Module):
         batch_first: inputs are ``(B, L, E)`` (True) or ``(L, B, E)`` (False, the default,
             as in torch.nn).
         device, dtype: factory kwargs for the parameters.
-        max_distance: K >= 0, the clip distance; required, keyword-only.
+        max_distance: K >= 0, the clip distance, or a window ``(left, right)`` of
+            non-negative ints; required, keyword-only. Kept as given in
+            :attr:`max_distance` (an int stays an int); :attr:`window` is ``(left, right)``.
         relative_keys: learn ``rel_keys`` (the key term).
         relative_values: learn ``rel_values`` (the value term).
         share_heads: one table for all heads (Shaw's choice) or one per head.
@@ -82,7 +86,7 @@ class RelativeMultiheadAttention(nn.Module):
     embed_dim: int
     num_heads: int
     head_dim: int
-    max_distance: int
+    max_distance: int | tuple[int, int]
     relative_keys: bool
     relative_values: bool
     share_heads: bool
@@ -117,7 +121,7 @@ class RelativeMultiheadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        max_distance: int = REQUIRED,
+        max_distance: int | tuple[int, int] = REQUIRED,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
@@ -186,7 +190,8 @@ class RelativeMultiheadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
 
-        rows = 2 * self.max_distance + 1
+        left, right = self.window
+        rows = left + right + 1
         shape = (rows, D) if self.share_heads else (H, rows, D)
         self.rel_keys = nn.Parameter(torch.empty(shape, **factory)) if relative_keys else None
         self.rel_values = nn.Parameter(torch.empty(shape, **factory)) if relative_values else None
@@ -210,6 +215,13 @@ class RelativeMultiheadAttention(nn.Module):
         for table in (self.rel_keys, self.rel_values):
             if table is not None:
                 nn.init.normal_(table, std=std)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """``(left, right)``: offsets are clipped to ``[-left, +right]`` (``(K, K)`` for a clip
+        distance ``K``); the tables have ``left + right + 1`` rows."""
+        m = self.max_distance
+        return (m, m) if isinstance(m, int) else m
 
     def reset_parameters(self) -> None:
         """Re-initialize every parameter (see ``_reset_parameters``)."""
@@ -244,10 +256,11 @@ class RelativeMultiheadAttention(nn.Module):
 
     # ------------------------------------------------------------------ state
     def get_extra_state(self) -> Tensor:
-        """Saved as ``<prefix>._extra_state``: format version, K and the offset convention.
+        """Saved as ``<prefix>._extra_state``: format version, clip window (``K`` or
+        ``(left, right)``) and the offset convention.
 
-        See :mod:`relpos.versioning`; loading checks it, so tables trained with another K or
-        convention are never read silently with this module's meaning.
+        See :mod:`relpos.versioning`; loading checks it, so tables trained with another window
+        or convention are never read silently with this module's meaning.
         """
         return make_state(self.max_distance)
 
@@ -259,7 +272,7 @@ class RelativeMultiheadAttention(nn.Module):
         error_msgs,
     ) -> None:
         self._convert_old_projections(state_dict, prefix)
-        # Check K and the convention before any tensor is copied, naming the module.
+        # Check the window and the convention before any tensor is copied, naming the module.
         where = prefix[:-1] or type(self).__name__
         state_key = prefix + "_extra_state"
         tables = [n for n in ("rel_keys", "rel_values") if prefix + n in state_dict]
@@ -268,7 +281,7 @@ class RelativeMultiheadAttention(nn.Module):
         elif not tables and prefix + "out_proj.weight" in state_dict:
             # A state without tables (nn.MultiheadAttention's): no relative meaning to check.
             state_dict[state_key] = make_state(self.max_distance)
-        rows = 2 * self.max_distance + 1
+        rows = sum(self.window) + 1
         for name in tables:
             saved = state_dict[prefix + name]
             if (
@@ -277,8 +290,8 @@ class RelativeMultiheadAttention(nn.Module):
             ):
                 raise RelativeStateError(
                     f"{prefix + name}: the saved table has {saved.shape[-2]} rows (shape "
-                    f"{tuple(saved.shape)}) but this module has max_distance="
-                    f"{self.max_distance} ({rows} rows); to load it anyway use "
+                    f"{tuple(saved.shape)}) but this module has "
+                    f"{describe_window(self.max_distance)}; to load it anyway use "
                     f"relpos.load_state_dict_resized(module, state_dict)"
                 )
         super()._load_from_state_dict(

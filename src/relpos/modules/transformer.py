@@ -5,7 +5,8 @@ meanings (bool ``*_mask`` True = NOT allowed, ``*_key_padding_mask`` True = padd
 masks added) and submodule names as PyTorch's layers, so they work inside
 ``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` and a PyTorch layer's state dict loads
 into them with only the relative tables missing. Self-attention uses clipped relative
-positions (``max_distance``, required, keyword-only); cross-attention is plain unless
+positions (``max_distance``: a clip distance ``K`` or a window ``(left, right)``, required,
+keyword-only); cross-attention is plain unless
 ``relative_cross_attention``.
 """
 
@@ -93,7 +94,7 @@ class _LayerBase(nn.Module):
         device: torch.device | str | None,
         dtype: torch.dtype | None,
         *,
-        max_distance: int,
+        max_distance: int | tuple[int, int],
         relative_keys: bool,
         relative_values: bool,
         share_heads: bool,
@@ -107,7 +108,8 @@ class _LayerBase(nn.Module):
         dropout = check_dropout(dropout)
         layer_norm_eps = check_positive_float("layer_norm_eps", layer_norm_eps)
         norm_first = check_bool("norm_first", norm_first)
-        # K is checked here so that a missing one names the layer, not its attention.
+        # K / the window is checked here so that a missing one names the layer, not its
+        # attention.
         check_module_max_distance(type(self).__name__, max_distance, dropout=None,
                                   table_columns=None)
         self.activation = _activation(activation)
@@ -223,7 +225,8 @@ class RelativeTransformerEncoderLayer(_LayerBase):
     ``strict=False`` and only ``self_attn.rel_keys``/``self_attn.rel_values`` missing.
 
     Args:
-        max_distance: K, the clip distance; required, keyword-only.
+        max_distance: K, the clip distance, or a window ``(left, right)`` (offsets clipped to
+            ``[-left, +right]``); required, keyword-only.
         relative_keys, relative_values, share_heads: see :class:`RelativeMultiheadAttention`.
         implementation: backend (None = auto).
 
@@ -248,7 +251,7 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        max_distance: int = REQUIRED,
+        max_distance: int | tuple[int, int] = REQUIRED,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
@@ -315,7 +318,8 @@ class RelativeTransformerDecoderLayer(_LayerBase):
     submodule names included.
 
     Args:
-        max_distance: K, the clip distance; required, keyword-only.
+        max_distance: K, the clip distance, or a window ``(left, right)`` (offsets clipped to
+            ``[-left, +right]``); required, keyword-only.
         relative_keys, relative_values, share_heads: see :class:`RelativeMultiheadAttention`.
         relative_cross_attention: also use relative positions in cross-attention (queries
             aligned to the end of the memory); default plain cross-attention.
@@ -340,7 +344,7 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        max_distance: int = REQUIRED,
+        max_distance: int | tuple[int, int] = REQUIRED,
         relative_keys: bool = True,
         relative_values: bool = True,
         share_heads: bool = True,
