@@ -258,9 +258,11 @@ def validate_call(
     # Offsets j - p_i lie in [-(start + L - 1), S - 1 - start]: a wider window clips nothing
     # there, and the tables' outer rows are never read. Serve it as the narrowest window that
     # clips nothing, so no backend builds anything of its size (K = 10**9 over 7 keys is
-    # legal). (Not while torch.export traces: one exported graph serves every length.)
+    # legal). Not under torch.compile or torch.export: one graph serves many lengths, and
+    # comparing a length with the window would compile one graph per side of its edge.
     reach_left, reach_right = max(start + L - 1, 0), max(S - 1 - start, 0)
-    if not torch.compiler.is_exporting() and (reach_left < left or reach_right < right):
+    tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    if not tracing and (reach_left < left or reach_right < right):
         new_left, new_right = min(left, reach_left), min(right, reach_right)
         rows = slice(left - new_left, left + new_right + 1)
         ak = None if ak is None else ak[:, rows]
