@@ -120,7 +120,7 @@ def test_models_round_trip_keeps_their_class(tmp_path):
         RelativeTransformerEncoderModel(ModelConfig(vocab_size=9, d_model=8, num_heads=2,
                                                     num_classes=4)),
     ):
-        loaded = load_module(save_module(tmp_path / "m.pt", model))
+        loaded = load_module(save_module(model, tmp_path / "m.pt"))
         assert type(loaded) is type(model) and loaded.config == model.config
         twin = type(model)(**model.get_config())
         assert twin.config == model.config and twin.config is not model.config
@@ -151,7 +151,7 @@ def test_windows_round_trip_through_save_and_load_module(tmp_path, cls):
     original = build_module({"class": cls, "config": config}).eval()
     window = tuple(config["max_distance"])
     assert _windows(original) == {window}
-    loaded = load_module(save_module(tmp_path / "m.pt", original))
+    loaded = load_module(save_module(original, tmp_path / "m.pt"))
     assert type(loaded) is type(original) and _windows(loaded) == {window}
     assert module_config(loaded) == module_config(original)  # the pair, not a JSON list
     for key, value in original.state_dict().items():
@@ -166,7 +166,7 @@ def test_window_transformer_encoder_round_trips(tmp_path):
     config = {"layer": layer, "num_layers": 2, "norm_eps": 1e-6, "norm_bias": True}
     torch.manual_seed(0)
     original = build_module({"class": "TransformerEncoder", "config": config}).eval()
-    loaded = load_module(save_module(tmp_path / "m.pt", original))
+    loaded = load_module(save_module(original, tmp_path / "m.pt"))
     assert _windows(loaded) == {(64, 8)}
     x = torch.randn(2, 70, 8)
     torch.testing.assert_close(loaded(x), original(x), rtol=0, atol=0)
@@ -208,7 +208,7 @@ def test_model_config_is_validated_once_per_build(tmp_path, monkeypatch):
     build_model(config)
     RelativeTransformerLM(config)
     assert len(calls) == 1  # consumers take a ModelConfig as valid
-    path = save_module(tmp_path / "lm.pt", build_model(config))
+    path = save_module(build_model(config), tmp_path / "lm.pt")
     calls.clear()
     load_module(path)
     assert len(calls) == 1  # ModelConfig.from_dict, once
@@ -238,3 +238,14 @@ def test_onnx_transformer_encoder_takes_relpos_key_mask(tmp_path):
     with torch.no_grad():  # the module itself, through PyTorch's padding mask
         want = stack.eval()(x, src_key_padding_mask=~key_mask, is_causal=True)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_save_module_takes_the_module_first_and_warns_on_the_old_order(tmp_path):
+    layer = relpos.RelativeTransformerEncoderLayer(16, 2, 32, max_distance=2)
+    first = load_module(save_module(layer, tmp_path / "a.pt"))
+    with pytest.warns(DeprecationWarning, match="pass the module first"):
+        second = load_module(save_module(tmp_path / "b.pt", layer))  # type: ignore[arg-type]
+    for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"needs an nn\.Module first, got str"):
+        save_module("x.pt", tmp_path / "c.pt")  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ def exported(tmp_path_factory):
             assert table is not None
             table.mul_(3.0)
     folder = tmp_path_factory.mktemp("onnx")
-    model_path = save_module(folder / "layer.pt", layer)
+    model_path = save_module(layer, folder / "layer.pt")
     onnx_path = folder / "layer.onnx"
     argv = ["export-onnx", str(model_path), "-o", str(onnx_path), "--key-mask", "--check",
             "--example-length", str(EXAMPLE_LENGTH)]
@@ -120,7 +120,7 @@ def test_missing_extra_is_one_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(relpos.export.importlib.util, "find_spec", fake_find_spec)
     layer = relpos.RelativeTransformerEncoderLayer(E, HEADS, 32, max_distance=K)
-    path = save_module(tmp_path / "m.pt", layer)
+    path = save_module(layer, tmp_path / "m.pt")
     with pytest.raises(ImportError, match=r"pip install 'relpos\[onnx\]' \(missing: onnxruntime\)"):
         relpos.export.export_onnx(layer, tmp_path / "m.onnx")
     assert main(["export-onnx", str(path)]) == 2
@@ -146,7 +146,7 @@ def test_cli_user_errors(tmp_path, capsys, make, extra, fragment):
     if make == "bare":
         torch.save(layer.state_dict(), path)
     elif make == "layer":
-        save_module(path, layer)
+        save_module(layer, path)
     argv = ["export-onnx", str(path)]
     if extra[:1] == ["-o"]:
         extra = ["-o", str(tmp_path / extra[1])]

@@ -217,7 +217,7 @@ def test_save_module_round_trips_windows_and_refuses_an_edited_window(tmp_path):
     torch.manual_seed(0)
     layer = relpos.RelativeTransformerEncoderLayer(12, 3, 24, batch_first=True,
                                                    max_distance=(6, 1), share_heads=False)
-    path = save_module(tmp_path / "layer.pt", layer)
+    path = save_module(layer, tmp_path / "layer.pt")
     loaded = load_module(path)
     assert loaded.self_attn.max_distance == (6, 1)
     x = torch.randn(2, 9, 12)
@@ -253,7 +253,7 @@ def test_save_module_round_trip_and_checks(tmp_path):
         12, 3, 24, dropout=0.0, activation="gelu", batch_first=True, norm_first=True,
         max_distance=3, share_heads=False,
     )
-    path = save_module(tmp_path / "layer.pt", layer)
+    path = save_module(layer, tmp_path / "layer.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layer.pt"]  # no temp file left
     loaded = load_module(path)
     x = torch.randn(2, 7, 12)

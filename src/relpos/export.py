@@ -190,25 +190,39 @@ def build_module(spec: Mapping[str, Any]) -> nn.Module:
 # save / load
 
 
-def save_module(path: str | os.PathLike[str], module: nn.Module) -> Path:
+def save_module(module: nn.Module, path: str | os.PathLike[str]) -> Path:
     """Save ``module`` (configuration + weights) to one file, atomically.
 
+    The argument order follows ``torch.save(obj, path)``; the order of relpos 0.1,
+    ``save_module(path, module)``, still works and warns.
+
     Args:
-        path: destination file (conventionally ``*.pt``).
         module: a module :func:`module_config` supports.
+        path: destination file (conventionally ``*.pt``).
 
     Returns:
         The path written.
 
     Raises:
         ModuleFormatError: if the module type cannot be saved.
+        TypeError: if neither argument is a module.
 
     Example:
         >>> layer = relpos.RelativeTransformerEncoderLayer(16, 2, 32, max_distance=4)
-        >>> path = save_module(Path(tempfile.mkdtemp()) / "layer.pt", layer)
+        >>> path = save_module(layer, Path(tempfile.mkdtemp()) / "layer.pt")
         >>> type(load_module(path)).__name__
         'RelativeTransformerEncoderLayer'
     """
+    if isinstance(path, nn.Module) and isinstance(module, (str, os.PathLike)):
+        warnings.warn(
+            "save_module(path, module) is deprecated: pass the module first, as in "
+            "torch.save(obj, path)", DeprecationWarning, stacklevel=2,
+        )
+        module, path = path, module
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"save_module(module, path) needs an nn.Module first, got {type(module).__name__}"
+        )
     spec = module_config(module)
     payload = {
         "format": FORMAT,
