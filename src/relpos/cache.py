@@ -260,6 +260,47 @@ class LayerCache:
         self._length = needed
         return self.keys, self.values, self.key_mask  # type: ignore[return-value]
 
+    def reserve_step(self, batch_size: int, heads: int, head_dim: int) -> tuple[
+        Tensor, Tensor, Tensor | None
+    ]:
+        """Room for one more position, written in place by a decode step.
+
+        Returns views ``(keys, values, key_mask)`` of the storage covering ``S = length + 1``
+        positions (``key_mask`` None when every position is real); the caller writes
+        position ``length`` of ``keys`` and ``values`` and then calls :meth:`advance`.
+        Used by :class:`relpos.models.decoding.StepDecoder`.
+
+        Raises:
+            ValueError: if the cache is empty, holds another batch size or head shape, or is
+                full and fixed-size.
+        """
+        if self._keys is None or self._values is None:
+            raise ValueError("reserve_step needs a filled cache (prefill the prompt first)")
+        B, H, _, D = self._keys.shape
+        if (batch_size, heads, head_dim) != (B, H, D):
+            raise ValueError(
+                f"the cache holds (B, H, D) = {(B, H, D)}, the step has "
+                f"{(batch_size, heads, head_dim)}"
+            )
+        self.check_room(1)
+        if self._length + 1 > self.capacity:
+            cap = self.capacity
+            self._resize(cap * 2)
+        S = self._length + 1
+        mask = None
+        if self._key_mask is not None:
+            self._key_mask[:, self._length] = True
+            mask = self._key_mask[:, :S]
+        return self._keys[:, :, :S], self._values[:, :, :S], mask
+
+    def advance(self, t: int) -> None:
+        """Count ``t`` positions written in place after :meth:`reserve_step`."""
+        if not 0 < self._length + t <= self.capacity:
+            raise ValueError(
+                f"cannot advance by {t}: length {self._length}, capacity {self.capacity}"
+            )
+        self._length += t
+
     def _resize(self, capacity: int) -> None:
         assert self._keys is not None and self._values is not None
         keys = self._keys.new_empty(*self._keys.shape[:2], capacity, self._keys.shape[3])
@@ -420,6 +461,12 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by all layers' storage."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def advance(self, t: int) -> None:
+        """Count ``t`` positions written in place in every layer (see
+        :meth:`LayerCache.reserve_step`)."""
+        for layer in self.layers:
+            layer.advance(t)
 
     def check_step(self, batch_size: int, t: int) -> None:
         """Raise ValueError if a step of ``t`` tokens for ``batch_size`` rows would be refused.

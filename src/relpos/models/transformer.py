@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from relpos.cache import KVCache
 from relpos.models.config import ModelConfig
+from relpos.models.decoding import StepDecoder
 from relpos.modules.transformer import RelativeTransformerEncoderLayer
 
 __all__ = ["RelativeTransformerEncoderModel", "RelativeTransformerLM", "build_model"]
@@ -218,23 +220,38 @@ class RelativeTransformerLM(_Backbone):
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        new_tokens_only: bool = False,
         generator: torch.Generator | None = None,
         key_mask: Tensor | None = None,
     ) -> Tensor:
-        """Sample a continuation with the KV cache (one prefill pass, then one token a step).
+        """Sample a continuation: one prefill pass over the prompt, then one token a step.
 
-        Runs in eval mode (restored afterwards) without gradients.
+        The steps run on :class:`relpos.models.decoding.StepDecoder` (one fused QKV
+        projection, a static preallocated cache and one attention call per layer); the
+        result equals decoding through the modules (``model(token, cache=cache)``). Runs in
+        eval mode (restored afterwards) without gradients.
 
         Args:
             prompt_ids: ``(B, P)`` token ids.
-            max_new_tokens: N >= 0 tokens to add.
+            max_new_tokens: N >= 0, the most tokens to add.
             temperature: divides the logits; 0 = greedy (argmax).
             top_k: sample among the ``top_k`` most likely tokens (1 = greedy); None = all.
+            top_p: nucleus sampling: among the most likely tokens whose probabilities sum to
+                at least ``top_p`` (in (0, 1]); None = all. Applied after ``top_k``.
+            eos_token_id: a stop token (or several): a sequence that emits one is finished,
+                and generation stops early once every sequence is.
+            pad_token_id: the token that fills a finished sequence's later positions
+                (default: ``eos_token_id``, its first one if several).
+            new_tokens_only: return only the generated tokens ``(B, n)``.
             generator: a ``torch.Generator`` for reproducible sampling.
             key_mask: ``(B, P)`` bool, True = real prompt token (False on left padding).
 
         Returns:
-            ``(B, P + N)``: the prompt followed by the generated tokens.
+            ``(B, P + n)``: the prompt followed by the generated tokens, ``n <= N`` (fewer when
+            every sequence stopped); ``(B, n)`` with ``new_tokens_only``.
 
         Raises:
             TypeError, ValueError: on bad arguments, or if the model has a ``num_classes`` head.
@@ -249,49 +266,115 @@ class RelativeTransformerLM(_Backbone):
             raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
-        if top_k is not None:
-            if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-                raise TypeError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-            if top_k < 1:
-                raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        P = ids.shape[1]
-        self.check_length(0, P + int(max_new_tokens))
-        if max_new_tokens == 0:
-            return ids
-        cache = self.new_cache(capacity=P + int(max_new_tokens), growable=False)
+        sampling = _check_sampling(temperature, top_k, top_p, generator)
+        stop = _check_tokens("eos_token_id", eos_token_id, self.config.vocab_size)
+        if pad_token_id is not None and (
+            isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+        ):
+            raise TypeError(f"pad_token_id must be one int token id, got {pad_token_id!r}")
+        pads = _check_tokens("pad_token_id", pad_token_id, self.config.vocab_size)
+        if not isinstance(new_tokens_only, bool):
+            raise TypeError(f"new_tokens_only must be a bool, got {new_tokens_only!r}")
+        pad = pads[0] if pads else (stop[0] if stop else None)
+        P, N = ids.shape[1], int(max_new_tokens)
+        self.check_length(0, P + N)
+        if N == 0:
+            return ids[:, :0] if new_tokens_only else ids
+        cache = self.new_cache(capacity=P + N, growable=False)
         was_training = self.training
         self.eval()
         try:
             logits = self(ids, key_mask=key_mask, cache=cache)[:, -1]  # (B, V)
-            out = [ids]
-            for step in range(int(max_new_tokens)):
-                token = _sample(logits, float(temperature), top_k, generator)  # (B, 1)
+            step = StepDecoder(self)
+            step.start(cache)
+            stop_ids = torch.tensor(stop, device=ids.device) if stop else None
+            done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+            out: list[Tensor] = []
+            for n in range(N):
+                token = _sample(logits, *sampling)  # (B,)
+                if stop_ids is not None:
+                    if pad is not None:
+                        token = token.masked_fill(done, pad)
+                    done = done | torch.isin(token, stop_ids)
                 out.append(token)
-                if step + 1 < max_new_tokens:
-                    logits = self(token, cache=cache)[:, -1]
+                if n + 1 == N or (stop_ids is not None and bool(done.all())):
+                    break
+                logits = step(token, cache)
         finally:
             self.train(was_training)
-        return torch.cat(out, dim=1)
+        new = torch.stack(out, dim=1)  # (B, n)
+        return new if new_tokens_only else torch.cat([ids, new], dim=1)
+
+
+def _check_sampling(
+    temperature: object, top_k: object, top_p: object, generator: object
+) -> tuple[float, int | None, float | None, torch.Generator | None]:
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
+    temp = float(temperature)
+    if not (math.isfinite(temp) and temp >= 0):
+        raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+            raise TypeError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
+        if not 0.0 < float(top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return (
+        temp,
+        None if top_k is None else int(top_k),
+        None if top_p is None else float(top_p),
+        generator,
+    )
+
+
+def _check_tokens(name: str, value: object, vocab_size: int) -> tuple[int, ...]:
+    """``eos_token_id``/``pad_token_id`` as a tuple of ids in ``[0, vocab_size)``."""
+    if value is None:
+        return ()
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        tokens: tuple[object, ...] = (value,)
+    elif isinstance(value, (list, tuple)) and value:
+        tokens = tuple(value)
+    else:
+        raise TypeError(f"{name} must be an int token id (or a non-empty list of them), got "
+                        f"{value!r}")
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name} must hold int token ids, got {t!r}")
+        if not 0 <= int(t) < vocab_size:
+            raise ValueError(f"{name} {t} is outside [0, vocab_size={vocab_size})")
+    return tuple(int(t) for t in tokens)  # type: ignore[call-overload]
 
 
 def _sample(
-    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
 ) -> Tensor:
-    """Next token ``(B, 1)`` from ``(B, V)`` logits."""
+    """Next token ``(B,)`` from ``(B, V)`` logits."""
     if temperature == 0.0 or top_k == 1:
-        return logits.argmax(dim=-1, keepdim=True)
+        return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # drop a token when the ones before it already reach top_p (the first always stays)
+        drop = (cum - F.softmax(sorted_logits, dim=-1)) >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 class RelativeTransformerEncoderModel(_Backbone):

@@ -1,0 +1,218 @@
+"""The fast decode step (StepDecoder) and generate(): exact against the modules and the
+full forward in float64, few ops a step, and what users expect of generate()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from relpos import KVCache
+from relpos.models import ModelConfig, RelativeTransformerLM
+from relpos.models.decoding import StepDecoder
+
+V = 23
+
+CONFIGS = [
+    dict(max_distance=0),
+    dict(max_distance=1),
+    dict(max_distance=4),
+    dict(max_distance=(3, 1)),
+    dict(max_distance=(0, 5)),
+    dict(max_distance=4, relative_keys=False),
+    dict(max_distance=4, relative_values=False),
+    dict(max_distance=3, share_heads=False),
+    dict(max_distance=40),  # wider than every sequence here: the band is the whole cache
+    dict(positions="learned"),
+    dict(positions="sinusoidal"),
+]
+
+
+def _lm(**kw: object) -> RelativeTransformerLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=24, num_heads=3, num_layers=2, **kw)  # type: ignore[arg-type]
+    model = RelativeTransformerLM(cfg).double().eval()
+    with torch.no_grad():  # tables and biases away from their zero init, so they matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_steps_equal_full_forward_and_module_steps(kw: dict) -> None:
+    model = _lm(**kw)
+    B, P, T = 3, 5, 9
+    ids = torch.randint(0, V, (B, P + T))
+    prompt_mask = torch.ones(B, P, dtype=torch.bool)
+    prompt_mask[1, :2] = False  # a left-padded prompt
+    full_mask = torch.cat([prompt_mask, torch.ones(B, T, dtype=torch.bool)], dim=1)
+    with torch.no_grad():
+        full = model(ids, key_mask=full_mask)
+        fast, slow = model.new_cache(capacity=P + T, growable=False), model.new_cache()
+        model(ids[:, :P], key_mask=prompt_mask, cache=fast)
+        model(ids[:, :P], key_mask=prompt_mask, cache=slow)
+        step = StepDecoder(model)
+        step.start(fast)
+        for t in range(P, P + T):
+            a = step(ids[:, t], fast)
+            b = model(ids[:, t : t + 1], cache=slow)[:, 0]
+            torch.testing.assert_close(a, full[:, t], rtol=0, atol=1e-11)
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    assert fast.length == slow.length == P + T
+    for lf, ls in zip(fast, slow, strict=True):  # the raw cache is the modules' cache
+        torch.testing.assert_close(lf.keys, ls.keys, rtol=0, atol=1e-12)
+        torch.testing.assert_close(lf.values, ls.values, rtol=0, atol=1e-12)
+
+
+def test_prompt_of_one_token_then_growing_band() -> None:
+    model = _lm(max_distance=6)
+    ids = torch.randint(0, V, (2, 12))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(capacity=12, growable=False)
+        model(ids[:, :1], cache=cache)
+        step = StepDecoder(model)
+        step.start(cache)
+        for t in range(1, 12):
+            torch.testing.assert_close(step(ids[:, t], cache), full[:, t], rtol=0, atol=1e-11)
+
+
+_VIEWS = {"view", "slice", "select", "t", "unsqueeze", "transpose", "expand", "as_strided",
+          "alias", "permute", "reshape", "_unsafe_view"}
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts ATen calls, and separately those that compute (not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.compute = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        self.compute += func.__name__.split(".")[0] not in _VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_issues_few_aten_ops_per_layer() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=4, max_distance=3)
+    model = RelativeTransformerLM(cfg).eval()
+    ids = torch.randint(0, V, (2, 10))
+    with torch.no_grad():
+        cache = model.new_cache(capacity=12, growable=False)
+        model(ids, cache=cache)
+        step = StepDecoder(model)
+        step.start(cache)
+        with _CountOps() as fast:
+            step(ids[:, 0], cache)
+        with _CountOps() as slow:
+            model(ids[:, :1], cache=model_cache(model, ids))
+    layers = cfg.num_layers
+    # per layer: 2 norms, 4 linears, 2 cache writes, 2 band updates, 1 attention, 3 adds
+    assert fast.compute <= 15 * layers + 6, f"{fast.compute} computing ATen ops, {layers} layers"
+    assert fast.count <= 45 * layers, f"{fast.count} ATen ops for {layers} layers"
+    assert fast.count * 2 < slow.count, (fast.count, slow.count)
+
+
+def model_cache(model: RelativeTransformerLM, ids: torch.Tensor) -> KVCache:
+    cache = model.new_cache()
+    model(ids, cache=cache)
+    return cache
+
+
+def test_reserve_step_refusals() -> None:
+    model = _lm(max_distance=2)
+    cache = model.new_cache(capacity=3, growable=False)
+    step = StepDecoder(model)
+    with pytest.raises(ValueError, match="prefill"):
+        step.start(cache)
+    with pytest.raises(ValueError, match="filled cache"):
+        cache[0].reserve_step(1, 3, 8)
+    model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match=r"\(B, H, D\)"):
+        cache[0].reserve_step(2, 3, 8)
+    with pytest.raises(ValueError, match="capacity"):
+        cache[0].reserve_step(1, 3, 8)  # full, fixed size
+    with pytest.raises(ValueError, match="advance"):
+        cache.advance(1)
+    with pytest.raises(TypeError, match="RelativeTransformerLM"):
+        StepDecoder(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- generate
+def test_generate_greedy_matches_module_decoding() -> None:
+    model = _lm(max_distance=3)
+    prompt = torch.randint(0, V, (2, 4))
+    out = model.generate(prompt, 10, temperature=0)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(10):  # greedy through full forwards
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ids)
+    assert torch.equal(model.generate(prompt, 10, temperature=0, new_tokens_only=True), ids[:, 4:])
+    assert model.generate(prompt, 0, new_tokens_only=True).shape == (2, 0)
+
+
+def test_generate_stops_at_eos_and_pads_finished_rows() -> None:
+    model = _lm(max_distance=3)
+    prompt = torch.randint(0, V, (3, 4))
+    free = model.generate(prompt, 12, temperature=0, new_tokens_only=True)
+    eos = int(free[0, 2])  # row 0 emits it at step 2
+    out = model.generate(prompt, 12, temperature=0, eos_token_id=eos, pad_token_id=0,
+                         new_tokens_only=True)
+    for row in range(3):
+        hits = (free[row] == eos).nonzero()
+        if len(hits):
+            first = int(hits[0])
+            assert torch.equal(out[row, : first + 1], free[row, : first + 1])
+            assert bool((out[row, first + 1 :] == 0).all())
+        else:
+            assert torch.equal(out[row], free[row, : out.shape[1]])
+    finished = [(free[r] == eos).nonzero() for r in range(3)]
+    if all(len(f) for f in finished):  # everyone stopped: no step past the last stop
+        assert out.shape[1] == max(int(f[0]) for f in finished) + 1
+    # a list of stop tokens; pad defaults to the first
+    both = model.generate(prompt, 12, temperature=0, eos_token_id=[eos, int(free[1, 0])],
+                          new_tokens_only=True)
+    assert both.shape[1] <= out.shape[1]
+    assert int(both[1, 0]) == int(free[1, 0])
+    assert bool((both[1, 1:] == eos).all())
+
+
+def test_generate_top_p() -> None:
+    model = _lm(max_distance=3)
+    prompt = torch.randint(0, V, (4, 3))
+    tiny = model.generate(prompt, 8, top_p=1e-6, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(tiny, model.generate(prompt, 8, temperature=0))  # only the top token
+    a = model.generate(prompt, 8, top_p=1.0, generator=torch.Generator().manual_seed(3))
+    b = model.generate(prompt, 8, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+    out = model.generate(prompt, 8, top_p=0.5, temperature=1.0,
+                         generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        probs = model(out[:, :-1])[:, 2:].softmax(-1)  # (B, 8, V)
+    sorted_p, order = probs.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above
+    chosen = (order == out[:, 3:, None]).float().argmax(-1, keepdim=True)
+    assert bool((before.gather(-1, chosen) < 0.5 + 1e-9).all())  # inside the nucleus
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(top_p="0.5"), TypeError, "top_p"),
+        (dict(eos_token_id=V), ValueError, "eos_token_id"),
+        (dict(eos_token_id=[]), TypeError, "eos_token_id"),
+        (dict(eos_token_id=1.0), TypeError, "eos_token_id"),
+        (dict(pad_token_id=[1]), TypeError, "pad_token_id"),
+        (dict(pad_token_id=-1), ValueError, "pad_token_id"),
+        (dict(new_tokens_only=1), TypeError, "new_tokens_only"),
+    ],
+)
+def test_generate_refuses_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        _lm(max_distance=2).generate(torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
