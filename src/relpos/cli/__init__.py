@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order ``relpos --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("experiment", "train", "table", "heatmap", "bench", "export_onnx")
+SUBCOMMANDS: tuple[str, ...] = ("experiment", "train", "generate", "table", "heatmap", "bench", "export_onnx")
 
 
 class CLIError(Exception):

@@ -23,6 +23,7 @@ __all__ = [
     "add_max_distance",
     "add_no_progress",
     "add_threads",
+    "checkpoint_dir",
     "check_output_dir",
     "check_output_file",
     "float_in",
@@ -270,3 +271,27 @@ def add_threads(p: Any, help: str) -> None:
 def add_no_progress(p: Any) -> None:
     """``--no-progress``: no progress bar."""
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+# What a checkpoint directory holds; relpos train --out DIR writes it in DIR/checkpoints.
+_MANIFEST = "latest.json"
+_CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_dir(directory: Path) -> Path:
+    """The checkpoint directory of ``directory``: itself if it holds ``latest.json``, else
+    its ``checkpoints/`` (the layout ``relpos train --out DIR`` writes).
+
+    Raises:
+        CLIError: if neither holds a checkpoint.
+    """
+    if (directory / _MANIFEST).is_file():
+        return directory
+    if (directory / _CHECKPOINTS / _MANIFEST).is_file():
+        return directory / _CHECKPOINTS
+    raise CLIError(
+        f"{str(directory)!r} is a directory without a training checkpoint: neither "
+        f"{str(directory / _MANIFEST)!r} nor {str(directory / _CHECKPOINTS / _MANIFEST)!r} "
+        "exists; allowed: a file saved with relpos.export.save_module, or a relpos train "
+        "--out directory"
+    )

@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from relpos.cli import CLIError, _args
+from relpos.cli._args import checkpoint_dir
 
 #: The oldest ONNX opset the exporter writes (torch.onnx's dynamo exporter starts at 18;
 #: asked for an older one it silently writes 18 or fails to convert).
 MIN_OPSET = 18
-# What a checkpoint directory holds; relpos train --out DIR writes it in DIR/checkpoints.
-_MANIFEST = "latest.json"
-_CHECKPOINTS = "checkpoints"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -121,25 +119,6 @@ def run(args: argparse.Namespace) -> int:
         if worst > args.atol:
             return 1
     return 0
-
-
-def checkpoint_dir(directory: Path) -> Path:
-    """The checkpoint directory of ``directory``: itself if it holds ``latest.json``, else
-    its ``checkpoints/`` (the layout ``relpos train --out DIR`` writes).
-
-    Raises:
-        CLIError: if neither holds a checkpoint.
-    """
-    if (directory / _MANIFEST).is_file():
-        return directory
-    if (directory / _CHECKPOINTS / _MANIFEST).is_file():
-        return directory / _CHECKPOINTS
-    raise CLIError(
-        f"{str(directory)!r} is a directory without a training checkpoint: neither "
-        f"{str(directory / _MANIFEST)!r} nor {str(directory / _CHECKPOINTS / _MANIFEST)!r} "
-        "exists; allowed: a file saved with relpos.export.save_module, or a relpos train "
-        "--out directory"
-    )
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
