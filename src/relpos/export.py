@@ -19,6 +19,11 @@ checkpoint directory written by ``relpos train`` (``latest.json`` + ``model.safe
 computes the relative index from the runtime length, so it serves every length, not only the
 example's. It runs the bucketed backend. ONNX needs the ``onnx`` extra
 (``pip install 'relpos[onnx]'``: onnx, onnxscript, onnxruntime).
+
+:func:`to_ctranslate2` and :func:`check_ctranslate2` (language models to a CTranslate2
+directory, and the comparison of both engines) are those of
+:mod:`relpos.integrations.ctranslate2`, loaded on first use; they need the ``ct2`` extra
+(``pip install 'relpos[ct2]'``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -51,12 +56,14 @@ __all__ = [
     "FORMAT_VERSION",
     "ModuleFormatError",
     "build_module",
+    "check_ctranslate2",
     "check_onnx",
     "export_onnx",
     "load_module",
     "module_config",
     "require_onnx",
     "save_module",
+    "to_ctranslate2",
 ]
 
 FORMAT = "relpos.module"
@@ -67,6 +74,25 @@ _MODELS = (RelativeTransformerLM, RelativeTransformerEncoderModel)
 
 class ModuleFormatError(ValueError):
     """A file is not a saved relpos module, or describes one relpos cannot rebuild."""
+
+
+# Loaded on first use (PEP 562): relpos.integrations.ctranslate2, which imports ctranslate2
+# only when it exports or checks.
+_CTRANSLATE2 = ("check_ctranslate2", "to_ctranslate2")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CTRANSLATE2:
+        from relpos.integrations import ctranslate2
+
+        value = getattr(ctranslate2, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'relpos.export' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:  # static analysers see the eager import
+    from relpos.integrations.ctranslate2 import check_ctranslate2, to_ctranslate2
 
 
 # ---------------------------------------------------------------------------------------------
