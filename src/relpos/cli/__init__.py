@@ -16,7 +16,9 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules, in the order ``relpos --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("experiment", "train", "generate", "table", "heatmap", "bench", "export_onnx")
+SUBCOMMANDS: tuple[str, ...] = (
+    "experiment", "train", "generate", "table", "heatmap", "bench", "export_onnx", "export_ct2",
+)
 
 
 class CLIError(Exception):
