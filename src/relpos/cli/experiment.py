@@ -1,13 +1,14 @@
-"""``relpos experiment``: sweep the clip distance K (and depth) on offset recall and
-agreement, train at length 64, evaluate at 64..512 against absolute baselines, and write
-tables, figures and a report computed from the numbers.
+"""``relpos experiment``: sweep the clip distance K on synthetic dependency tasks and on a
+character-level LM of Python's own standard library, several seeds each, and write tables
+with 95% intervals, figures and a report whose verdicts are computed from the numbers.
 
 Examples::
 
-    relpos experiment                 # the full default (about half an hour on 2 CPU cores)
-    relpos experiment --quick         # a smaller sweep (a few minutes)
-    relpos experiment --out runs/exp --seed 1 --ks 0,4,16 --depths 1
-    relpos experiment --out runs/exp --ks 0,4,16,64 --reuse   # keeps the finished runs
+    relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
+    relpos experiment --quick         # a small sweep (under 3 minutes)
+    relpos experiment --full          # the whole study (about 50 minutes)
+    relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
+    relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
 An --out that holds an experiment (results.json, report.md, figures, runs/*.json) is
 refused unless --reuse keeps its finished runs (runs with other settings are retrained;
@@ -18,38 +19,52 @@ run files and figures not part of the new sweep are removed afterwards, and said
 from __future__ import annotations
 
 import argparse
+import shlex
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from relpos.cli import CLIError, _args
 
-# The tasks the sweep knows (the report's claims are about these two).
-TASKS = ("recall", "agree")
+# The tasks the sweep knows.
+TASKS = ("recall", "agree", "pysrc")
 # Options that replace the field of the same name of the preset's ExperimentConfig.
-_CONFIG_OPTIONS = ("seed", "ks", "depths", "tasks", "steps", "threads")
+_CONFIG_OPTIONS = ("seeds", "ks", "depths", "tasks", "steps", "threads", "code_ks",
+                   "code_steps", "corpus_root")
 
 
 def add_parser(subparsers: Any) -> None:
     """Register ``relpos experiment``."""
     p = _args.subcommand(
         subparsers, "experiment", run, "sweep the clip distance K: where does it matter?",
-        "Train small causal transformers with clipped relative positions for K in "
-        "{0,1,2,4,8,16,32,64} and depth {1,2} (plus learned and sinusoidal absolute baselines) "
-        "on offset recall and long-range agreement at length 64; evaluate at lengths 64-512; "
-        "print tables and write figures and a report to --out. An --out that holds an "
-        "experiment is refused unless --reuse keeps its finished runs (others are retrained "
-        "and files not part of the new sweep removed) or --overwrite replaces it.",
+        "Train small causal transformers with clipped relative positions over K (plus "
+        "absolute baselines), 3 seeds each, on offset recall, long-range agreement and a "
+        "character-level LM of the running Python's standard library (pysrc: bits per "
+        "character at 1x/4x/8x the training length, closing-bracket accuracy by opener "
+        "distance, the training signal per table row); print an up-front time estimate and "
+        "progress; write results.json, figures and a report with 95% intervals to --out. "
+        "An --out that holds an experiment is refused unless --reuse keeps its finished "
+        "runs or --overwrite replaces it.",
     )
-    p.add_argument("--quick", action="store_true", help="a smaller sweep (a few minutes)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a small sweep (under 3 minutes)")
+    size.add_argument("--full", action="store_true",
+                      help="the whole study (about 50 minutes on 2 CPU cores)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
-    p.add_argument("--seed", type=_args.non_negative_int, help="seed (default 0)")
+    p.add_argument("--seeds", type=_args.int_list(0), metavar="S,S,...",
+                   help="seeds (default 0,1,2)")
     p.add_argument("--ks", type=_args.int_list(0), metavar="K,K,...",
-                   help="clip distances to sweep")
+                   help="clip distances of the synthetic tasks")
+    p.add_argument("--code-ks", type=_args.int_list(0), metavar="K,K,...",
+                   help="clip distances of the pysrc task")
     p.add_argument("--depths", type=_args.int_list(1), metavar="N,N,...",
-                   help="numbers of layers to sweep")
+                   help="numbers of layers of the synthetic tasks")
     p.add_argument("--tasks", type=_args.name_list(TASKS, "task(s)"), metavar="T,T",
-                   help="tasks (default recall,agree)")
-    p.add_argument("--steps", type=_args.positive_int, help="training steps per run")
+                   help="tasks (default recall,agree,pysrc)")
+    p.add_argument("--steps", type=_args.positive_int, help="training steps (synthetic)")
+    p.add_argument("--code-steps", type=_args.positive_int, help="training steps (pysrc)")
+    p.add_argument("--corpus-root", metavar="DIR",
+                   help="directory of .py files for pysrc (default: this Python's stdlib)")
     _args.add_threads(p, "torch CPU threads (default 1; fixed so reruns give the same numbers)")
     used = p.add_mutually_exclusive_group()
     used.add_argument("--reuse", action="store_true",
@@ -63,6 +78,10 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     out = _args.check_output_dir(args.out)
     _args.check_output_dir(out / "runs", "--out")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        raise CLIError(f"--seeds: seeds must be distinct, got {','.join(map(str, args.seeds))}")
+    if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
+        raise CLIError(f"--corpus-root {args.corpus_root!r} is not a directory")
 
     from relpos.training.experiment import ExperimentConfig, run_experiment
     from relpos.training.experiment.run import describe, experiment_files
@@ -74,14 +93,27 @@ def run(args: argparse.Namespace) -> int:
             "pass --reuse to keep its finished runs, --overwrite to replace it, or choose "
             "another --out"
         )
-    config = ExperimentConfig.quick() if args.quick else ExperimentConfig()
+    if args.quick:
+        config = ExperimentConfig.quick()
+    elif args.full:
+        config = ExperimentConfig.full()
+    else:
+        config = ExperimentConfig()
     changes: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
     if changes:
         config = replace(config, **changes, preset="custom")
-    run_experiment(
-        config, out, progress=not args.no_progress, reuse=args.reuse, overwrite=args.overwrite
-    )
+    import sys
+
+    command = "relpos " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == [
+        "experiment"] else None
+    try:
+        run_experiment(config, out, progress=not args.no_progress, reuse=args.reuse,
+                       overwrite=args.overwrite, command=command)
+    except (FileNotFoundError, ValueError) as err:
+        if "already holds" in str(err) or "corpus" in str(err):
+            raise CLIError(str(err)) from None
+        raise
     print(f"results, figures and report.md in {args.out}")
     return 0

@@ -423,6 +423,7 @@ def train(
     ctx: DistContext | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     overwrite: bool = False,
+    on_backward: Callable[[int, nn.Module], None] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train a model on a task; returns the (unwrapped) model and the metrics document.
 
@@ -444,6 +445,9 @@ def train(
         overwrite: replace a run already in ``out_dir`` (its ``checkpoints/`` and
             ``metrics.json``); without it (and without ``resume``) such a directory is
             refused, so the files of two runs never mix.
+        on_backward: called as ``on_backward(step, model)`` (0-based step, the unwrapped
+            model) after each backward pass, before gradient clipping and the optimizer
+            step, so the raw gradients can be read (the K study's per-row signal).
 
     Returns:
         ``(model, metrics)``; ``metrics`` is also written to ``out_dir/metrics.json``.
@@ -604,6 +608,8 @@ def train(
         loss = (ce * mask).sum() / global_count * ctx.world_size
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if on_backward is not None:
+            on_backward(step, model)
         if config.grad_clip > 0:
             nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()

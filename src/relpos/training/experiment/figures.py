@@ -1,18 +1,67 @@
 """Figures of the K sweep (need the ``plot`` extra, matplotlib): accuracy heatmaps over
-model x distance and length-extrapolation curves, one pair per task."""
+model x distance (colour scale fitted to the data), length-extrapolation curves with 95%
+bands, bits per character against K with bands, and the per-row training signal."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
-from relpos.training.experiment.results import by_distance, runs_of
+from relpos.training.experiment.results import (
+    bpc_interval,
+    bracket_counts,
+    by_distance,
+    configurations,
+    overall_counts,
+    runs_of,
+)
+from relpos.training.experiment.stats import accuracy_interval
 
 __all__ = ["write_figures"]
 
+CODE = "pysrc"
+
+
+def _heatmap(ax: Any, grid: list[list[float]], rows: list[str], cols: list[str],
+             vmin: float, vmax: float, title: str) -> Any:
+    image = ax.imshow(grid, vmin=vmin, vmax=vmax, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(cols)), cols, fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_title(title, fontsize=9)
+    mid = (vmin + vmax) / 2
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if not math.isnan(v):
+                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=6,
+                        color="black" if v > mid else "white")
+    return image
+
+
+def _range(values: list[float]) -> tuple[float, float]:
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return 0.0, 1.0
+    low, high = min(finite), max(finite)
+    if high - low < 0.02:
+        low, high = low - 0.01, high + 0.01
+    return low, high
+
+
+def _mark_k(ax: Any, labels: list[str], edges: list[int]) -> None:
+    """A white tick at the first column whose distance reaches K."""
+    for row, label in enumerate(labels):
+        if not label.startswith("K="):
+            continue
+        k = int(label[2:])
+        cols = [c for c, d in enumerate(edges) if d >= k]
+        if cols:
+            ax.plot(cols[0] - 0.5, row, marker="|", color="white", markersize=9)
+
 
 def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
-    """Heatmaps of accuracy over model x distance and length-extrapolation curves."""
+    """Write the figures of ``results`` into ``out``; returns their paths (none without
+    matplotlib)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -20,51 +69,161 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
     from relpos.plotting import save_figure
 
     cfg = results["config"]
-    n = cfg["train_length"]
     paths = []
     for task in cfg["tasks"]:
+        if task == CODE:
+            paths += _code_figures(results, out, Figure, save_figure)
+            continue
+        n = cfg["train_length"]
         depths = cfg["depths"]
-        fig = Figure(figsize=(4.2 * len(depths) + 0.8, 3.6), layout="constrained")
+        grids = []
+        for depth in depths:
+            groups = configurations(runs_of(results["runs"], task, depth))
+            distances = sorted({d for g in groups.values() for r in g for d in by_distance(r, n)})
+            grid = [[accuracy_interval([by_distance(r, n).get(d, (0, 0)) for r in g]).mean
+                     for d in distances] for g in groups.values()]
+            grids.append((depth, list(groups), distances, grid))
+        vmin, vmax = _range([v for *_, grid in grids for row in grid for v in row])
+        fig = Figure(figsize=(4.4 * len(depths) + 0.8, 3.8), layout="constrained")
         axes = fig.subplots(1, len(depths), squeeze=False)[0]
         image = None
-        for ax, depth in zip(axes, depths, strict=True):
-            group = runs_of(results["runs"], task, depth)
-            distances = sorted({d for r in group for d in by_distance(r, n)})
-            grid = [
-                [by_distance(r, n).get(d, (float("nan"), 0))[0] for d in distances] for r in group
-            ]
-            image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
-            ax.set_xticks(range(len(distances)), [str(d) for d in distances], fontsize=7)
-            ax.set_yticks(range(len(group)), [r["model_label"] for r in group], fontsize=7)
+        for ax, (depth, labels, distances, grid) in zip(axes, grids, strict=True):
+            image = _heatmap(ax, grid, labels, [str(d) for d in distances], vmin, vmax,
+                             f"{task}, depth {depth}: subset accuracy by d (length {n})")
             ax.set_xlabel("dependency distance d")
-            ax.set_title(f"{task}, depth {depth} (length {n})", fontsize=9)
-            for row, r in enumerate(group):
-                if r["spec"]["positions"] != "relative":
-                    continue
-                k = r["spec"]["k"]
-                # Mark the cell where d reaches K (beyond it offsets share one row).
-                cols = [c for c, d in enumerate(distances) if d >= k]
-                if cols:
-                    ax.plot(cols[0] - 0.5, row, marker="|", color="white", markersize=9)
+            _mark_k(ax, labels, distances)
         if image is not None:
-            fig.colorbar(image, ax=list(axes), shrink=0.9, label="accuracy")
-        paths.append(save_figure(fig, out / f"heatmap_{task}.png", dpi=110))
+            fig.colorbar(image, ax=list(axes), shrink=0.9, label="accuracy (fitted scale)")
+        paths.append(save_figure(fig, out / f"heatmap_{task}.png", dpi=100))
 
-        fig = Figure(figsize=(4.2 * len(depths) + 1.6, 3.4), layout="constrained")
+        fig = Figure(figsize=(4.4 * len(depths) + 1.6, 3.4), layout="constrained")
         axes = fig.subplots(1, len(depths), squeeze=False)[0]
+        lengths = cfg["eval_lengths"]
         for ax, depth in zip(axes, depths, strict=True):
-            for r in runs_of(results["runs"], task, depth):
-                xs = [ev["length"] for ev in r["eval"]]
-                ys = [ev["accuracy"] for ev in r["eval"]]
-                style = "-o" if r["spec"]["positions"] == "relative" else "--s"
-                ax.plot(xs, ys, style, markersize=3, linewidth=1, label=r["model_label"])
+            for label, g in configurations(runs_of(results["runs"], task, depth)).items():
+                ivs = [accuracy_interval([overall_counts(r, m) for r in g]) for m in lengths]
+                style = "-o" if label.startswith("K=") else "--s"
+                (line,) = ax.plot(lengths, [iv.mean for iv in ivs], style, markersize=3,
+                                  linewidth=1, label=label)
+                ax.fill_between(lengths, [iv.low for iv in ivs], [iv.high for iv in ivs],
+                                color=line.get_color(), alpha=0.15, linewidth=0)
             ax.set_xscale("log", base=2)
-            ax.set_xticks(cfg["eval_lengths"], [str(x) for x in cfg["eval_lengths"]])
-            ax.set_ylim(0, 1.02)
+            ax.set_xticks(lengths, [str(x) for x in lengths])
             ax.axhline(results["chance"][task], color="gray", linewidth=0.8, linestyle=":")
             ax.set_xlabel(f"evaluation length (trained at {n})")
-            ax.set_ylabel("accuracy")
+            ax.set_ylabel("overall accuracy")
             ax.set_title(f"{task}, depth {depth}", fontsize=9)
         axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-        paths.append(save_figure(fig, out / f"extrapolation_{task}.png", dpi=110))
+        paths.append(save_figure(fig, out / f"extrapolation_{task}.png", dpi=100))
+    return paths
+
+
+def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) -> list[Path]:
+    from relpos.training.experiment.run import BUCKETS
+
+    cfg = results["config"]
+    n = cfg["code_train_length"]
+    lengths = [n * f for f in cfg["code_eval_factors"]]
+    groups = configurations(runs_of(results["runs"], CODE))
+    labels = list(groups)
+    paths = []
+    # Heatmaps: closing-bracket accuracy by model x opener distance, at 1x and the longest.
+    panels = []
+    for m in sorted({n, max(lengths)}):
+        buckets = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo < m]
+        grid = [[accuracy_interval([bracket_counts(r, m, b) for r in g]).mean for b in buckets]
+                for g in groups.values()]
+        panels.append((m, buckets, grid))
+    vmin, vmax = _range([v for *_, grid in panels for row in grid for v in row])
+    fig = Figure(figsize=(4.6 * len(panels) + 0.8, 4.0), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    image = None
+    for ax, (m, buckets, grid) in zip(axes, panels, strict=True):
+        image = _heatmap(ax, grid, labels, buckets, vmin, vmax,
+                         f"closing-bracket accuracy, length {m}")
+        ax.set_xlabel("opener distance d (characters)")
+        _mark_k(ax, labels, [int(b.split("-")[1]) for b in buckets])
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.9, label="subset accuracy (fitted scale)")
+    paths.append(save(fig, out / f"heatmap_{CODE}.png", dpi=100))
+
+    # Bits per character against K, one line per evaluation length, with bands.
+    rel = [lab for lab in labels if lab.startswith("K=") or lab == "unclipped"]
+    fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+    ax = fig.subplots()
+    xs = list(range(len(rel)))
+    for m in lengths:
+        ivs = [bpc_interval(groups[lab], m) for lab in rel]
+        (line,) = ax.plot(xs, [iv.mean for iv in ivs], "-o", markersize=3, linewidth=1,
+                          label=f"length {m} ({m // n}x)")
+        ax.fill_between(xs, [iv.low for iv in ivs], [iv.high for iv in ivs],
+                        color=line.get_color(), alpha=0.2, linewidth=0)
+        for j, lab in enumerate(lab for lab in labels if lab not in rel):
+            iv = bpc_interval(groups[lab], m)
+            if not math.isnan(iv.mean):
+                ax.axhline(iv.mean, color=line.get_color(), linewidth=0.8,
+                           linestyle=("--", ":", "-.")[j % 3])
+                ax.text(xs[-1], iv.mean, f" {lab}", fontsize=6, va="bottom",
+                        color=line.get_color())
+    ax.set_xticks(xs, [lab.replace("K=", "") for lab in rel], fontsize=7)
+    ax.set_xlabel("clip distance K (dashed/dotted: absolute baselines)")
+    ax.set_ylabel("validation bits per character")
+    ax.set_title(f"{CODE}: bits per character vs K (trained at {n}), 95% bands", fontsize=9)
+    ax.legend(fontsize=7)
+    paths.append(save(fig, out / f"bpc_{CODE}.png", dpi=100))
+
+    # Length extrapolation: bits per character by evaluation length.
+    fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for lab in labels:
+        ivs = [bpc_interval(groups[lab], m) for m in lengths]
+        style = "-o" if lab in rel else "--s"
+        (line,) = ax.plot(lengths, [iv.mean for iv in ivs], style, markersize=3, linewidth=1,
+                          label=lab)
+        ax.fill_between(lengths, [iv.low for iv in ivs], [iv.high for iv in ivs],
+                        color=line.get_color(), alpha=0.15, linewidth=0)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(x) for x in lengths])
+    ax.set_xlabel(f"evaluation length (trained at {n})")
+    ax.set_ylabel("validation bits per character")
+    ax.set_title(f"{CODE}: length extrapolation", fontsize=9)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    paths.append(save(fig, out / f"extrapolation_{CODE}.png", dpi=100))
+
+    # The per-row training signal.
+    signal = {lab: [r["signal"] for r in g if "signal" in r] for lab, g in groups.items()}
+    signal = {lab: s for lab, s in signal.items() if s}
+    if signal:
+        fig = Figure(figsize=(12.0, 3.6), layout="constrained")
+        axes = fig.subplots(1, 3)
+        for lab, sig in signal.items():
+            k = sig[0]["k"]
+            ds = list(range(1, k + 1))  # d = 0 has no place on a log axis
+            for ax, key in zip(axes, ("pairs_per_batch", "mean_grad_norm", "moved"),
+                               strict=True):
+                ys = [sum(s[key][d] for s in sig) / len(sig) for d in ds]
+                ys = [y if y > 0 else math.nan for y in ys]
+                ax.plot(ds, ys, "-", linewidth=1.6 if lab == "unclipped" else 0.9,
+                        label=lab, marker="o" if k < 8 else None, markersize=3)
+        titles = ("query-key pairs per batch", "mean raw gradient norm per step",
+                  "distance moved from init |W - W0|")
+        kmax = max(sig[0]["k"] for sig in signal.values())
+        for ax, title in zip(axes, titles, strict=True):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.axvline(n - 1, color="gray", linestyle=":", linewidth=0.8)
+            if kmax >= n:
+                # Rows d >= L: no pair, no gradient, no movement (exact zeros, off a log axis).
+                ax.axvspan(n, kmax, color="tab:red", alpha=0.08, linewidth=0)
+                ax.text(math.sqrt(n * kmax), 0.5, "rows d >= L:\nnever trained\n(exactly 0)",
+                        transform=ax.get_xaxis_transform(), ha="center", fontsize=7,
+                        color="tab:red")
+                ax.set_xlim(0.8, kmax * 1.2)
+            ax.set_xlabel("distance back d (table row)")
+            ax.set_title(title, fontsize=9)
+        axes[0].text(n - 1, axes[0].get_ylim()[0], " L-1", fontsize=7, color="gray")
+        axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        fig.suptitle(f"{CODE}: training signal per relative-table row (trained at {n}; "
+                     "rows d >= L are never used in training: no point)", fontsize=9)
+        paths.append(save(fig, out / f"signal_{CODE}.png", dpi=100))
     return paths

@@ -1,34 +1,54 @@
-"""The report of the K sweep: tables, findings, verdicts on the seed's claims, figures.
+"""The report of the K sweep: what K to choose, the seed's claims with verdicts, tables,
+the training-signal measurement and figures.
 
 Every number and statement in ``report.md`` is computed from the results document that
 :func:`relpos.training.experiment.run_experiment` writes (``results.json``); none is written
-in advance. :func:`make_report` is pure (results in, markdown out); :func:`write_report`
-also draws the figures (:mod:`relpos.training.experiment.figures`) and writes the file.
+in advance. Numbers are means over seeds with 95% intervals
+(:mod:`~relpos.training.experiment.stats`); a verdict is "yes" or "no" only when its
+interval lies on one side of the claim's threshold, "inconclusive" otherwise.
+:func:`make_report` is pure (results in, markdown out); :func:`write_report` also draws the
+figures and writes the file.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from relpos._io import atomic_write_text
 from relpos.training.experiment.results import (
-    accuracy,
-    around_k,
-    both,
+    bpc_interval,
+    bracket_counts,
     by_distance,
-    eval_at,
-    pooled,
+    configurations,
+    overall_counts,
+    pooled_counts,
     runs_of,
 )
+from relpos.training.experiment.stats import (
+    Interval,
+    accuracy_interval,
+    difference_interval,
+    mean_interval,
+    verdict_above,
+    verdict_below,
+    verdict_within,
+)
 
-__all__ = ["LARGE_PP", "SMALL_PP", "make_report", "write_report"]
+__all__ = ["BPC_SMALL", "LARGE_PP", "SMALL_PP", "claims", "make_report", "write_report"]
 
-#: Differences (percentage points) the report calls "small" / "large". Stated in the report.
+#: A difference in accuracy below this (percentage points) is "small"; a K is "enough" when
+#: it is shown to be within it of the reference. Stated in the report.
 SMALL_PP = 2.0
+#: Kept for callers of the first report; no verdict uses it any more.
 LARGE_PP = 5.0
+#: A difference in bits per character below this is "small".
+BPC_SMALL = 0.02
+CODE = "pysrc"
+#: Code closers with the opener this far back or more are "long-range" (claim 4 on code).
+CODE_LONG = 17
 
 
 def write_report(results: dict[str, Any], out: Path) -> str:
@@ -41,254 +61,536 @@ def write_report(results: dict[str, Any], out: Path) -> str:
     return report
 
 
-def _pct(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{100 * x:.1f}%"
+# --- formatting --------------------------------------------------------------------------
 
 
-def _pp(x: float) -> str:
-    return "n/a" if math.isnan(x) else f"{100 * x:+.1f} pp"
+def _pct(iv: Interval) -> str:
+    if math.isnan(iv.mean):
+        return "n/a"
+    return f"{100 * iv.mean:.1f}% [{100 * iv.low:.1f}, {100 * iv.high:.1f}]"
 
 
-def _distance_table(group: list[dict], length: int) -> list[str]:
-    distances = sorted({d for r in group for d in by_distance(r, length)})
-    lines = [
-        "| model | " + " | ".join(f"d={d}" for d in distances) + " | all |",
-        "|---" * (len(distances) + 2) + "|",
-    ]
-    for r in group:
-        by = by_distance(r, length)
-        ev = eval_at(r, length)
-        cells = [_pct(by[d][0]) if d in by else "" for d in distances]
-        overall = _pct(ev["accuracy"]) if ev else ""
-        lines.append(f"| {r['model_label']} | " + " | ".join(cells) + f" | {overall} |")
-    return lines
+def _pct_short(iv: Interval) -> str:
+    if math.isnan(iv.mean):
+        return ""
+    return f"{100 * iv.mean:.1f} ±{100 * iv.half:.1f}"
 
 
-def _length_table(group: list[dict], lengths: Sequence[int]) -> list[str]:
-    lines = [
-        "| model | " + " | ".join(f"L={n}" for n in lengths) + " |",
-        "|---" * (len(lengths) + 1) + "|",
-    ]
-    for r in group:
-        cells = []
-        for n in lengths:
-            ev = eval_at(r, n)
-            cells.append(_pct(ev["accuracy"]) if ev else "")
-        lines.append(f"| {r['model_label']} | " + " | ".join(cells) + " |")
-    return lines
+def _pp(iv: Interval) -> str:
+    if math.isnan(iv.mean):
+        return "n/a"
+    return f"{100 * iv.mean:+.1f} pp [{100 * iv.low:+.1f}, {100 * iv.high:+.1f}]"
 
 
-def _findings(results: dict[str, Any], task: str, depth: int) -> list[str]:
-    runs = results["runs"]
+def _bits(iv: Interval, sign: bool = False) -> str:
+    if math.isnan(iv.mean):
+        return "n/a"
+    f = "+.3f" if sign else ".3f"
+    return f"{iv.mean:{f}} [{iv.low:{f}}, {iv.high:{f}}]"
+
+
+def _k_of(label: str) -> int | None:
+    return int(label[2:]) if label.startswith("K=") else None
+
+
+def _rel_labels(groups: dict[str, list[dict]]) -> list[tuple[int, str]]:
+    return sorted((k, lab) for lab in groups if (k := _k_of(lab)) is not None)
+
+
+def _train_length(results: dict[str, Any], task: str) -> int:
     cfg = results["config"]
-    train_len = cfg["train_length"]
-    group = runs_of(runs, task, depth)
-    rel = [r for r in group if r["spec"]["positions"] == "relative"]
-    out: list[str] = []
-    chance = results["chance"][task]
-    # 1. Accuracy within vs beyond the clip distance.
-    for r in rel:
-        k = r["spec"]["k"]
-        (below, n_below), (at, n_at), (beyond, n_beyond) = around_k(r, train_len, k)
-        parts = []
-        if n_below:
-            parts.append(f"d < K: {_pct(below)}")
-        if n_at:
-            parts.append(f"d = K: {_pct(at)}")
-        if n_beyond:
-            parts.append(f"d > K: {_pct(beyond)}")
-        out.append(f"- K={k}: " + ", ".join(parts) + f" (chance {_pct(chance)}).")
-    # 2. The seed's two comparisons.
-    k4_k16 = both(group, "K=4", "K=16")
-    if k4_k16:
-        (a, n), (b, _) = (pooled(r, train_len, lambda d: 10 <= d <= 20) for r in k4_k16)
-        if n:
-            out.append(
-                f"- K=4 vs K=16 on dependencies of 10-20 tokens: {_pct(a)} vs {_pct(b)} "
-                f"({_pp(b - a)} for K=16; {n} scored positions each)."
-            )
-    for pair in (k4_k16, both(group, "K=32", "K=64")):
-        if pair:
-            a, b = (accuracy(r, train_len) for r in pair)
-            out.append(
-                f"- {pair[0]['model_label']} vs {pair[1]['model_label']} on all distances: "
-                f"{_pct(a)} vs {_pct(b)} ({_pp(b - a)})."
-            )
-    # 3. Smallest K that comes within SMALL_PP of the best relative model.
-    if rel:
-        scores = [(r["spec"]["k"], accuracy(r, train_len)) for r in rel]
-        best_k, best = max(scores, key=lambda s: s[1])
-        enough = min(k for k, s in scores if s >= best - SMALL_PP / 100)
-        out.append(
-            f"- Best relative model: K={best_k} at {_pct(best)}; the smallest K within "
-            f"{SMALL_PP:g} pp of it is K={enough}."
-        )
-    # 4. Length extrapolation.
-    lengths = [n for n in cfg["eval_lengths"] if n != train_len]
-    if lengths:
-        longest = max(lengths)
-        drops = []
-        for r in group:
-            short, long = eval_at(r, train_len), eval_at(r, longest)
-            if short and long:
-                drops.append((r["model_label"], short["accuracy"], long["accuracy"]))
-        rel_drops = [a - b for label, a, b in drops if label.startswith("K=")]
-        if rel_drops:
-            out.append(
-                f"- Length {train_len} -> {longest}: the largest accuracy drop of a relative "
-                f"model is {_pp(-max(rel_drops))}."
-            )
-        for label, a, b in drops:
-            if not label.startswith("K="):
-                out.append(
-                    f"- {label} positions, length {train_len} -> {longest}: {_pct(a)} -> {_pct(b)}."
-                )
-    return out
+    return int(cfg["code_train_length"] if task == CODE else cfg["train_length"])
 
 
-def _verdict(diff_pp: float, *, small_is_yes: bool) -> str:
-    """'yes'/'no'/'unclear' for a claim that a difference is small (or large)."""
-    if diff_pp < SMALL_PP:
-        return "yes" if small_is_yes else "no"
-    if diff_pp >= LARGE_PP:
-        return "no" if small_is_yes else "yes"
-    return "unclear"
-
-
-def _claims(results: dict[str, Any]) -> list[str]:
-    """Rows of the claims table, one per (claim, task, depth), with a computed verdict."""
+def _eval_lengths(results: dict[str, Any], task: str) -> list[int]:
     cfg = results["config"]
-    return [
-        row
-        for task in cfg["tasks"]
-        for depth in cfg["depths"]
-        for row in _claims_of(
-            runs_of(results["runs"], task, depth), f"{task}, depth {depth}", cfg["train_length"]
-        )
-    ]
+    if task == CODE:
+        return [cfg["code_train_length"] * f for f in cfg["code_eval_factors"]]
+    return list(cfg["eval_lengths"])
 
 
-def _claims_of(g: list[dict], where: str, n: int) -> list[str]:
-    """The claims rows of the runs ``g`` of one (task, depth), at length ``n``."""
+def _depths(results: dict[str, Any], task: str) -> list[int]:
+    cfg = results["config"]
+    return [cfg["code_depth"]] if task == CODE else list(cfg["depths"])
+
+
+def _reference(groups: dict[str, list[dict]], limit: int) -> str | None:
+    """The label of the largest K <= ``limit`` (the training length): every offset seen in
+    training has its own row, so it is the model clipping is compared with."""
+    ks = [(k, lab) for k, lab in _rel_labels(groups) if k <= limit]
+    return ks[-1][1] if ks else None
+
+
+# --- what the numbers say ----------------------------------------------------------------
+
+
+Counts = Callable[[dict], tuple[int, int]]
+
+
+def _diff(groups: dict[str, list[dict]], first: str, second: str, counts: Counts) -> Interval:
+    """Accuracy of ``second`` minus ``first``, paired by seed."""
+    a = {r["spec"].get("seed", 0): counts(r) for r in groups[first]}
+    b = {r["spec"].get("seed", 0): counts(r) for r in groups[second]}
+    seeds = sorted(set(a) & set(b))
+    return difference_interval([a[s] for s in seeds], [b[s] for s in seeds])
+
+
+def _bpc_diff(groups: dict[str, list[dict]], first: str, second: str, length: int
+              ) -> Interval:
+    """Bits per character of ``second`` minus ``first``, paired by seed."""
+    from relpos.training.experiment.results import eval_at
+
+    def per_seed(label: str) -> dict[int, dict]:
+        return {r["spec"].get("seed", 0): ev for r in groups[label]
+                if (ev := eval_at(r, length)) is not None}
+
+    a, b = per_seed(first), per_seed(second)
+    seeds = sorted(set(a) & set(b))
+    diffs = [b[s]["bpc"] - a[s]["bpc"] for s in seeds]
+    halves = []
+    for s in seeds:
+        xs, ys = a[s].get("bpc_per_sequence"), b[s].get("bpc_per_sequence")
+        if xs and ys and len(xs) == len(ys) > 1:
+            # The same windows (see run.EVAL_SEED): the sequences' paired differences.
+            ds = [y - x for x, y in zip(xs, ys, strict=True)]
+            mean = sum(ds) / len(ds)
+            sd = math.sqrt(sum((d - mean) ** 2 for d in ds) / (len(ds) - 1))
+            halves.append(1.96 * sd / math.sqrt(len(ds)))
+        elif a[s]["sequences"] > 1 and b[s]["sequences"] > 1:
+            halves.append(1.96 * math.hypot(a[s]["bpc_sd"] / math.sqrt(a[s]["sequences"]),
+                                            b[s]["bpc_sd"] / math.sqrt(b[s]["sequences"])))
+    data_half = sum(halves) / len(halves) / math.sqrt(len(halves)) if halves else 0.0
+    return mean_interval(diffs, data_half=data_half)
+
+
+def _enough(groups: dict[str, list[dict]], ref: str,
+            gap: Callable[[str], Interval], margin: float) -> tuple[int | None, int | None]:
+    """(smallest K shown within ``margin`` of ``ref``, largest K shown worse by more than
+    ``margin``); ``gap(label)`` is ref's advantage over the model ``label``."""
+    enough = short = None
+    for k, lab in _rel_labels(groups):
+        iv = Interval(0.0, 0.0, 0.0, 1) if lab == ref else gap(lab)
+        if math.isnan(iv.mean):
+            continue
+        if iv.high < margin and enough is None:
+            enough = k
+        if iv.low > margin:
+            short = k
+    return enough, short
+
+
+def _range_verdict(enough: int | None, short: int | None) -> str:
+    """Claim "the K needed lies in 16..128"."""
+    if (enough is not None and enough < 16) or (short is not None and short >= 128):
+        return "no"
+    if enough is not None and 16 <= enough <= 128 and short is not None and short >= 8:
+        return "yes"
+    return "inconclusive"
+
+
+def _kstr(k: int | None, none: str) -> str:
+    return none if k is None else f"K={k}"
+
+
+def claims(results: dict[str, Any]) -> list[dict[str, str]]:
+    """The claim rows: ``claim``, ``where``, ``measured`` (labelled), ``verdict``."""
+    rows: list[dict[str, str]] = []
+    cfg = results["config"]
+    for task in cfg["tasks"]:
+        for depth in _depths(results, task):
+            groups = configurations(runs_of(results["runs"], task, depth))
+            where = f"{task}, depth {depth}"
+            n = _train_length(results, task)
+            ref = _reference(groups, n)
+            if ref is None:
+                continue
+            code = task == CODE
+            rows += _claims_of(groups, where, n, ref, code)
+    return rows
+
+
+def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code: bool
+               ) -> list[dict[str, str]]:
     rows = []
 
-    def claim(text: str, measured: str, diff_pp: float, *, small_is_yes: bool) -> None:
-        verdict = _verdict(diff_pp, small_is_yes=small_is_yes)
-        rows.append(f"| {text} | {where} | {measured} | {verdict} |")
+    def row(claim: str, measured: str, verdict: str) -> None:
+        rows.append({"claim": claim, "where": where, "measured": measured, "verdict": verdict})
 
-    k4_k16 = both(g, "K=4", "K=16")
-    if k4_k16:
-        (a, cnt), (b, _) = (pooled(r, n, lambda d: d > 4) for r in k4_k16)
-        if cnt:
-            diff = 100 * (b - a)
-            claim("K=4 vs K=16 differ significantly (d > 4)",
-                  f"{_pct(a)} vs {_pct(b)} ({diff:+.1f} pp)", diff, small_is_yes=False)
-        a, cnt = pooled(k4_k16[1], n, lambda d: 10 <= d <= 20)
-        best = max(
-            (pooled(r, n, lambda d: 10 <= d <= 20)[0]
-             for r in g if r["spec"]["positions"] == "relative"),
-            default=float("nan"),
-        )
-        if cnt:
-            claim("K=16 suffices for 10-20 token dependencies",
-                  f"K=16 {_pct(a)}, best relative {_pct(best)}", 100 * (best - a),
-                  small_is_yes=True)
-    k32_k64 = both(g, "K=32", "K=64")
-    if k32_k64:
-        a, b = (accuracy(r, n) for r in k32_k64)
-        claim("K=32 vs K=64 differ little", f"{_pct(a)} vs {_pct(b)}", 100 * abs(b - a),
-              small_is_yes=True)
-    k2 = next((r for r in g if r["model_label"] == "K=2"), None)
-    rel = [r for r in g if r["spec"]["positions"] == "relative" and r["spec"]["k"] > 2]
-    if k2 and rel:
-        a, best = accuracy(k2, n), max(accuracy(r, n) for r in rel)
-        claim("no gain beyond K = 2 (Shaw et al.)", f"K=2 {_pct(a)}, best K > 2 {_pct(best)}",
-              100 * (best - a), small_is_yes=True)
+    def subset(low: int, high: int) -> Counts:
+        if code:
+            label = f"{low}-{high}"
+            return lambda r: bracket_counts(r, n, label)
+        return lambda r: pooled_counts(r, n, lambda d: low <= d <= high)
+
+    what = "closing-bracket accuracy" if code else "accuracy"
+    # 1. Typical K 16-128: the smallest K shown enough, overall.
+    if code:
+        enough, short = _enough(groups, ref, lambda lab: _bpc_diff(groups, ref, lab, n),
+                                BPC_SMALL)
+        basis = f"bits/char at length {n} within {BPC_SMALL:g} of {ref}"
+    else:
+        enough, short = _enough(groups, ref, lambda lab: _diff(groups, lab, ref,
+                                                               lambda r: overall_counts(r, n)),
+                                SMALL_PP / 100)
+        basis = f"overall accuracy at length {n} within {SMALL_PP:g} pp of {ref}"
+    row("typical K is 16-128 (the K needed lies there)",
+        f"{basis}: smallest K shown enough {_kstr(enough, 'none')}, largest K shown not "
+        f"enough {_kstr(short, 'none')}", _range_verdict(enough, short))
+    # 2. K=16 suffices for 10-20 token dependencies.
+    if "K=16" in groups and ref != "K=16":
+        counts = subset(10, 20)
+        gap = _diff(groups, "K=16", ref, counts)
+        a = accuracy_interval([counts(r) for r in groups["K=16"]])
+        row("K=16 suffices for 10-20 token dependencies",
+            f"subset d=10-20, {what}: K=16 {_pct(a)}; {ref} minus K=16 {_pp(gap)}",
+            verdict_below(gap, SMALL_PP / 100))
+    # 3. K=32 vs K=64 differ little.
+    if "K=32" in groups and "K=64" in groups:
+        if code:
+            gap = _bpc_diff(groups, "K=32", "K=64", n)
+            row("K=32 vs K=64 differ little",
+                f"overall bits/char at length {n}: K=64 minus K=32 {_bits(gap, True)} "
+                f"(small: within ±{BPC_SMALL:g})", verdict_within(gap, BPC_SMALL))
+            counts = subset(33, 128)
+            gap = _diff(groups, "K=32", "K=64", counts)
+            row("K=32 vs K=64 differ little (brackets)",
+                f"subset d=33-128, {what}: K=64 minus K=32 {_pp(gap)}",
+                verdict_within(gap, SMALL_PP / 100))
+        else:
+            gap = _diff(groups, "K=32", "K=64", lambda r: overall_counts(r, n))
+            row("K=32 vs K=64 differ little",
+                f"overall accuracy at length {n}: K=64 minus K=32 {_pp(gap)}",
+                verdict_within(gap, SMALL_PP / 100))
+    # 4. K=4 vs K=16 differ significantly on long-range dependencies.
+    if "K=4" in groups and "K=16" in groups:
+        low = CODE_LONG if code else 5
+        counts = subset(low, n)
+        gap = _diff(groups, "K=4", "K=16", counts)
+        row("K=4 vs K=16 differ significantly on long-range dependencies",
+            f"subset d>={low}, {what}: K=16 minus K=4 {_pp(gap)}",
+            verdict_above(gap, SMALL_PP / 100))
     return rows
+
+
+def _gap(groups: dict[str, list[dict]], ref: str, counts: Counts
+         ) -> Callable[[str], Interval]:
+    """``label -> ref's accuracy minus label's`` on ``counts``."""
+    return lambda label: _diff(groups, label, ref, counts)
+
+
+def _range_counts(code: bool, n: int, lo: int, hi: int) -> Counts:
+    """Per-run (hits, count) of the subset lo <= d <= hi at length ``n``."""
+    if code:
+        label = f"{lo}-{hi}"
+        return lambda r: bracket_counts(r, n, label)
+    return lambda r: pooled_counts(r, n, lambda d: lo <= d <= hi)
+
+
+def _guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
+    """Per dependency range: the smallest K shown enough and the largest shown not."""
+    n = _train_length(results, task)
+    groups = configurations(runs_of(results["runs"], task, depth))
+    ref = _reference(groups, n)
+    if ref is None:
+        return []
+    code = task == CODE
+    if code:
+        from relpos.training.experiment.run import BUCKETS
+
+        ranges = [(lo, hi) for lo, hi in BUCKETS if lo < n]
+    else:
+        distances = sorted({d for runs in groups.values() for r in runs
+                            for d in by_distance(r, n)})
+        ranges = [(d, d) for d in distances]
+    lines = []
+    for lo, hi in ranges:
+        counts = _range_counts(code, n, lo, hi)
+        enough, short = _enough(groups, ref, _gap(groups, ref, counts), SMALL_PP / 100)
+        best = accuracy_interval([counts(r) for r in groups[ref]])
+        span = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        lines.append(f"| {task} | {span} | {_kstr(enough, 'none shown')} | "
+                     f"{_kstr(short, '-')} | {_pct(best)} |")
+    return lines
+
+
+def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, str]]]:
+    """Lines on the per-row training signal and the undertraining claim rows."""
+    runs = [r for r in runs_of(results["runs"], CODE) if "signal" in r]
+    if not runs:
+        return [], []
+    n = int(results["config"]["code_train_length"])
+    groups = configurations(runs)
+    lines = [
+        f"Per table row (distance back d; keys and values together, mean over layers), "
+        f"training length {n}. Pairs per batch are exact ((L - d) per sequence, the last "
+        "row of a clipped table collects every d >= K); gradient norm is the mean over "
+        "training steps of the row's raw gradient norm; moved is |W_end - W_init| of the "
+        "row. Means over seeds.",
+        "",
+        "| model | d | pairs/batch | mean grad norm | moved |",
+        "|---|---|---|---|---|",
+    ]
+    for label, group in groups.items():
+        sig = [r["signal"] for r in group]
+        k = sig[0]["k"]
+        ds = sorted({d for d in (0, 1, 4, 16, 64, n // 2, n - 1, n, 4 * n - 1, 8 * n - 1, k)
+                     if 0 <= d <= k})
+        for d in ds:
+            pairs = sig[0]["pairs_per_batch"][d]
+            grad = sum(s["mean_grad_norm"][d] for s in sig) / len(sig)
+            moved = sum(s["moved"][d] for s in sig) / len(sig)
+            lines.append(f"| {label} | {d}{' (= K)' if d == k else ''} | {pairs:,} | "
+                         f"{grad:.3g} | {moved:.3g} |")
+    rows: list[dict[str, str]] = []
+    far = "unclipped" if "unclipped" in groups else None
+    if far is None:
+        return lines, rows
+
+    def ratio(key: str, far_rows: range) -> Interval:
+        logs = []
+        for r in groups[far]:
+            s = r["signal"][key]
+            near = sum(s[1:9]) / 8
+            distant = sum(s[d] for d in far_rows) / len(far_rows)
+            if near > 0 and distant > 0:
+                logs.append(math.log10(distant / near))
+        return mean_interval(logs)
+
+    for far_rows, rows_label in ((range(n - 1, n), f"d={n - 1}"),
+                                 (range(n // 2, n), f"d={n // 2}-{n - 1}")):
+        pairs = sum(n - d for d in far_rows) / len(far_rows) / (n - 4.5)
+        for key, what in (("mean_grad_norm", "gradient norm"), ("moved", "distance moved")):
+            iv = ratio(key, far_rows)
+            rows.append({
+                "claim": "distant offsets are undertrained (>= 10x less signal)",
+                "where": f"{CODE}, unclipped, {what}",
+                "measured": (f"log10(rows {rows_label} / rows d=1-8) = {iv.mean:+.2f} "
+                             f"[{iv.low:+.2f}, {iv.high:+.2f}] (pairs: "
+                             f"{math.log10(pairs):+.2f})"),
+                "verdict": verdict_below(iv, -1.0),
+            })
+    all_groups = configurations(runs_of(results["runs"], CODE))
+    longest = max(_eval_lengths(results, CODE))
+    ref = _reference(all_groups, n)
+    if ref is not None and far in all_groups:
+        gap = _bpc_diff(all_groups, ref, far, longest)
+        rows.append({
+            "claim": "clipping beats the unclipped table beyond the training length",
+            "where": f"{CODE}, length {longest} ({longest // n}x)",
+            "measured": f"bits/char, unclipped minus {ref}: {_bits(gap, True)}",
+            "verdict": verdict_above(gap, BPC_SMALL),
+        })
+    return lines, rows
+
+
+# --- tables --------------------------------------------------------------------------------
+
+
+def _distance_table(groups: dict[str, list[dict]], n: int) -> list[str]:
+    distances = sorted({d for g in groups.values() for r in g for d in by_distance(r, n)})
+    lines = [
+        "| model | " + " | ".join(f"d={d}" for d in distances) + " | overall |",
+        "|---" * (len(distances) + 2) + "|",
+    ]
+    for label, g in groups.items():
+        cells = [_pct_short(accuracy_interval([by_distance(r, n).get(d, (0, 0)) for r in g]))
+                 for d in distances]
+        overall = _pct_short(accuracy_interval([overall_counts(r, n) for r in g]))
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {overall} |")
+    return lines
+
+
+def _length_table(groups: dict[str, list[dict]], lengths: Sequence[int]) -> list[str]:
+    lines = [
+        "| model | " + " | ".join(f"L={m}" for m in lengths) + " |",
+        "|---" * (len(lengths) + 1) + "|",
+    ]
+    for label, g in groups.items():
+        cells = [_pct_short(accuracy_interval([overall_counts(r, m) for r in g]))
+                 for m in lengths]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _bpc_table(groups: dict[str, list[dict]], lengths: Sequence[int]) -> list[str]:
+    lines = [
+        "| model | " + " | ".join(f"L={m}" for m in lengths) + " |",
+        "|---" * (len(lengths) + 1) + "|",
+    ]
+    for label, g in groups.items():
+        cells = []
+        for m in lengths:
+            iv = bpc_interval(g, m)
+            cells.append("" if math.isnan(iv.mean) else f"{iv.mean:.3f} ±{iv.half:.3f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _bracket_table(groups: dict[str, list[dict]], length: int, kind: str = "hits"
+                   ) -> list[str]:
+    from relpos.training.experiment.run import BUCKETS
+
+    labels = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo < length]
+    lines = [
+        "| model | " + " | ".join(f"d={b}" for b in labels) + " |",
+        "|---" * (len(labels) + 1) + "|",
+    ]
+    for label, g in groups.items():
+        cells = [_pct_short(accuracy_interval([bracket_counts(r, length, b, kind=kind)
+                                               for r in g])) for b in labels]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    counts = [sum(bracket_counts(r, length, b)[1] for r in next(iter(groups.values())))
+              for b in labels]
+    lines.append("| closers scored (all seeds) | " + " | ".join(f"{c:,}" for c in counts)
+                 + " |")
+    return lines
+
+
+# --- the document ----------------------------------------------------------------------------
+
+
+def _machine(results: dict[str, Any]) -> str:
+    env = results.get("environment", {})
+    return (f"{env.get('cpu', 'unknown CPU')} ({env.get('isa', '?')}, torch CPU capability "
+            f"{env.get('torch_cpu_capability', '?')}, {env.get('logical_cpus', '?')} logical "
+            f"CPUs), torch {env.get('torch', '?')}, Python {env.get('python', '?')}, "
+            f"{env.get('threads', '?')} torch thread(s)")
 
 
 def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
     """The markdown report; every number and verdict is computed from ``results``."""
     cfg = results["config"]
-    n = cfg["train_length"]
+    seeds = cfg.get("seeds", [cfg.get("seed", 0)])
+    wall = results.get("sweep_seconds", math.nan)
     lines = [
         "# Where does the clip distance K matter?",
         "",
-        f"Tasks: {', '.join(cfg['tasks'])}. Models: relative positions with K in "
-        f"{{{', '.join(map(str, cfg['ks']))}}} and absolute baselines "
-        f"({', '.join(cfg['baselines']) or 'none'}), "
-        f"depth {{{', '.join(map(str, cfg['depths']))}}}, "
-        f"d_model {cfg['d_model']}, {cfg['num_heads']} heads, causal. Trained {cfg['steps']} "
-        f"steps x {cfg['batch_size']} sequences of length {n} (AdamW, lr {cfg['lr']:g}, "
-        f"warmup {cfg['warmup']}, cosine), seed {cfg['seed']}; evaluated on held-out data at "
-        f"lengths {', '.join(map(str, cfg['eval_lengths']))} (about {cfg['eval_tokens']} "
-        f"tokens per length). Sweep time: {results['sweep_seconds']:.0f} s with "
-        f"{cfg['threads']} torch thread(s).",
+        f"Command: `{results.get('command', 'relpos experiment')}`. Machine: "
+        f"{_machine(results)}. Wall time of the sweep: {wall / 60:.1f} min"
+        + (f" (estimated up front: {results['estimated_seconds'] / 60:.1f} min)"
+           if not math.isnan(results.get("estimated_seconds", math.nan)) else "") + ".",
         "",
-        "A relative model can tell offsets apart only up to K: offsets -K and farther all "
-        "share the table row -K, so for one attention hop a dependency at d = K is as "
-        "ambiguous as one beyond K. Single seed: treat differences of a few points as noise "
-        f"(with n scored positions the standard error of an accuracy p is sqrt(p(1-p)/n)). "
-        f"The verdicts below use fixed thresholds: a difference below {SMALL_PP:g} pp is "
-        f"'small', one of {LARGE_PP:g} pp or more 'large', anything between 'unclear'.",
+        f"Every number is a mean over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}) with "
+        "a 95% interval: the wider of a Student-t interval over the seeds and an interval over "
+        "the scored positions (Wilson's for an accuracy; a normal one for a difference, paired "
+        "by seed, or a mean bits-per-character). A claim gets 'yes' or 'no' only when its "
+        "interval lies entirely on one side of the claim's threshold "
+        f"({SMALL_PP:g} pp of accuracy, {BPC_SMALL:g} bits per character); otherwise "
+        "'inconclusive'. Each measurement says whether it is an overall number (every scored "
+        "position) or a subset (positions with a dependency distance d in a range). The "
+        "reference model of a task is the largest K not above its training length: every "
+        "offset seen in training has its own table row.",
         "",
+    ]
+    # Guidance first.
+    guide = [line for task in cfg["tasks"] for depth in _depths(results, task)
+             for line in _guidance(results, task, depth)]
+    if guide:
+        lines += [
+            "## Which K to choose",
+            "",
+            "Per dependency distance d (training length; subset accuracy, for `pysrc` the "
+            "closing bracket whose opener is d characters back): the smallest K shown within "
+            f"{SMALL_PP:g} pp of the reference, and the largest K shown worse than that.",
+            "",
+            "| task | d | smallest K shown enough | largest K shown not enough | "
+            "reference accuracy |",
+            "|---|---|---|---|---|",
+            *guide,
+            "",
+        ]
+    signal_lines, signal_rows = _signal_summary(results)
+    rows = claims(results) + signal_rows
+    lines += [
         "## The seed's claims, measured",
         "",
-        f"| claim | task, depth | measured (accuracy at length {n}) | supported here? |",
+        "| claim | task, depth | measured (labelled: overall or subset) | verdict |",
         "|---|---|---|---|",
-        *_claims(results),
+        *[f"| {r['claim']} | {r['where']} | {r['measured']} | {r['verdict']} |" for r in rows],
         "",
     ]
     for task in cfg["tasks"]:
-        chance = results["chance"][task]
-        lines += [f"## Task `{task}` (chance {_pct(chance)})", ""]
-        for depth in cfg["depths"]:
-            group = runs_of(results["runs"], task, depth)
+        n = _train_length(results, task)
+        if task == CODE:
+            corpus = results.get("corpus", {})
+            groups = configurations(runs_of(results["runs"], task))
+            lengths = _eval_lengths(results, task)
+            files = corpus.get("files", {})
+            chars = corpus.get("characters", {})
             lines += [
-                f"### Depth {depth}: accuracy by distance d at length {n}",
+                f"## Real data: `{task}`, a character-level LM on Python's standard library",
                 "",
-                *_distance_table(group, n),
+                f"Corpus: the `.py` files under `{corpus.get('root', '?')}` (no site-packages, "
+                f"no test directories, no file over 256 KB), split by a hash of the relative "
+                f"path: {files.get('train', '?')} train / {files.get('validation', '?')} "
+                f"validation / {files.get('test', '?')} test files "
+                f"({chars.get('train', 0) / 1e6:.1f}M / {chars.get('validation', 0) / 1e6:.1f}M"
+                f" / {chars.get('test', 0) / 1e6:.1f}M characters; non-ASCII share "
+                f"{100 * corpus.get('non_ascii_share', 0):.3f}%; digest "
+                f"`{corpus.get('digest', '?')[:12]}`). Depth {cfg['code_depth']}, d_model "
+                f"{cfg['d_model']}, trained {cfg['code_steps']} steps x "
+                f"{cfg['code_batch_size']} windows of {n} characters (lr {cfg['code_lr']:g}); "
+                f"evaluated on about {cfg['code_eval_tokens']:,} validation characters per "
+                "length. `unclipped` has K = longest evaluation length - 1: no offset it meets "
+                "is clipped, and its rows for d >= the training length are never trained.",
                 "",
-                f"### Depth {depth}: accuracy by evaluation length",
+                "### Validation bits per character (overall: every character)",
                 "",
-                *_length_table(group, cfg["eval_lengths"]),
+                *_bpc_table(groups, lengths),
                 "",
-                f"### Depth {depth}: findings",
+            ]
+            for m in (n, max(lengths)):
+                lines += [
+                    f"### Closing-bracket accuracy by opener distance d at length {m} "
+                    "(subset: closers whose opener is in the window; argmax over all "
+                    "characters)",
+                    "",
+                    *_bracket_table(groups, m),
+                    "",
+                ]
+            lines += [
+                f"### Bracket type at length {n} (subset: the right closer ranked above the "
+                "other two)",
                 "",
-                *_findings(results, task, depth),
+                *_bracket_table(groups, n, kind="type_hits"),
+                "",
+            ]
+            if signal_lines:
+                lines += ["### Training signal per table row", "", *signal_lines, ""]
+            continue
+        chance = results["chance"][task]
+        for depth in _depths(results, task):
+            groups = configurations(runs_of(results["runs"], task, depth))
+            lines += [
+                f"## Synthetic: `{task}`, depth {depth} (chance {100 * chance:.1f}%)",
+                "",
+                f"Trained {cfg['steps']} steps x {cfg['batch_size']} sequences of length {n} "
+                f"(lr {cfg['lr']:g}); about {cfg['eval_tokens']:,} evaluated tokens per "
+                "length. Accuracy in %, mean ±95% half-width.",
+                "",
+                f"Subset accuracy by distance d at length {n}, and overall:",
+                "",
+                *_distance_table(groups, n),
+                "",
+                "Overall accuracy by evaluation length:",
+                "",
+                *_length_table(groups, _eval_lengths(results, task)),
                 "",
             ]
     if figures:
-        lines += (
-            [
-                "## Figures",
-                "",
-                "Heatmaps: accuracy at the training length by model (rows) and distance "
-                "(columns); a white tick marks the first distance d >= K. Curves: accuracy by "
-                "evaluation length; the dotted line is chance.",
-                "",
-            ]
-            + [f"![{f}]({f})" for f in figures]
-            + [""]
-        )
-    lines += [
-        "## Reproduce",
-        "",
-        "```",
-        _command(cfg),
-        "```",
-        "",
-    ]
+        lines += [
+            "## Figures",
+            "",
+            "Heatmaps: mean accuracy by model and distance, colour scale fitted to the data "
+            "(the numbers are printed in the cells; a white tick marks d = K). Bits per "
+            "character: mean with the 95% band. Extrapolation: mean by evaluation length "
+            "with bands. Signal: per-row pairs, gradient norm and distance moved.",
+            "",
+            *[f"![{f}]({f})" for f in figures],
+            "",
+        ]
+    lines += ["## Reproduce", "", "```", results.get("command", "relpos experiment"), "```", "",
+              "Reruns with the same command, seeds and thread count on the same machine give "
+              "identical numbers; another CPU (ISA) or torch build gives slightly different "
+              "numbers, which the intervals are there to absorb.", ""]
     return "\n".join(lines)
-
-
-def _command(cfg: dict[str, Any]) -> str:
-    if cfg.get("preset") == "quick":
-        return f"relpos experiment --quick --seed {cfg['seed']}"
-    command = f"relpos experiment --seed {cfg['seed']}"
-    if cfg.get("preset") == "custom":
-        command += (
-            f" --tasks {','.join(cfg['tasks'])} --ks {','.join(map(str, cfg['ks']))}"
-            f" --depths {','.join(map(str, cfg['depths']))} --steps {cfg['steps']}"
-        )
-    return command

@@ -1,13 +1,35 @@
-"""Reading the results document of the K sweep (``results.json``): one run's evaluation at a
-length, its accuracy by dependency distance, pooled over distances, and the runs of one
-(task, depth). The report and the figures read the results through these."""
+"""Reading the results document of the K sweep (``results.json``).
+
+Runs are grouped into *configurations* (task, depth, model label), each with one run per
+seed; the helpers return, per seed, ``(hits, count)`` for accuracies and
+``(mean, sd, n)`` for bits per character, which :mod:`~relpos.training.experiment.stats`
+turns into means and intervals. The report and the figures read the results through these.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["accuracy", "around_k", "both", "by_distance", "eval_at", "pooled", "runs_of"]
+from relpos.training.experiment.stats import Interval, accuracy_interval, mean_interval
+
+__all__ = [
+    "accuracy",
+    "bpc_interval",
+    "bracket_counts",
+    "by_distance",
+    "configurations",
+    "eval_at",
+    "label_of",
+    "overall_counts",
+    "pooled_counts",
+    "runs_of",
+]
+
+
+def label_of(run: dict[str, Any]) -> str:
+    return str(run["model_label"])
 
 
 def eval_at(run: dict[str, Any], length: int) -> dict[str, Any] | None:
@@ -19,48 +41,87 @@ def eval_at(run: dict[str, Any], length: int) -> dict[str, Any] | None:
 
 
 def accuracy(run: dict[str, Any], length: int) -> float:
-    """Overall accuracy of ``run`` at ``length`` (nan if it was not evaluated there)."""
+    """Overall accuracy of a synthetic ``run`` at ``length`` (nan if not evaluated there)."""
     ev = eval_at(run, length)
     return float("nan") if ev is None else float(ev["accuracy"])
 
 
-def by_distance(run: dict[str, Any], length: int) -> dict[int, tuple[float, int]]:
-    """Distance d -> (accuracy, scored positions) of ``run`` at ``length``."""
+def by_distance(run: dict[str, Any], length: int) -> dict[int, tuple[int, int]]:
+    """Distance d -> (hits, scored positions) of a synthetic ``run`` at ``length``."""
     ev = eval_at(run, length)
     if ev is None:
         return {}
     table = ev.get("by", {}).get("distance", {})
-    return {int(d): (v["accuracy"], v["count"]) for d, v in table.items()}
+    return {int(d): (round(v["accuracy"] * v["count"]), int(v["count"]))
+            for d, v in table.items()}
 
 
-def pooled(run: dict[str, Any], length: int, keep: Callable[[int], bool]) -> tuple[float, int]:
-    """Accuracy pooled over the distances ``keep`` selects (nan if none)."""
-    hits = total = 0.0
-    for d, (acc, n) in by_distance(run, length).items():
+def overall_counts(run: dict[str, Any], length: int) -> tuple[int, int]:
+    """(hits, scored positions) over all distances of a synthetic run."""
+    ev = eval_at(run, length)
+    if ev is None:
+        return 0, 0
+    return round(ev["accuracy"] * ev["count"]), int(ev["count"])
+
+
+def pooled_counts(run: dict[str, Any], length: int, keep: Callable[[int], bool]
+                  ) -> tuple[int, int]:
+    """(hits, count) pooled over the distances ``keep`` selects (synthetic runs)."""
+    hits = total = 0
+    for d, (h, n) in by_distance(run, length).items():
         if keep(d):
-            hits += acc * n
+            hits += h
             total += n
-    return (hits / total if total else float("nan")), int(total)
+    return hits, total
 
 
-def around_k(run: dict[str, Any], length: int, k: int) -> list[tuple[float, int]]:
-    """Pooled accuracy at d < K, d = K and d > K."""
-    return [
-        pooled(run, length, lambda d: d < k),
-        pooled(run, length, lambda d: d == k),
-        pooled(run, length, lambda d: d > k),
-    ]
+def bracket_counts(run: dict[str, Any], length: int, bucket: str, *, kind: str = "hits"
+                   ) -> tuple[int, int]:
+    """(hits, count) of the closing brackets of a code run at ``length`` whose opener is in
+    ``bucket`` (``"17-32"``, or ``"10-20"``); ``kind="type_hits"`` for the bracket type."""
+    ev = eval_at(run, length)
+    if ev is None:
+        return 0, 0
+    cell = ev.get("brackets", {}).get(bucket)
+    if not cell:
+        return 0, 0
+    return int(cell[kind]), int(cell["count"])
 
 
-def both(runs: list[dict], first: str, second: str) -> tuple[dict, dict] | None:
-    """The runs labelled ``first`` and ``second`` among ``runs`` (one (task, depth)), or None
-    unless both are there."""
-    labelled = {r["model_label"]: r for r in runs}
-    if first in labelled and second in labelled:
-        return labelled[first], labelled[second]
-    return None
+def bpc_interval(group: list[dict[str, Any]], length: int) -> Interval:
+    """Mean bits per character over the seeds of one configuration at ``length``: the wider
+    of the t interval over seeds and the mean of the seeds' interval over sequences."""
+    values, halves = [], []
+    for run in group:
+        ev = eval_at(run, length)
+        if ev is None:
+            continue
+        values.append(float(ev["bpc"]))
+        sd, n = ev.get("bpc_sd", math.nan), ev.get("sequences", 0)
+        if n > 1 and not math.isnan(sd):
+            # Over all seeds' sequences: the seeds' mean has sd / sqrt(n * seeds).
+            halves.append(1.959963984540054 * sd / math.sqrt(n))
+    data_half = (sum(halves) / len(halves) / math.sqrt(len(halves))) if halves else 0.0
+    return mean_interval(values, data_half=data_half)
 
 
-def runs_of(runs: list[dict], task: str, depth: int) -> list[dict]:
-    """The runs of ``task`` and ``depth``, in sweep order."""
-    return [r for r in runs if r["spec"]["task"] == task and r["spec"]["depth"] == depth]
+def runs_of(runs: list[dict], task: str, depth: int | None = None) -> list[dict]:
+    """The runs of ``task`` (and ``depth``), in sweep order."""
+    return [r for r in runs if r["spec"]["task"] == task
+            and (depth is None or r["spec"]["depth"] == depth)]
+
+
+def configurations(runs: list[dict]) -> dict[str, list[dict]]:
+    """Model label -> its runs (one per seed, sorted by seed), in the order labels first
+    appear; ``runs`` are those of one (task, depth)."""
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        out.setdefault(label_of(r), []).append(r)
+    for group in out.values():
+        group.sort(key=lambda r: r["spec"].get("seed", 0))
+    return out
+
+
+def seed_accuracy(group: list[dict], counts: Callable[[dict], tuple[int, int]]) -> Interval:
+    """The accuracy interval of one configuration, ``counts(run)`` per seed."""
+    return accuracy_interval([counts(r) for r in group])

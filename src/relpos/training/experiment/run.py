@@ -1,9 +1,14 @@
 """Running the K sweep: its configuration, the runs it trains, and ``results.json``.
 
-:func:`run_experiment` trains one small model per (task, position scheme, depth) of
-:func:`plan`, evaluates each at several lengths with accuracy broken down by dependency
-distance, writes ``runs/<name>.json`` per run and ``results.json``, then hands the results
-to :mod:`relpos.training.experiment.report` for the figures and ``report.md``.
+:func:`run_experiment` trains one small causal model per (task, position scheme, depth,
+seed) of :func:`plan`: the synthetic tasks (``recall``, ``agree``) evaluated by accuracy per
+dependency distance at several lengths, and a character-level language model on the
+standard library's Python source (``pysrc``, :mod:`~relpos.training.experiment.corpus`)
+evaluated by bits per character at 1x, 4x and 8x the training length and by closing-bracket
+accuracy per opener distance. For the relative models of ``pysrc`` it also records the
+training signal of every table row (:mod:`~relpos.training.experiment.signal`). It writes
+``runs/<name>.json`` per run and ``results.json`` (with the machine: CPU model, ISA, torch,
+threads), then the figures and ``report.md``.
 
 An output directory that already holds an experiment is refused unless its finished runs
 are to be reused (``reuse``: runs with other settings are retrained, files that are not
@@ -14,10 +19,13 @@ part of the new sweep are removed afterwards) or the old experiment replaced
 from __future__ import annotations
 
 import json
+import math
+import os
+import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,50 +38,143 @@ from relpos.training.experiment.figures import write_figures
 from relpos.training.experiment.report import make_report
 from relpos.training.trainer import TrainConfig, train
 
-__all__ = ["ExperimentConfig", "RunSpec", "experiment_files", "plan", "run_experiment"]
+__all__ = [
+    "BUCKETS",
+    "CODE_TASK",
+    "ExperimentConfig",
+    "RunSpec",
+    "environment",
+    "evaluate_code",
+    "experiment_files",
+    "plan",
+    "run_experiment",
+]
 
 RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
 RUNS_DIR = "runs"
-# The figures of figures.write_figures, per task.
-FIGURE_PATTERNS = ("heatmap_*.png", "extrapolation_*.png")
+FORMAT_VERSION = 2
+# The figures of figures.write_figures.
+FIGURE_PATTERNS = ("heatmap_*.png", "extrapolation_*.png", "bpc_*.png", "signal_*.png")
+#: The real-data task (a character-level LM on Python source).
+CODE_TASK = "pysrc"
+SYNTHETIC_TASKS = ("recall", "agree")
+#: Opener-distance buckets of the closing-bracket targets, and the seed's 10-20 range.
+BUCKETS: tuple[tuple[int, int], ...] = (
+    (1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, 2048))
+SEED_RANGE = (10, 20)
+#: The code models are all evaluated on the same validation windows (this stream), so
+#: seeds differ only in training and two models compare on identical characters.
+EVAL_SEED = 0
 
 
 @dataclass
 class ExperimentConfig:
-    """What the sweep trains and evaluates (defaults: the full experiment)."""
+    """What the sweep trains and evaluates (defaults: the README's default run; see
+    :meth:`full` and :meth:`quick`).
 
-    tasks: tuple[str, ...] = ("recall", "agree")
-    ks: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64)
-    depths: tuple[int, ...] = (1, 2)
-    baselines: tuple[str, ...] = ("learned", "sinusoidal")
+    Synthetic tasks use ``ks``, ``depths``, ``train_length``, ``eval_lengths``, ``steps``,
+    ``batch_size``, ``lr``, ``eval_tokens``; ``pysrc`` the ``code_*`` fields (its lengths are
+    ``code_train_length`` times ``code_eval_factors``; ``code_unclipped`` adds a model whose
+    K covers the longest evaluation length, so no offset it meets is ever clipped).
+    """
+
+    tasks: tuple[str, ...] = ("recall", "agree", CODE_TASK)
+    ks: tuple[int, ...] = (0, 2, 4, 8, 16, 32, 64)
+    depths: tuple[int, ...] = (1,)
+    baselines: tuple[str, ...] = ("learned",)
+    seeds: tuple[int, ...] = (0, 1, 2)
     train_length: int = 64
     eval_lengths: tuple[int, ...] = (64, 128, 256, 512)
-    steps: int = 180
+    steps: int = 120
     batch_size: int = 32
     d_model: int = 64
     num_heads: int = 4
     lr: float = 1e-2
     warmup: int = 20
     eval_tokens: int = 8192
-    seed: int = 0
+    code_ks: tuple[int, ...] = (4, 16, 32, 64, 128)
+    code_unclipped: bool = True
+    code_baselines: tuple[str, ...] = ("learned",)
+    code_depth: int = 2
+    code_train_length: int = 128
+    code_eval_factors: tuple[int, ...] = (1, 4, 8)
+    code_steps: int = 150
+    code_batch_size: int = 16
+    code_lr: float = 3e-3
+    code_eval_tokens: int = 16384
+    corpus_root: str | None = None
     threads: int = 1
-    preset: str = "full"
+    preset: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in ("tasks", "ks", "depths", "baselines", "seeds", "eval_lengths", "code_ks",
+                     "code_baselines", "code_eval_factors"):
+            setattr(self, name, tuple(getattr(self, name)))
+        unknown = [t for t in self.tasks if t not in (*SYNTHETIC_TASKS, CODE_TASK)]
+        if unknown or not self.tasks:
+            raise ValueError(f"unknown task(s) {unknown!r}; allowed: "
+                             f"{', '.join((*SYNTHETIC_TASKS, CODE_TASK))}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds must be distinct and at least one, got {list(self.seeds)}")
+        for name in ("ks", "code_ks"):
+            if any(isinstance(k, bool) or not isinstance(k, int) or k < 0
+                   for k in getattr(self, name)):
+                raise ValueError(f"{name} must be ints >= 0, got {list(getattr(self, name))}")
+        if any(f < 1 for f in self.code_eval_factors) or 1 not in self.code_eval_factors:
+            raise ValueError("code_eval_factors must be ints >= 1 and include 1, got "
+                             f"{list(self.code_eval_factors)}")
+
+    @classmethod
+    def full(cls) -> ExperimentConfig:
+        """The whole study (about 50 minutes on 2 CPU cores)."""
+        return cls(
+            ks=(0, 1, 2, 4, 8, 16, 32, 64),
+            depths=(1, 2),
+            baselines=("learned", "sinusoidal"),
+            code_ks=(0, 1, 2, 4, 8, 16, 32, 64, 128),
+            code_baselines=("learned", "sinusoidal"),
+            code_steps=250,
+            code_eval_tokens=32768,
+            preset="full",
+        )
 
     @classmethod
     def quick(cls) -> ExperimentConfig:
-        """A smaller sweep for a few minutes on 2 CPU cores."""
+        """A small sweep for under 3 minutes on 2 CPU cores."""
         return cls(
-            ks=(0, 2, 4, 16, 32, 64),
-            depths=(1,),
-            baselines=("learned",),
-            steps=120,
+            tasks=("recall", CODE_TASK),
+            ks=(0, 4, 16, 64),
+            baselines=(),
+            steps=100,
+            eval_lengths=(64, 256),
             eval_tokens=4096,
+            code_ks=(4, 16, 64),
+            code_baselines=(),
+            code_depth=1,
+            code_train_length=64,
+            code_eval_factors=(1, 4),
+            code_steps=60,
+            code_eval_tokens=8192,
             preset="quick",
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ExperimentConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def code_eval_lengths(self) -> tuple[int, ...]:
+        return tuple(self.code_train_length * f for f in self.code_eval_factors)
+
+    @property
+    def unclipped_k(self) -> int:
+        """K of the unclipped code model: no offset at any evaluated length is clipped."""
+        return max(self.code_eval_lengths) - 1
 
 
 @dataclass(frozen=True)
@@ -81,27 +182,40 @@ class RunSpec:
     """One training run of the sweep."""
 
     task: str
-    positions: str  # "relative" | "learned" | "sinusoidal" | "none"
+    positions: str  # "relative" | "learned" | "sinusoidal"
     k: int  # clip distance (relative only; 0 otherwise)
     depth: int
+    seed: int = 0
+    unclipped: bool = False
 
     @property
     def model(self) -> str:
-        """Row label: ``K=8`` or the baseline's name."""
-        return f"K={self.k}" if self.positions == "relative" else self.positions
+        """Row label: ``K=8``, ``unclipped`` or the baseline's name."""
+        if self.positions != "relative":
+            return self.positions
+        return "unclipped" if self.unclipped else f"K={self.k}"
 
     @property
     def name(self) -> str:
-        return f"{self.task}-{self.model.replace('=', '')}-depth{self.depth}"
+        label = self.model.replace("=", "")
+        return f"{self.task}-{label}-depth{self.depth}-seed{self.seed}"
 
 
 def plan(config: ExperimentConfig) -> list[RunSpec]:
-    """The runs of the sweep, in order."""
+    """The runs of the sweep, seed by seed (an interrupted sweep has whole seeds)."""
     runs = []
-    for task in config.tasks:
-        for depth in config.depths:
-            runs += [RunSpec(task, "relative", k, depth) for k in config.ks]
-            runs += [RunSpec(task, b, 0, depth) for b in config.baselines]
+    for seed in config.seeds:
+        for task in config.tasks:
+            if task == CODE_TASK:
+                d = config.code_depth
+                runs += [RunSpec(task, "relative", k, d, seed) for k in config.code_ks]
+                if config.code_unclipped:
+                    runs.append(RunSpec(task, "relative", config.unclipped_k, d, seed, True))
+                runs += [RunSpec(task, b, 0, d, seed) for b in config.code_baselines]
+                continue
+            for depth in config.depths:
+                runs += [RunSpec(task, "relative", k, depth, seed) for k in config.ks]
+                runs += [RunSpec(task, b, 0, depth, seed) for b in config.baselines]
     return runs
 
 
@@ -109,6 +223,8 @@ def _model_config(spec: RunSpec, task: Task, config: ExperimentConfig) -> Any:
     from relpos.models import ModelConfig
 
     relative = spec.positions == "relative"
+    code = spec.task == CODE_TASK
+    lengths = config.code_eval_lengths if code else (*config.eval_lengths, config.train_length)
     return ModelConfig(
         vocab_size=task.vocab_size,
         d_model=config.d_model,
@@ -118,9 +234,146 @@ def _model_config(spec: RunSpec, task: Task, config: ExperimentConfig) -> Any:
         relative_keys=relative,
         relative_values=relative,
         positions=spec.positions,
-        max_length=max(*config.eval_lengths, config.train_length),
+        max_length=max(lengths),
         causal=True,
     )
+
+
+def _train_config(spec: RunSpec, config: ExperimentConfig) -> TrainConfig:
+    if spec.task == CODE_TASK:
+        # The code model's evaluation is evaluate_code's; train() evaluates one sequence.
+        return TrainConfig(
+            steps=config.code_steps, batch_size=config.code_batch_size,
+            length=config.code_train_length, lr=config.code_lr, warmup=config.warmup,
+            seed=spec.seed, eval_lengths=(config.code_train_length,), eval_tokens=1,
+        )
+    return TrainConfig(
+        steps=config.steps, batch_size=config.batch_size, length=config.train_length,
+        lr=config.lr, warmup=config.warmup, seed=spec.seed,
+        eval_lengths=config.eval_lengths, eval_tokens=config.eval_tokens,
+    )
+
+
+def bucket_label(low: int, high: int) -> str:
+    return f"{low}-{high}"
+
+
+@torch.no_grad()
+def evaluate_code(
+    model: torch.nn.Module, task: Task, *, seed: int, length: int, eval_tokens: int,
+    batch_tokens: int = 8192,
+) -> dict[str, Any]:
+    """Bits per character and closing-bracket accuracy of a code model at one length.
+
+    Returns:
+        ``{"length", "bpc", "bpc_sd", "bpc_per_sequence", "sequences", "characters",
+        "brackets"}``: ``bpc`` the mean over all scored characters, ``bpc_sd`` the standard
+        deviation of the sequences' means (listed, 4 digits, in ``bpc_per_sequence``, so
+        two models evaluated on the same windows can be compared sequence by sequence);
+        ``brackets`` maps an opener-distance bucket ``"lo-hi"`` (and the
+        seed's ``"10-20"``) to ``{"count", "hits", "type_hits"}``: closers whose opener is
+        in the window, how many the model predicts exactly (argmax over all characters),
+        and how many it ranks above the other two closers (the bracket type).
+    """
+    from relpos.training.experiment.corpus import closer_ids
+
+    was_training = model.training
+    model.eval()
+    sequences = max(1, math.ceil(eval_tokens / length))
+    per_batch = max(1, batch_tokens // length)
+    closers = closer_ids()
+    seq_bpc: list[float] = []
+    total = 0.0
+    chars = 0
+    ranges = [*BUCKETS, SEED_RANGE]
+    tallies = {bucket_label(*r): [0, 0, 0] for r in ranges}
+    for index, start in enumerate(range(0, sequences, per_batch)):
+        size = min(per_batch, sequences - start)
+        batch = task.batch(seed=seed, step=index, batch_size=size, length=length, split="eval")
+        logits = model(batch.ids).float()  # (B, L, V)
+        ce = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch.targets.flatten(), reduction="none"
+        ).view_as(batch.targets).double()  # (B, L)
+        bits = ce / math.log(2)
+        seq_bpc += bits.mean(1).tolist()
+        total += float(bits.sum())
+        chars += bits.numel()
+        dist = batch.meta["distance"]
+        scored = dist > 0
+        if not bool(scored.any()):
+            continue
+        d = dist[scored]
+        target = batch.targets[scored]
+        picked = logits[scored]  # (N, V)
+        hit = picked.argmax(-1) == target
+        among = closers[picked[:, closers].argmax(-1)]
+        type_hit = among == target
+        for low, high in ranges:
+            inside = (d >= low) & (d <= high)
+            t = tallies[bucket_label(low, high)]
+            t[0] += int(inside.sum())
+            t[1] += int((hit & inside).sum())
+            t[2] += int((type_hit & inside).sum())
+    model.train(was_training)
+    mean = total / max(chars, 1)
+    sd = (math.sqrt(sum((b - sum(seq_bpc) / len(seq_bpc)) ** 2 for b in seq_bpc)
+                    / (len(seq_bpc) - 1)) if len(seq_bpc) > 1 else math.nan)
+    return {
+        "length": length,
+        "bpc": mean,
+        "bpc_sd": sd,
+        "bpc_per_sequence": [float(f"{b:.4g}") for b in seq_bpc],
+        "sequences": len(seq_bpc),
+        "characters": chars,
+        "brackets": {k: {"count": c, "hits": h, "type_hits": th}
+                     for k, (c, h, th) in tallies.items() if c},
+    }
+
+
+def _isa() -> str:
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    for isa in ("amx_tile", "avx512f", "avx2", "avx", "sse4_2", "asimd", "neon"):
+        if isa in flags:
+            return {"amx_tile": "AMX+AVX-512", "avx512f": "AVX-512"}.get(isa, isa.upper())
+    return platform.machine() or "unknown"
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """The machine: CPU model, ISA, torch's CPU capability, versions, threads."""
+    from relpos._version import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        capability = str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        capability = "unknown"
+    return {
+        "cpu": cpu,
+        "isa": _isa(),
+        "torch_cpu_capability": capability,
+        "logical_cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.release()}",
+        "relpos": __version__,
+        "threads": threads,
+    }
 
 
 def experiment_files(out_dir: str | Path) -> list[Path]:
@@ -147,6 +400,82 @@ def describe(files: list[Path], out: Path) -> str:
     return ", ".join(parts)
 
 
+# Relative cost of one run: training tokens x depth, evaluation tokens x depth / 3 (no
+# backward), and an attention term that grows with the length (and the unclipped table).
+def _cost(spec: RunSpec, config: ExperimentConfig) -> float:
+    if spec.task == CODE_TASK:
+        n = config.code_train_length
+        train_tokens = config.code_steps * config.code_batch_size * n * (1 + n / 256)
+        evals = sum(config.code_eval_tokens * (1 + m / 256) for m in config.code_eval_lengths)
+        extra = 1.5 if spec.unclipped else 1.0
+    else:
+        n = config.train_length
+        train_tokens = config.steps * config.batch_size * n * (1 + n / 256)
+        evals = sum(config.eval_tokens * (1 + m / 256) for m in config.eval_lengths)
+        extra = 1.0
+    return spec.depth * (train_tokens + evals / 3) * extra
+
+
+def _calibrate(config: ExperimentConfig, tasks: dict[str, Task]) -> float:
+    """Seconds per unit of :func:`_cost`, from a few timed steps of a small model."""
+    from relpos.models import build_model
+
+    name = config.tasks[0]
+    code = name == CODE_TASK
+    spec = RunSpec(name, "relative", 16, config.code_depth if code else config.depths[0])
+    task = tasks[name]
+    model = build_model(_model_config(spec, task, config))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tc = _train_config(spec, config)
+    batch = task.batch(seed=0, step=0, batch_size=tc.batch_size, length=tc.length,
+                       split="train")
+    times = []
+    for _ in range(3):
+        tick = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(batch.ids).flatten(0, 1),
+                                                 batch.targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - tick)
+    per_step = min(times[1:])
+    n = tc.length
+    unit = spec.depth * tc.batch_size * n * (1 + n / 256)
+    # Data generation, evaluation bookkeeping and Python overheads: measured ~1.3x.
+    return 1.3 * per_step / unit
+
+
+def _record(spec: RunSpec, metrics: dict[str, Any], evals: list[dict[str, Any]],
+            signal: dict[str, Any] | None) -> dict[str, Any]:
+    record = {
+        "spec": {**asdict(spec), "label": spec.model},
+        "model_label": spec.model,
+        "task": metrics["task"],
+        "model": metrics["model"],
+        "train": metrics["train"],
+        "parameters": metrics["parameters"],
+        "final_train_loss": metrics["final_train_loss"],
+        "final_train_accuracy": metrics["final_train_accuracy"],
+        "train_seconds": metrics["train_seconds"],
+        "eval": evals,
+    }
+    if signal is not None:
+        record["signal"] = signal
+    return record
+
+
+def _build_tasks(config: ExperimentConfig) -> dict[str, Task]:
+    tasks: dict[str, Task] = {}
+    for name in config.tasks:
+        if name == CODE_TASK:
+            from relpos.training.experiment.corpus import PythonSourceLM, SourceCorpus
+
+            tasks[name] = PythonSourceLM(SourceCorpus(config.corpus_root))
+        else:
+            tasks[name] = build_task(name)
+    return tasks
+
+
 def run_experiment(
     config: ExperimentConfig,
     out_dir: str | Path,
@@ -155,25 +484,27 @@ def run_experiment(
     reuse: bool = False,
     overwrite: bool = False,
     log: Callable[[str], None] | None = None,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Train and evaluate every run of :func:`plan`; write results, figures and report.
 
     Args:
         config: the sweep.
         out_dir: output directory (``results.json``, ``report.md``, ``*.png``, ``runs/``).
-        progress: show a progress bar over the sweep.
+        progress: show a progress bar over the sweep (and print the time estimate).
         reuse: keep finished runs found in ``out_dir/runs`` with the same settings
             (others are retrained); after the sweep, remove the run files and figures of
             ``out_dir`` that are not part of it.
         overwrite: remove the files of an experiment already in ``out_dir`` first.
-        log: where to print tables and what was removed (None = stdout).
+        log: where to print the estimate, the report and what was removed (None = stdout).
+        command: the command line to record in the report (None = derived from ``config``).
 
     Returns:
         The results document (also in ``results.json``).
 
     Raises:
         ValueError: if ``out_dir`` already holds an experiment and neither ``reuse`` nor
-            ``overwrite`` is set, or both are.
+            ``overwrite`` is set, or both are; on a bad corpus root.
     """
     say = log or print
     out = Path(out_dir)
@@ -185,37 +516,47 @@ def run_experiment(
             f"{str(out)!r} already holds an experiment ({describe(previous, out)}); "
             "reuse=True keeps its finished runs, overwrite=True replaces it"
         )
-    if overwrite and previous:
-        for path in previous:
-            path.unlink()
-        say(f"replaced the experiment in {out}: removed {describe(previous, out)}")
-    (out / RUNS_DIR).mkdir(parents=True, exist_ok=True)
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(config.threads)
+    try:
+        tasks = _build_tasks(config)
+        if overwrite and previous:
+            for path in previous:
+                path.unlink()
+            say(f"replaced the experiment in {out}: removed {describe(previous, out)}")
+        (out / RUNS_DIR).mkdir(parents=True, exist_ok=True)
+        return _sweep(config, tasks, out, progress=progress, reuse=reuse, say=say,
+                      command=command)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progress: bool,
+           reuse: bool, say: Callable[[str], None], command: str | None) -> dict[str, Any]:
+    from relpos.training.experiment.signal import RowSignal
+
     specs = plan(config)
-    tasks = {name: build_task(name) for name in config.tasks}
+    costs = [_cost(s, config) for s in specs]
     bar = None
+    estimate = math.nan
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(
-            total=len(specs), desc="experiment", unit="run", dynamic_ncols=True, file=sys.stderr
-        )
+        estimate = _calibrate(config, tasks) * sum(costs)
+        say(f"relpos experiment ({config.preset}): {len(specs)} runs "
+            f"({len(config.seeds)} seeds), estimated {estimate / 60:.0f} min with "
+            f"{config.threads} thread(s) on this machine")
+        # The bar counts estimated work (the runs' costs), so its ETA weighs long runs.
+        bar = tqdm(total=sum(costs), desc="experiment",
+                   dynamic_ncols=True, file=sys.stderr,
+                   bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
     started = time.perf_counter()
     runs: list[dict[str, Any]] = []
     reused = retrained = 0
-    for spec in specs:
+    for number, (spec, cost) in enumerate(zip(specs, costs, strict=True)):
         task = tasks[spec.task]
         model_config = _model_config(spec, task, config)
-        train_config = TrainConfig(
-            steps=config.steps,
-            batch_size=config.batch_size,
-            length=config.train_length,
-            lr=config.lr,
-            warmup=config.warmup,
-            seed=config.seed,
-            eval_lengths=config.eval_lengths,
-            eval_tokens=config.eval_tokens,
-        )
+        train_config = _train_config(spec, config)
         path = out / RUNS_DIR / f"{spec.name}.json"
         record = None
         if reuse and path.is_file():
@@ -226,8 +567,9 @@ def run_experiment(
             if (
                 isinstance(old, dict)
                 and old.get("model") == model_config.to_dict()
-                and old.get("train") == (train_config.to_dict())
+                and old.get("train") == train_config.to_dict()
                 and old.get("task") == task.config()
+                and old.get("eval_settings") == _eval_settings(spec, config)
             ):
                 record = old
                 reused += 1
@@ -235,38 +577,42 @@ def run_experiment(
                 retrained += 1
         if record is None:
             if bar is not None:
-                bar.set_postfix_str(spec.name)
-            _, metrics = train(model_config, task, train_config, progress=False)
-            record = {
-                "spec": asdict(spec),
-                "model_label": spec.model,
-                "task": metrics["task"],
-                "model": metrics["model"],
-                "train": metrics["train"],
-                "parameters": metrics["parameters"],
-                "final_train_loss": metrics["final_train_loss"],
-                "final_train_accuracy": metrics["final_train_accuracy"],
-                "train_seconds": metrics["train_seconds"],
-                "eval": metrics["eval"],
-            }
-            atomic_write_json(path, record)
+                bar.set_postfix_str(f"run {number + 1}/{len(specs)} {spec.name}")
+            code = spec.task == CODE_TASK
+            recorder = (RowSignal(spec.k, config.code_train_length, config.code_batch_size)
+                        if code and spec.positions == "relative" else None)
+            model, metrics = train(
+                model_config, task, train_config, progress=False,
+                on_backward=recorder.on_backward if recorder else None,
+            )
+            if code:
+                evals = [evaluate_code(model, task, seed=EVAL_SEED, length=n,
+                                       eval_tokens=config.code_eval_tokens)
+                         for n in config.code_eval_lengths]
+            else:
+                evals = metrics["eval"]
+            record = _record(spec, metrics, evals,
+                             recorder.finish(model) if recorder else None)
+            record["eval_settings"] = _eval_settings(spec, config)
+            atomic_write_json(out / RUNS_DIR / f"{spec.name}.json", record)
         runs.append(record)
         if bar is not None:
-            bar.update(1)
+            bar.update(cost)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - started
-    chance = {name: _chance(task) for name, task in tasks.items()}
-    results = {
+    results: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
         "config": config.to_dict(),
-        "chance": chance,
+        "command": command or default_command(config),
+        "chance": {name: _chance(task) for name, task in tasks.items()},
         "runs": runs,
         "sweep_seconds": elapsed,
-        "environment": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
+        "estimated_seconds": estimate,
+        "environment": environment(config.threads),
     }
+    if CODE_TASK in tasks:
+        results["corpus"] = tasks[CODE_TASK].corpus.describe()  # type: ignore[attr-defined]
     atomic_write_json(out / RESULTS_FILE, results)
     figures = write_figures(results, out)
     report = make_report(results, figures=[f.name for f in figures])
@@ -287,6 +633,20 @@ def run_experiment(
                 + ", ".join(str(p.relative_to(out)) for p in stale[:5])
                 + (", ..." if len(stale) > 5 else ""))
     return results
+
+
+def _eval_settings(spec: RunSpec, config: ExperimentConfig) -> dict[str, Any]:
+    if spec.task == CODE_TASK:
+        return {"lengths": list(config.code_eval_lengths), "tokens": config.code_eval_tokens,
+                "buckets": [list(b) for b in BUCKETS]}
+    return {"lengths": list(config.eval_lengths), "tokens": config.eval_tokens}
+
+
+def default_command(config: ExperimentConfig) -> str:
+    """The ``relpos experiment`` command of a preset (custom sweeps: the preset's name)."""
+    flag = {"full": " --full", "quick": " --quick"}.get(config.preset, "")
+    seeds = "" if config.seeds == (0, 1, 2) else f" --seeds {','.join(map(str, config.seeds))}"
+    return f"relpos experiment{flag}{seeds}"
 
 
 def _chance(task: Task) -> float:
