@@ -35,7 +35,22 @@ from torch import Tensor
 
 from relpos.cache import KVCache
 
-__all__ = ["StepDecoder"]
+__all__ = ["StepDecoder", "sinusoidal_positions"]
+
+
+def sinusoidal_positions(
+    start: int, length: int, dim: int, *, device: torch.device, dtype: torch.dtype
+) -> Tensor:
+    """Vaswani et al.'s positions ``start .. start+length-1`` as ``(length, dim)``."""
+    pos = torch.arange(start, start + length, device=device, dtype=torch.float64)  # (L,)
+    half = (dim + 1) // 2
+    freq = torch.exp(
+        -math.log(10000.0) * torch.arange(half, device=device, dtype=torch.float64) * 2 / dim
+    )  # (half,)
+    angles = pos[:, None] * freq[None, :]  # (L, half)
+    pe = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)[:, :dim]  # (L, dim)
+    return pe.to(dtype)
+
 
 
 @dataclass(frozen=True)
@@ -79,26 +94,26 @@ class StepDecoder:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from relpos.models.transformer import RelativeTransformerLM
-
-        if not isinstance(model, RelativeTransformerLM):
+        if type(model).__name__ != "RelativeTransformerLM" or not hasattr(model, "layers"):
             raise TypeError(
                 f"StepDecoder needs a relpos RelativeTransformerLM, got {type(model).__name__}"
             )
-        if model.head is not None:
+        lm: Any = model  # a RelativeTransformerLM: its blocks' submodules are known
+        if lm.head is not None:
             raise ValueError(
                 "StepDecoder needs the tied vocabulary head (ModelConfig.num_classes=None), "
-                f"this model has num_classes={model.config.num_classes}"
+                f"this model has num_classes={lm.config.num_classes}"
             )
-        lm: Any = model  # a RelativeTransformerLM: its blocks' submodules are known
         cfg = lm.config
         self.config = cfg
         self.embed = lm.embed.weight  # (V, E)
         self.pos_embed = None if lm.pos_embed is None else lm.pos_embed.weight
         self.sinusoidal = cfg.positions == "sinusoidal"
         self.final_norm = (lm.norm.weight, lm.norm.bias, lm.norm.eps)
-        E, H = cfg.d_model, cfg.num_heads
-        self.E, self.H, self.D = E, H, E // H
+        E, H = int(cfg.d_model), int(cfg.num_heads)
+        self.E: int = E
+        self.H: int = H
+        self.D: int = E // H
         self.scale = 1.0 / math.sqrt(self.D)
         self.emb_scale = math.sqrt(E)
         self.layers: list[_Layer] = []
@@ -159,8 +174,6 @@ class StepDecoder:
         if self.pos_embed is not None:
             x = x + self.pos_embed[p]
         elif self.sinusoidal:
-            from relpos.models.transformer import sinusoidal_positions
-
             x = x + sinusoidal_positions(p, 1, E, device=x.device, dtype=x.dtype)[0]
         left = self.left
         m = min(S, left + 1)  # the band: keys whose table row changes from step to step

@@ -23,24 +23,10 @@ from torch import Tensor, nn
 
 from relpos.cache import KVCache
 from relpos.models.config import ModelConfig
-from relpos.models.decoding import StepDecoder
+from relpos.models.decoding import StepDecoder, sinusoidal_positions
 from relpos.modules.transformer import RelativeTransformerEncoderLayer
 
 __all__ = ["RelativeTransformerEncoderModel", "RelativeTransformerLM", "build_model"]
-
-
-def sinusoidal_positions(
-    start: int, length: int, dim: int, *, device: torch.device, dtype: torch.dtype
-) -> Tensor:
-    """Vaswani et al.'s positions ``start .. start+length-1`` as ``(length, dim)``."""
-    pos = torch.arange(start, start + length, device=device, dtype=torch.float64)  # (L,)
-    half = (dim + 1) // 2
-    freq = torch.exp(
-        -math.log(10000.0) * torch.arange(half, device=device, dtype=torch.float64) * 2 / dim
-    )  # (half,)
-    angles = pos[:, None] * freq[None, :]  # (L, half)
-    pe = torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(1)[:, :dim]  # (L, dim)
-    return pe.to(dtype)
 
 
 class _Backbone(nn.Module):
