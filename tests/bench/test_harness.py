@@ -35,6 +35,20 @@ def test_interleaved_medians_rounds_and_failures() -> None:
         common.interleaved_medians({"b": [boom]}, warmup=0, repeats=1)
 
 
+def test_interleaved_medians_rotate() -> None:
+    calls: list[str] = []
+    cases = {name: [lambda name=name: calls.append(name)] for name in "abc"}
+    medians, _ = common.interleaved_medians(cases, warmup=1, repeats=3, rotate=True)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert set(medians) == set("abc")
+    assert common.interleaved_medians({}, warmup=1, repeats=1, rotate=True) == ({}, {})
+
+
+def test_format_ms() -> None:
+    assert [common.format_ms(v) for v in (1234.4, 12.34, 1.234, 0.1234)] == [
+        "1234", "12.3", "1.23", "0.123"]
+
+
 def test_report_helpers() -> None:
     assert common.markdown_table(["a", "b"], [["1", "2"]], align="---:") == [
         "| a | b |", "|---:|---:|", "| 1 | 2 |"]

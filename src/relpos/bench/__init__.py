@@ -6,9 +6,15 @@ Modules:
     :mod:`relpos.bench.attention`: whole-sequence attention, forward and forward + backward,
         every backend (``relpos bench``).
     :mod:`relpos.bench.decode`: one KV-cache decode step (``relpos bench --decode``).
+    :mod:`relpos.bench.presets`: every backend at training shapes, a fixed number of tokens
+        per batch (``relpos bench --preset training``).
+    :mod:`relpos.bench.encoder`: a training step of a 6-layer encoder of relpos layers
+        against the same one of torch's (``relpos bench --preset encoder``).
     :mod:`relpos.bench.common`: interleaved timing rounds and medians, report header and
         files (CSV, markdown).
     :mod:`relpos.bench.memory`: peak memory of one call in a fresh subprocess.
+    :mod:`relpos.bench.hardware`: instruction sets and the OpenMP wait policy, for the
+        header, and the warning when that policy is unset.
 
 Benchmarks are not tests. The names below load on first use (PEP 562): importing
 ``relpos.bench`` or :mod:`relpos.bench.common` does not import torch.
@@ -24,12 +30,27 @@ _EXPORTS: dict[str, str] = {
     "Config": "relpos.bench.attention",
     "DecodeResult": "relpos.bench.decode",
     "Result": "relpos.bench.attention",
+    "build_models": "relpos.bench.encoder",
     "measure_step": "relpos.bench.decode",
     "run_attention": "relpos.bench.attention",
     "run_decode": "relpos.bench.decode",
+    "run_encoder": "relpos.bench.encoder",
+    "run_training": "relpos.bench.presets",
+    "token_shapes": "relpos.bench.presets",
 }
 
-__all__ = ["Config", "DecodeResult", "Result", "measure_step", "run_attention", "run_decode"]
+__all__ = [
+    "Config",
+    "DecodeResult",
+    "Result",
+    "build_models",
+    "measure_step",
+    "run_attention",
+    "run_decode",
+    "run_encoder",
+    "run_training",
+    "token_shapes",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -47,3 +68,5 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from relpos.bench.attention import Config, Result, run_attention
     from relpos.bench.decode import DecodeResult, measure_step, run_decode
+    from relpos.bench.encoder import build_models, run_encoder
+    from relpos.bench.presets import run_training, token_shapes

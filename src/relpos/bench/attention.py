@@ -31,9 +31,14 @@ __all__ = [
     "Config",
     "Result",
     "backends",
+    "config",
     "default_backends",
     "estimate_bytes",
+    "forward",
+    "forward_backward",
+    "make_inputs",
     "measure_memory",
+    "progress",
     "run_attention",
 ]
 
@@ -92,7 +97,12 @@ class Result:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _config(args: argparse.Namespace) -> Config:
+def config(args: argparse.Namespace) -> Config:
+    """The run ``relpos bench`` options ask for (None = the default), checked.
+
+    Raises:
+        ValueError: on an unknown backend or a length out of range.
+    """
     quick = bool(getattr(args, "quick", False))
     chosen = (
         default_backends() if args.backends is None
@@ -133,7 +143,10 @@ def estimate_bytes(backend: str, n: int, K: int, cfg: Config) -> int:
     return 4 * n * n * D * e + 6 * bhnn
 
 
-def _make_inputs(n: int, K: int, cfg: Config, seed: int = 0) -> dict[str, Any]:
+def make_inputs(n: int, K: int, cfg: Config, seed: int = 0) -> dict[str, Any]:
+    """Random inputs of one case: ``q``, ``k``, ``v`` ``(B, H, n, D)`` and the tables ``ak``,
+    ``av`` ``(2K + 1, D)`` (all requiring grad), the upstream gradient ``grad``
+    ``(B, H, n, D)`` and the ``causal`` flag; B, H, D, dtype and the flag from ``cfg``."""
     dtype = getattr(torch, cfg.dtype)
     g = torch.Generator().manual_seed(seed)
     B, H, D = cfg.batch, cfg.heads, cfg.head_dim
@@ -147,22 +160,28 @@ def _make_inputs(n: int, K: int, cfg: Config, seed: int = 0) -> dict[str, Any]:
 
 
 def _call(backend: str, x: dict[str, Any], K: int) -> Any:
+    """One call of ``backend`` (a relpos backend, ``"auto"`` = ``implementation=None``, or
+    ``"sdpa"``: no relative terms) on the inputs of :func:`make_inputs`."""
     from relpos.functional import relative_attention
 
     if backend == "sdpa":
         return F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=x["causal"])
     return relative_attention(
         x["q"], x["k"], x["v"], max_distance=K, rel_keys=x["ak"], rel_values=x["av"],
-        is_causal=x["causal"], implementation=backend,  # type: ignore[arg-type]
+        is_causal=x["causal"],
+        implementation=None if backend == "auto" else backend,  # type: ignore[arg-type]
     )
 
 
-def _fwd(backend: str, x: dict[str, Any], K: int) -> None:
+def forward(backend: str, x: dict[str, Any], K: int) -> None:
+    """The forward of ``backend`` (or ``"auto"``, ``"sdpa"``) under ``torch.no_grad``."""
     with torch.no_grad():
         _call(backend, x, K)
 
 
-def _fwdbwd(backend: str, x: dict[str, Any], K: int) -> None:
+def forward_backward(backend: str, x: dict[str, Any], K: int) -> None:
+    """The forward + backward of ``backend`` (or ``"auto"``, ``"sdpa"``), gradients reset
+    first."""
     leaves = [x["q"], x["k"], x["v"]] + ([] if backend == "sdpa" else [x["ak"], x["av"]])
     for t in leaves:
         t.grad = None
@@ -172,10 +191,10 @@ def _fwdbwd(backend: str, x: dict[str, Any], K: int) -> None:
 def _memory_case(backend: str, n: int, K: int, cfg: Config) -> Callable[[], None]:
     """In the memory subprocess: warm up kernels and thread pools at a small size, make the
     inputs; returns the forward + backward to measure."""
-    small = _make_inputs(64, min(K, 8), cfg)
-    _fwdbwd(backend, small, min(K, 8))
+    small = make_inputs(64, min(K, 8), cfg)
+    forward_backward(backend, small, min(K, 8))
     del small
-    return functools.partial(_fwdbwd, backend, _make_inputs(n, K, cfg), K)
+    return functools.partial(forward_backward, backend, make_inputs(n, K, cfg), K)
 
 
 def measure_memory(backend: str, n: int, K: int, cfg: Config, threads: int) -> float | str:
@@ -187,7 +206,7 @@ def measure_memory(backend: str, n: int, K: int, cfg: Config, threads: int) -> f
 # Running
 
 
-def _progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
+def progress(total: int) -> tuple[Callable[[str], None], Callable[[], None]]:
     """``(tick, close)`` of a progress bar on stderr counting ``total`` calls (tqdm, an
     optional dependency; without it both do nothing)."""
     try:
@@ -218,7 +237,7 @@ def _time_group(
             tick(f"n={r.n} round {round_ - cfg.warmup + 1}/{cfg.repeats} K={r.K} {r.backend}")
 
     calls = {
-        i: [functools.partial(fn, r.backend, x, r.K) for fn in (_fwd, _fwdbwd)]
+        i: [functools.partial(fn, r.backend, x, r.K) for fn in (forward, forward_backward)]
         for i, (r, x) in enumerate(cases)
     }
     medians, failures = common.interleaved_medians(
@@ -243,7 +262,7 @@ def run_attention(args: argparse.Namespace) -> int:
     Returns:
         0 (the exit status).
     """
-    cfg = _config(args)
+    cfg = config(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -275,13 +294,13 @@ def run_attention(args: argparse.Namespace) -> int:
         groups.append(group)
     runnable = [len([1 for _, x in g if x is not None]) for g in groups]
     calls = sum(k * (cfg.warmup + cfg.repeats) for k in runnable)
-    tick, close = _progress(calls + (sum(runnable) if cfg.memory else 0))
+    tick, close = progress(calls + (sum(runnable) if cfg.memory else 0))
     for group in groups:
         timed = [(r, y) for r, y in group if y is not None]
         by_K: dict[int, dict[str, Any]] = {}  # one set of inputs per K, shared by the backends
         for r, inputs in timed:
             if r.K not in by_K:
-                by_K[r.K] = _make_inputs(r.n, r.K, cfg)
+                by_K[r.K] = make_inputs(r.n, r.K, cfg)
             inputs.update(by_K[r.K])
         _time_group(timed, cfg, tick)
         for _, inputs in timed:

@@ -1,5 +1,6 @@
 """What the benchmarks share: interleaved timing rounds with medians, the report header
-(date, hardware, versions, command) and the report files (CSV, markdown), written atomically.
+(date, command, hardware, instruction sets, versions, threads, OpenMP wait policy) and the
+report files (CSV, markdown), written atomically.
 
 Nothing here imports torch at import time.
 """
@@ -20,12 +21,14 @@ from typing import Any, TypeVar
 
 from relpos._io import atomic_write_text
 from relpos._sysinfo import hardware
+from relpos.bench import hardware as cpu
 
 __all__ = [
     "DTYPES",
     "check_names",
     "csv_text",
     "environment",
+    "format_ms",
     "interleaved_medians",
     "markdown_meta",
     "markdown_table",
@@ -81,6 +84,7 @@ def interleaved_medians(
     repeats: int,
     tick: Callable[[CaseKey, int], None] | None = None,
     errors: tuple[type[BaseException], ...] = (),
+    rotate: bool = False,
 ) -> tuple[dict[CaseKey, tuple[float, ...]], dict[CaseKey, str]]:
     """Time the cases round-robin and take the median of the measured rounds.
 
@@ -97,6 +101,8 @@ def interleaved_medians(
             rounds ``0..warmup-1`` are the warm-up.
         errors: exceptions that mark a case failed (it leaves the rounds); any other
             exception propagates.
+        rotate: start round ``r`` at case ``r mod len(cases)`` (the order rotates), so that
+            no case always runs right after the same one (a backend after SDPA, say).
 
     Returns:
         ``(medians, failures)``: case -> the median milliseconds of each of its functions,
@@ -104,8 +110,11 @@ def interleaved_medians(
     """
     samples: dict[CaseKey, list[list[float]]] = {c: [[] for _ in fns] for c, fns in cases.items()}
     failures: dict[CaseKey, str] = {}
+    order = list(cases)
     for round_ in range(warmup + repeats):
-        for case, fns in cases.items():
+        start = round_ % len(order) if rotate and order else 0
+        for case in order[start:] + order[:start]:
+            fns = cases[case]
             if case in failures:
                 continue
             if tick is not None:
@@ -136,17 +145,27 @@ def report_date() -> str:
 
 
 def environment(threads: int) -> dict[str, str]:
-    """Hardware, versions (torch, relpos, Python) and torch threads, for a report header."""
+    """What every report header records about the machine and the software.
+
+    ``hardware``: the CPU model (``model name`` of ``/proc/cpuinfo``, else
+    ``platform.processor()``), the logical CPUs visible and the OS; ``ISA``: AVX2, AVX-512
+    and AMX (``flags`` of ``/proc/cpuinfo``) and the instruction set torch's kernels use
+    (``torch.backends.cpu.get_cpu_capability()``); the torch, relpos and Python versions;
+    ``threads``: torch's intra-op threads; ``OMP_WAIT_POLICY``: its value or ``unset``
+    (:mod:`relpos.bench.hardware` says why it matters).
+    """
     import torch
 
     from relpos._version import __version__
 
     return {
         "hardware": hardware(),
+        "ISA": f"{cpu.isa()}; torch CPU capability {cpu.torch_cpu_capability()}",
         "torch": torch.__version__,
         "relpos": __version__,
         "python": platform.python_version(),
         "threads": str(threads),
+        cpu.OMP_ENV: cpu.omp_wait_policy(),
     }
 
 
@@ -154,13 +173,28 @@ def typed_command(args: argparse.Namespace) -> str | None:
     """The command line as typed: ``args.command_line`` if set, else this process's
     arguments when it is the ``relpos`` command; None otherwise (say, under pytest)."""
     typed = getattr(args, "command_line", None)
-    if typed is None and Path(sys.argv[0]).name in ("relpos", "__main__.py"):
+    program = Path(sys.argv[0])
+    # ``relpos ...``, or ``python -m relpos ...`` (relpos/__main__.py), not ``python -m pytest``
+    if typed is None and (program.name == "relpos" or (
+            program.name == "__main__.py" and program.parent.name in ("relpos", "cli"))):
         typed = "relpos " + " ".join(sys.argv[1:])
     return typed
 
 
 # ----------------------------------------------------------------------------------------------
 # Report files
+
+
+def format_ms(ms: float) -> str:
+    """Milliseconds with three significant digits or more, never in exponent notation:
+    ``1234``, ``12.3``, ``1.23``, ``0.123``."""
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
+    if ms >= 1:
+        return f"{ms:.2f}"
+    return f"{ms:.3f}"
 
 
 def markdown_meta(meta: Mapping[str, str]) -> list[str]:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from relpos.bench import common
 
-__all__ = ["DecodeResult", "measure_step", "run_decode"]
+__all__ = ["DecodeResult", "measure_step", "run_decode", "settings"]
 
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (512, 1024)
@@ -192,7 +192,12 @@ class _Settings:
         )
 
 
-def _settings(args: Any) -> _Settings:
+def settings(args: Any) -> _Settings:
+    """The run ``relpos bench --decode`` options ask for (see :func:`run_decode`), checked.
+
+    Raises:
+        ValueError: on a setting out of range or an unknown backend.
+    """
     from relpos.functional import available_backends
 
     quick = bool(getattr(args, "quick", False))  # a small smoke run
@@ -245,7 +250,7 @@ def run_decode(args: Any) -> int:
     Raises:
         ValueError: on a setting out of range or an unknown backend.
     """
-    cfg = _settings(args)
+    cfg = settings(args)
     threads = getattr(args, "threads", None)
     if threads is not None:
         if int(threads) <= 0:

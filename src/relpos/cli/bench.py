@@ -6,22 +6,40 @@ and ``F.scaled_dot_product_attention`` without relative terms in the same interl
 rounds (medians); measures the peak memory of one forward + backward per case in a fresh
 subprocess; skips cases that would not fit in memory. ``--decode`` times one KV-cache
 decode step of ``--steps`` new tokens over caches of ``--lengths`` keys instead.
+``--preset training`` times every backend at training shapes (``--tokens`` per batch,
+B x n = 64x64 ... 1x4096, K = 16 and 64, causal and not); ``--preset encoder`` times a
+training step of a 6-layer encoder of relpos layers against the same one of torch's.
+Every report records the CPU, its instruction sets, torch, the threads and
+OMP_WAIT_POLICY; ``--omp-wait-policy`` reruns the benchmark with that set.
 
 The harness is :mod:`relpos.bench` (:mod:`relpos.bench.attention`,
-:mod:`relpos.bench.decode`); this module only parses the options. It imports no torch
-until the benchmark runs.
+:mod:`relpos.bench.decode`, :mod:`relpos.bench.presets`, :mod:`relpos.bench.encoder`); this
+module only parses the options and checks how they combine. It imports no torch until the
+benchmark runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from relpos._deprecated import module_getattr, moved
-from relpos.bench.common import DTYPES
+from relpos.bench import hardware
+from relpos.bench.common import DTYPES, typed_command
 from relpos.cli import CLIError, _args
+
+#: What ``--preset`` takes.
+PRESETS = ("training", "encoder")
+
+# The parser of ``relpos bench``, kept to spell a parsed command line out again when the
+# benchmark reruns in a subprocess (--omp-wait-policy).
+_PARSER: list[argparse.ArgumentParser] = []
 
 
 def add_parser(subparsers: Any) -> None:
@@ -31,9 +49,19 @@ def add_parser(subparsers: Any) -> None:
         "time relpos backends against plain SDPA (ms, ratio, peak memory)",
         __doc__.split("\n\n")[1] if __doc__ else "",
     )
+    _PARSER[:] = [p]
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="training: every backend at training shapes (--tokens per batch, "
+                        "B x n = 64x64 ... 1x4096, K=16,64, causal and not; --causal: causal "
+                        "only); encoder: a training step of a 6-layer encoder (E=512, H=8, "
+                        "FF=2048, K=16) of relpos layers against torch's, B x n = 32x128, "
+                        "8x512")
+    p.add_argument("--tokens", type=_args.positive_int, default=None,
+                   help="with --preset: tokens per batch B x n, B = tokens // n (default 4096)")
     p.add_argument("--lengths", type=_args.int_list(1), default=None,
                    help="sequence lengths n (with --decode: cache lengths S), comma-separated "
-                        "(default: 512,...,16384)")
+                        "(default: 512,...,16384; --preset training: 64,128,...,--tokens; "
+                        "--preset encoder: 128,512)")
     p.add_argument("--max-distances", type=_args.int_list(0), default=None,
                    help="clip distances K, comma-separated (default: 16,64; with --decode 64)")
     p.add_argument("--batch", type=_args.positive_int, default=None,
@@ -49,11 +77,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--backends", default=None,
                    help="comma-separated backends: any of relpos.available_backends() and sdpa "
                         "(default: all but decode; with --decode: the backends timed by name "
-                        "besides relpos (auto) and sdpa, default all but reference)")
+                        "besides relpos (auto) and sdpa, default all but reference; with "
+                        "--preset training: any of auto,fused,bucketed,reference, default all, "
+                        "SDPA always runs; with --preset encoder: the relpos layers' "
+                        "implementations, default auto, torch's model always runs)")
     _args.add_threads(p, "torch threads (default: torch's default)")
     p.add_argument("--out", default=None,
                    help="directory for attention.md, attention.csv and attention.png (with "
-                        "--decode: decode.md and decode.csv, or a .md path)")
+                        "--decode: decode.md and decode.csv, or a .md path; with --preset P: "
+                        "P.md and P.csv)")
     p.add_argument("--quick", action="store_true",
                    help="a small smoke run (n=256,512, K=16, 1 warm-up, 2 repeats; with "
                         "--decode S=512,1024, 1 warm-up, 3 repeats)")
@@ -69,6 +101,10 @@ def add_parser(subparsers: Any) -> None:
                    help="run the KV-cache decode benchmark instead")
     g.add_argument("--steps", type=_args.int_list(1), default=None, metavar="T,T,...",
                    help="new tokens per decode step, comma-separated (default: 1,64)")
+    p.add_argument("--omp-wait-policy", choices=hardware.POLICIES, default=None,
+                   help="run the benchmark in a subprocess with OMP_WAIT_POLICY set to this "
+                        "(OpenMP reads it when torch loads, so it cannot change in this "
+                        "process); passive keeps idle threads from spinning on a busy machine")
 
 
 def output_files(args: argparse.Namespace) -> list[Path]:
@@ -81,13 +117,16 @@ def output_files(args: argparse.Namespace) -> list[Path]:
     if not args.out:
         return []
     out = Path(args.out)
+    preset = getattr(args, "preset", None)
     if args.decode and out.suffix.lower() in (".md", ".csv"):
         files = [out.with_suffix(".md"), out.with_suffix(".csv")]
         _args.check_output_dir(out.parent, f"--out {str(out)!r}: its directory")
     else:
         _args.check_output_dir(out)
-        names = ("decode.md", "decode.csv") if args.decode else (
-            "attention.md", "attention.csv", "attention.png"
+        names = (
+            (f"{preset}.md", f"{preset}.csv") if preset
+            else ("decode.md", "decode.csv") if args.decode
+            else ("attention.md", "attention.csv", "attention.png")
         )
         files = [out / name for name in names]
     for path in files:
@@ -96,18 +135,95 @@ def output_files(args: argparse.Namespace) -> list[Path]:
     return files
 
 
-def run(args: argparse.Namespace) -> int:
-    """``relpos bench``: run the attention benchmark (or the decode one with ``--decode``)."""
+def _check_combination(args: argparse.Namespace) -> None:
+    """Options that do not go together.
+
+    Raises:
+        CLIError: naming the option and what it applies to.
+    """
+    preset = getattr(args, "preset", None)
     if args.steps is not None and not args.decode:
         raise CLIError("--steps applies to relpos bench --decode only")
-    output_files(args)
+    if preset and args.decode:
+        raise CLIError(f"--preset {preset} and --decode are different benchmarks; pick one")
+    if getattr(args, "tokens", None) is not None and not preset:
+        raise CLIError("--tokens applies to relpos bench --preset training/encoder only")
+    if preset and args.batch is not None:
+        raise CLIError(f"--batch does not apply to --preset {preset}: B = --tokens // n")
+    if preset == "encoder":
+        fixed = [o for o, v in (("--heads", args.heads), ("--head-dim", args.head_dim),
+                                ("--causal", args.causal or None)) if v is not None]
+        if fixed:
+            raise CLIError(f"{fixed[0]} does not apply to --preset encoder: its model is fixed "
+                           "(E=512, H=8, FF=2048, not causal)")
+
+
+def _benchmark(args: argparse.Namespace) -> tuple[Callable[[Any], object], Callable[[Any], int]]:
+    """``(check, run)`` of the benchmark the options ask for: ``check(args)`` resolves and
+    checks the settings (raises ``ValueError``) without timing anything."""
+    preset = getattr(args, "preset", None)
+    if preset == "training":
+        from relpos.bench import presets
+
+        return presets.training_settings, presets.run_training
+    if preset == "encoder":
+        from relpos.bench import encoder
+
+        return encoder.encoder_settings, encoder.run_encoder
     if args.decode:
-        from relpos.bench.decode import run_decode
+        from relpos.bench import decode
 
-        return run_decode(args)
-    from relpos.bench.attention import run_attention
+        return decode.settings, decode.run_decode
+    from relpos.bench import attention
 
-    return run_attention(args)
+    return attention.config, attention.run_attention
+
+
+def command_argv(args: argparse.Namespace) -> list[str]:
+    """The ``relpos bench`` arguments that parse to ``args`` (each option set to other than
+    its default, spelled by its long name)."""
+    argv = ["bench"]
+    for action in _PARSER[0]._actions if _PARSER else ():
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:  # a flag: store_true / store_false
+            argv.append(flag)
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+            argv += [flag, text]
+    return argv
+
+
+def _rerun_with_policy(args: argparse.Namespace, policy: str) -> int:
+    """Run this benchmark again in a subprocess started with ``OMP_WAIT_POLICY=policy``
+    (upper case); returns its exit status. Its output goes to this process's stdout/stderr."""
+    value = policy.upper()
+    argv = [sys.executable, "-m", "relpos", *command_argv(args)]
+    print(f"relpos: running the benchmark in a subprocess with {hardware.OMP_ENV}={value} "
+          "(OpenMP reads it when torch loads)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    return subprocess.run(argv, env={**os.environ, hardware.OMP_ENV: value}, check=False).returncode
+
+
+def run(args: argparse.Namespace) -> int:
+    """``relpos bench``: check the options, warn when ``OMP_WAIT_POLICY`` is unset (or rerun
+    with ``--omp-wait-policy``), then run the attention benchmark, the decode one
+    (``--decode``) or a preset (``--preset``)."""
+    _check_combination(args)
+    output_files(args)
+    check, benchmark = _benchmark(args)
+    check(args)
+    policy = getattr(args, "omp_wait_policy", None)
+    if policy is not None and hardware.omp_wait_policy().lower() != policy:
+        return _rerun_with_policy(args, policy)
+    warning = hardware.omp_warning(typed_command(args) or "relpos bench ...")
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+    return benchmark(args)
 
 
 # Names this module defined before the harness moved to relpos.bench.
