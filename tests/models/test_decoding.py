@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from relpos import KVCache
@@ -216,3 +217,38 @@ def test_generate_top_p() -> None:
 def test_generate_refuses_bad_arguments(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         _lm(max_distance=2).generate(torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
+
+
+# ----------------------------------------------------------------------------- float32 layouts
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fast_linear_layouts_match_f_linear_in_float32(batch: int) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=2, max_distance=3)
+    model = RelativeTransformerLM(cfg).eval()
+    ids = torch.randint(0, V, (batch, 12))
+    outs = []
+    for fast in (True, False):
+        with torch.no_grad():
+            cache = model.new_cache(capacity=12, growable=False)
+            model(ids[:, :4], cache=cache)
+            step = StepDecoder(model, fast_linears=fast)
+            step.start(cache)
+            outs.append(torch.stack([step(ids[:, t], cache) for t in range(4, 12)], 1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(outs[0], model(ids)[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_fast_layouts_follow_in_place_weight_changes() -> None:
+    from relpos.models.decoding import decode_linear
+
+    w, b = torch.randn(6, 4), torch.randn(6)
+    x = torch.randn(2, 4)
+    for batch in (1, 2):
+        x = torch.randn(batch, 4)
+        torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
+        with torch.no_grad():
+            w.mul_(-2.0)  # an optimizer step, say: the cached layout is stale
+        torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
+    wd = w.double()
+    assert decode_linear(wd, None, 2)(x.double()).dtype == torch.float64
