@@ -228,6 +228,21 @@ def test_why_not_fused_reasons() -> None:
     assert "Dv=3" in str(relpos.why_not_fused(**_args(other_dv)))
 
 
+def test_the_crossover_depends_on_backward_and_causality() -> None:
+    n = 300  # between the thresholds: fused without a backward pass, bucketed with one
+    assert fused.CROSSOVER[(False, False)] <= n < fused.CROSSOVER[(True, False)]
+    p = make_problem(B=1, H=1, L=n, D=2, K=2)
+    with torch.no_grad():
+        assert relpos.select_backend(**_args(p)) == "fused"
+    grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
+            for k, v in _args(p).items()}
+    assert relpos.select_backend(**grad) == "bucketed"
+    reason = relpos.why_not_fused(**grad)
+    assert reason is not None and f"S >= {fused.CROSSOVER[(True, False)]}" in reason
+    assert relpos.select_backend(**grad, is_causal=True) == "fused"  # causal: from 256
+    assert fused.CROSSOVER_KEYS == max(fused.CROSSOVER.values())
+
+
 def test_explicit_fused_ignores_the_speed_threshold_but_not_hard_limits() -> None:
     short = make_problem(B=1, H=1, L=8, K=2)
     assert fused.unsupported_reason(_validated(short)) is None

@@ -30,8 +30,9 @@ CPU and ``aten::_efficient_attention_forward`` / ``_backward`` on CUDA. Tested t
 used when asked for by name). ``tests/ops/test_fused.py`` compares the ops' schemas with the ones
 this module was written against and fails loudly when a torch release changes them.
 
-Auto-selection (:func:`auto_reason`) also leaves short sequences (``S < CROSSOVER_KEYS``) to
-the bucketed backend, which is faster there; asking for ``implementation="fused"`` by name
+Auto-selection (:func:`auto_reason`) also leaves short sequences to the bucketed backend,
+which is faster there: below :func:`crossover_keys` keys, a threshold that depends on
+whether the call needs a backward pass and on causality (:data:`CROSSOVER`); asking for ``implementation="fused"`` by name
 only refuses the hard limitations of :func:`unsupported_reason`.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
@@ -46,12 +47,41 @@ from torch import Tensor
 from relpos.ops.call import AttentionCall, Reason
 from relpos.ops.fused import op  # noqa: F401  (registers relpos::fused_attention)
 
-__all__ = ["CROSSOVER_KEYS", "attention", "auto_reason", "unsupported_reason"]
+__all__ = [
+    "CROSSOVER",
+    "CROSSOVER_KEYS",
+    "attention",
+    "auto_reason",
+    "crossover_keys",
+    "unsupported_reason",
+]
 
-CROSSOVER_KEYS = 1024
-"""Below this many keys (S) the bucketed backend is faster on CPU for forward + backward
-(benchmarks/attention.md, K = 16 and 64: bucketed takes 0.72-0.74x the fused time at S=512,
-fused is 2.3x faster at S=1024)."""
+CROSSOVER: dict[tuple[bool, bool], int] = {
+    # (needs a backward pass, causal) -> fewest keys S at which auto picks fused on CPU
+    (False, True): 128,
+    (False, False): 256,
+    (True, True): 256,
+    (True, False): 512,
+}
+"""Where the fused backend overtakes the bucketed one on CPU, from the training-shapes
+table (``relpos bench --preset training``, 4096 tokens per batch, K = 16 and 64, H=8, D=64;
+benchmarks/training_shapes.md): the bucketed backend's cost grows with B·H·L·S (every
+score gathered and scattered), the fused one's with the flash kernel's work plus the
+O(L·K) band, so fused wins from shorter S without a backward pass (forward is where the
+bucketed backend's gathers weigh most) and with a causal mask (the flash kernel skips
+the masked half)."""
+
+CROSSOVER_KEYS = max(CROSSOVER.values())
+"""From this many keys (S) auto-selection picks the fused backend for every call it serves."""
+
+
+def crossover_keys(call: AttentionCall) -> int:
+    """The fewest keys at which auto-selection picks fused for ``call`` (:data:`CROSSOVER`)."""
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (call.query, call.key, call.value, call.rel_keys, call.rel_values)
+    )
+    return CROSSOVER[(grad, bool(call.is_causal))]
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,7 +140,9 @@ def auto_reason(call: AttentionCall) -> Reason | str | None:
     if call.query.device.type == "cuda":
         return ("the CUDA path of the fused backend is only picked when asked for "
                 "(implementation='fused'); check it with benchmarks/cuda_check.py")
-    if call.key_len < CROSSOVER_KEYS:
+    crossover = crossover_keys(call)
+    if call.key_len < crossover:
         return Reason.of("sequence length S={S} below the fused crossover (S >= {crossover} on "
-                         "CPU); bucketed is faster", S=call.key_len, crossover=CROSSOVER_KEYS)
+                         "CPU for this call); bucketed is faster", S=call.key_len,
+                         crossover=crossover)
     return None
