@@ -57,6 +57,8 @@ def test_paired_difference():
     assert iv.mean == pytest.approx(0.4) and iv.low > 0.25
     iv = difference_interval([(50, 100), (60, 100)], [(60, 100), (50, 100)])
     assert iv.low < 0 < iv.high
+    iv = difference_interval([(0, 100), (100, 100)], [(100, 100), (0, 100)])
+    assert iv.low == -1.0 and iv.high == 1.0 and iv.mean == 0.0
 
 
 def test_verdicts_need_the_interval_on_one_side():

@@ -49,6 +49,9 @@ BPC_SMALL = 0.02
 CODE = "pysrc"
 #: Code closers with the opener this far back or more are "long-range" (claim 4 on code).
 CODE_LONG = 17
+#: A subset on which no compared model's interval reaches this accuracy was not learned:
+#: its comparisons say nothing about K.
+FLOOR = 0.10
 
 
 def write_report(results: dict[str, Any], out: Path) -> str:
@@ -163,6 +166,16 @@ def _bpc_diff(groups: dict[str, list[dict]], first: str, second: str, length: in
     return mean_interval(diffs, data_half=data_half)
 
 
+def _learned(groups: dict[str, list[dict]], labels: Sequence[str], counts: Counts) -> bool:
+    """Whether any of the models ``labels`` reaches :data:`FLOOR` on ``counts`` (mean over
+    seeds; below it the targets were not learned)."""
+    return any(accuracy_interval([counts(r) for r in groups[lab]]).mean >= FLOOR
+               for lab in labels if lab in groups)
+
+
+NOT_LEARNED = f"inconclusive (not learned: every model's mean below {100 * FLOOR:g}%)"
+
+
 def _enough(groups: dict[str, list[dict]], ref: str,
             gap: Callable[[str], Interval], margin: float) -> tuple[int | None, int | None]:
     """(smallest K shown within ``margin`` of ``ref``, largest K shown worse by more than
@@ -218,8 +231,7 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
 
     def subset(low: int, high: int) -> Counts:
         if code:
-            label = f"{low}-{high}"
-            return lambda r: bracket_counts(r, n, label)
+            return _code_counts(n, low, high)
         return lambda r: pooled_counts(r, n, lambda d: low <= d <= high)
 
     what = "closing-bracket accuracy" if code else "accuracy"
@@ -243,7 +255,8 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
         a = accuracy_interval([counts(r) for r in groups["K=16"]])
         row("K=16 suffices for 10-20 token dependencies",
             f"subset d=10-20, {what}: K=16 {_pct(a)}; {ref} minus K=16 {_pp(gap)}",
-            verdict_below(gap, SMALL_PP / 100))
+            verdict_below(gap, SMALL_PP / 100) if _learned(groups, ("K=16", ref), counts)
+            else NOT_LEARNED)
     # 3. K=32 vs K=64 differ little.
     if "K=32" in groups and "K=64" in groups:
         if code:
@@ -255,7 +268,8 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
             gap = _diff(groups, "K=32", "K=64", counts)
             row("K=32 vs K=64 differ little (brackets)",
                 f"subset d=33-128, {what}: K=64 minus K=32 {_pp(gap)}",
-                verdict_within(gap, SMALL_PP / 100))
+                verdict_within(gap, SMALL_PP / 100)
+                if _learned(groups, ("K=32", "K=64"), counts) else NOT_LEARNED)
         else:
             gap = _diff(groups, "K=32", "K=64", lambda r: overall_counts(r, n))
             row("K=32 vs K=64 differ little",
@@ -267,8 +281,9 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
         counts = subset(low, n)
         gap = _diff(groups, "K=4", "K=16", counts)
         row("K=4 vs K=16 differ significantly on long-range dependencies",
-            f"subset d>={low}, {what}: K=16 minus K=4 {_pp(gap)}",
-            verdict_above(gap, SMALL_PP / 100))
+            f"subset d={low}-{n}, {what}: K=16 minus K=4 {_pp(gap)}",
+            verdict_above(gap, SMALL_PP / 100) if _learned(groups, ("K=4", "K=16"), counts)
+            else NOT_LEARNED)
     return rows
 
 
@@ -276,6 +291,23 @@ def _gap(groups: dict[str, list[dict]], ref: str, counts: Counts
          ) -> Callable[[str], Interval]:
     """``label -> ref's accuracy minus label's`` on ``counts``."""
     return lambda label: _diff(groups, label, ref, counts)
+
+
+def _code_counts(n: int, low: int, high: int) -> Counts:
+    """Closing brackets with the opener ``low..high`` back, at length ``n``: the seed's
+    ``10-20`` range, or the buckets of :data:`run.BUCKETS` that lie inside it (pooled)."""
+    from relpos.training.experiment.run import BUCKETS, SEED_RANGE
+
+    if (low, high) == SEED_RANGE:
+        labels = [f"{low}-{high}"]
+    else:
+        labels = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo >= low and hi <= high and lo < n]
+
+    def counts(r: dict) -> tuple[int, int]:
+        cells = [bracket_counts(r, n, label) for label in labels]
+        return sum(c[0] for c in cells), sum(c[1] for c in cells)
+
+    return counts
 
 
 def _range_counts(code: bool, n: int, lo: int, hi: int) -> Counts:
@@ -308,7 +340,11 @@ def _guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
         enough, short = _enough(groups, ref, _gap(groups, ref, counts), SMALL_PP / 100)
         best = accuracy_interval([counts(r) for r in groups[ref]])
         span = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        lines.append(f"| {task} | {span} | {_kstr(enough, 'none shown')} | "
+        if not _learned(groups, list(groups), counts):
+            lines.append(f"| {task}, depth {depth} | {span} | not learned (every model's "
+                         f"mean below {100 * FLOOR:g}%) | - | {_pct(best)} |")
+            continue
+        lines.append(f"| {task}, depth {depth} | {span} | {_kstr(enough, 'none shown')} | "
                      f"{_kstr(short, '-')} | {_pct(best)} |")
     return lines
 
@@ -493,7 +529,7 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
             "closing bracket whose opener is d characters back): the smallest K shown within "
             f"{SMALL_PP:g} pp of the reference, and the largest K shown worse than that.",
             "",
-            "| task | d | smallest K shown enough | largest K shown not enough | "
+            "| task, depth | d | smallest K shown enough | largest K shown not enough | "
             "reference accuracy |",
             "|---|---|---|---|---|",
             *guide,

@@ -613,7 +613,8 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     }
     if CODE_TASK in tasks:
         results["corpus"] = tasks[CODE_TASK].corpus.describe()  # type: ignore[attr-defined]
-    atomic_write_json(out / RESULTS_FILE, results)
+    # One line, no indentation: the full study's document stays well under 1 MB.
+    atomic_write_text(out / RESULTS_FILE, json.dumps(results) + "\n")
     figures = write_figures(results, out)
     report = make_report(results, figures=[f.name for f in figures])
     atomic_write_text(out / REPORT_FILE, report)

@@ -126,7 +126,9 @@ def difference_interval(
     q1 = (p1 * n1 + 0.5) / (n1 + 1)
     q2 = (p2 * n2 + 0.5) / (n2 + 1)
     data_half = Z95 * math.sqrt(q1 * (1 - q1) / n1 + q2 * (1 - q2) / n2)
-    return mean_interval(diffs, data_half=data_half)
+    iv = mean_interval(diffs, data_half=data_half)
+    # A difference of two accuracies lies in [-1, 1].
+    return Interval(iv.mean, max(-1.0, iv.low), min(1.0, iv.high), iv.n, iv.source)
 
 
 def verdict_above(interval: Interval, threshold: float) -> str:
