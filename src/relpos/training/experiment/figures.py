@@ -119,7 +119,7 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
 
 
 def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) -> list[Path]:
-    from relpos.training.experiment.run import BUCKETS
+    from relpos.training.experiment.results import BUCKETS
 
     cfg = results["config"]
     n = cfg["code_train_length"]

@@ -296,7 +296,7 @@ def _gap(groups: dict[str, list[dict]], ref: str, counts: Counts
 def _code_counts(n: int, low: int, high: int) -> Counts:
     """Closing brackets with the opener ``low..high`` back, at length ``n``: the seed's
     ``10-20`` range, or the buckets of :data:`run.BUCKETS` that lie inside it (pooled)."""
-    from relpos.training.experiment.run import BUCKETS, SEED_RANGE
+    from relpos.training.experiment.results import BUCKETS, SEED_RANGE
 
     if (low, high) == SEED_RANGE:
         labels = [f"{low}-{high}"]
@@ -327,7 +327,7 @@ def _guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
         return []
     code = task == CODE
     if code:
-        from relpos.training.experiment.run import BUCKETS
+        from relpos.training.experiment.results import BUCKETS
 
         ranges = [(lo, hi) for lo, hi in BUCKETS if lo < n]
     else:
@@ -464,7 +464,7 @@ def _bpc_table(groups: dict[str, list[dict]], lengths: Sequence[int]) -> list[st
 
 def _bracket_table(groups: dict[str, list[dict]], length: int, kind: str = "hits"
                    ) -> list[str]:
-    from relpos.training.experiment.run import BUCKETS
+    from relpos.training.experiment.results import BUCKETS
 
     labels = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo < length]
     lines = [

@@ -15,6 +15,8 @@ from typing import Any
 from relpos.training.experiment.stats import Interval, accuracy_interval, mean_interval
 
 __all__ = [
+    "BUCKETS",
+    "SEED_RANGE",
     "accuracy",
     "bpc_interval",
     "bracket_counts",
@@ -26,6 +28,12 @@ __all__ = [
     "pooled_counts",
     "runs_of",
 ]
+
+#: Opener-distance buckets of the closing-bracket targets of ``pysrc``, and the seed's
+#: 10-20 range (tallied on its own).
+BUCKETS: tuple[tuple[int, int], ...] = (
+    (1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, 2048))
+SEED_RANGE = (10, 20)
 
 
 def label_of(run: dict[str, Any]) -> str:

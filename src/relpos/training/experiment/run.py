@@ -36,6 +36,7 @@ from relpos.tasks import Task, build_task
 from relpos.training.checkpoint import atomic_write_json
 from relpos.training.experiment.figures import write_figures
 from relpos.training.experiment.report import make_report
+from relpos.training.experiment.results import BUCKETS, SEED_RANGE
 from relpos.training.trainer import TrainConfig, train
 
 __all__ = [
@@ -59,10 +60,6 @@ FIGURE_PATTERNS = ("heatmap_*.png", "extrapolation_*.png", "bpc_*.png", "signal_
 #: The real-data task (a character-level LM on Python source).
 CODE_TASK = "pysrc"
 SYNTHETIC_TASKS = ("recall", "agree")
-#: Opener-distance buckets of the closing-bracket targets, and the seed's 10-20 range.
-BUCKETS: tuple[tuple[int, int], ...] = (
-    (1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, 2048))
-SEED_RANGE = (10, 20)
 #: The code models are all evaluated on the same validation windows (this stream), so
 #: seeds differ only in training and two models compare on identical characters.
 EVAL_SEED = 0
