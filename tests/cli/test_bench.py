@@ -40,7 +40,12 @@ def test_training_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> Non
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] in ("yes", "no") and cells[2] in ("fwd", "fwd+bwd")
-        assert cells[8] == "bucketed"  # auto picks bucketed below 1024 keys
+        # auto picks fused from relpos.ops.fused.crossover_keys on (512 keys at most), the
+        # reference for a 16-key forward (bucketed.REFERENCE_MAX_KEYS), bucketed between
+        if cells[0] == "1 x 640":
+            assert cells[8] == "fused"
+        else:
+            assert cells[8] == ("reference" if cells[2] == "fwd" else "bucketed")
         for cell in cells[3:6]:  # auto, fused, bucketed ran: "ms (ratio x)"
             assert cell.endswith("x)") and " ms (" in cell
         if cells[0] == "1 x 640":
@@ -70,7 +75,8 @@ def test_encoder_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> None
     head = ("| B x n | pass | nn.TransformerEncoderLayer | relpos K=16 auto | relpos K=16 fused | "
             "auto picks |")
     assert head in report and head in captured.out
-    assert "| 2 x 8 | fwd+bwd |" in report and "K=16: bucketed" in report
+    # 8 tokens, K=16: the window spans every offset, so auto runs the reference there
+    assert "| 2 x 8 | fwd+bwd |" in report and "K=16: reference" in report
     csv = (tmp_path / "encoder.csv").read_text().splitlines()
     assert csv[0].startswith("B,n,K,model,implementation,attention_backend,pass,ms,over_torch")
     assert len(csv) - 1 == 3 * 2  # (torch, auto, fused) x passes

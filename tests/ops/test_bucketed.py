@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import relpos
 from helpers import F64, assert_same_as_reference, make_problem, run
 
 SHAPES = [(7, 7, None), (1, 9, None), (4, 11, 2), (5, 5, 0), (3, 8, 5), (9, 13, None)]
@@ -74,3 +75,26 @@ def test_dropout_same_mask_in_reference_and_bucketed():
     b = run(p, "bucketed", dropout_p=0.4)
     torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     assert not torch.allclose(a, run(p, "reference"))
+
+
+def test_auto_prefers_the_reference_at_the_shortest_sequences() -> None:
+    from relpos.ops import bucketed
+
+    def args(n: int, K: int, grad: bool) -> dict:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 2, n, 8, requires_grad=grad) for _ in range(3))
+        ak, av = (torch.randn(2 * K + 1, 8, requires_grad=grad) for _ in range(2))
+        return dict(query=q, key=k, value=v, max_distance=K, rel_keys=ak, rel_values=av)
+
+    most_fwd, most_bwd = bucketed.REFERENCE_MAX_KEYS[False], bucketed.REFERENCE_MAX_KEYS[True]
+    with torch.no_grad():
+        assert relpos.select_backend(**args(most_fwd, 4, False)) == "reference"
+        assert relpos.select_backend(**args(most_fwd + 1, 4, False)) == "bucketed"
+    # with a backward: only when the window spans every offset
+    assert relpos.select_backend(**args(most_bwd, most_bwd, True)) == "reference"
+    assert relpos.select_backend(**args(most_bwd, 4, True)) == "bucketed"
+    assert relpos.select_backend(**args(most_bwd + 1, most_bwd + 1, True)) == "bucketed"
+    # either way the result is the reference's
+    a = args(16, 3, True)
+    torch.testing.assert_close(relpos.relative_attention(**a),
+                               relpos.relative_attention(**a, implementation="bucketed"))

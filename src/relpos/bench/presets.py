@@ -198,7 +198,7 @@ class TrainingResult:
     K: int | None
     causal: bool
     backend: str
-    auto: str = ""
+    auto: dict[str, str] = dataclasses.field(default_factory=dict)  # pass -> backend
     ms: dict[str, float] = dataclasses.field(default_factory=dict)
     note: str = ""
 
@@ -224,12 +224,18 @@ def _skip_reason(backend: str, n: int, K: int, cfg: attention.Config, budget: in
     return ""
 
 
-def _picked(n: int, K: int, x: dict[str, Any]) -> str:
-    """The backend ``implementation=None`` runs for these inputs."""
+def _picked(n: int, K: int, x: dict[str, Any]) -> dict[str, str]:
+    """The backend ``implementation=None`` runs for these inputs, per pass: the forward runs
+    under ``torch.no_grad`` (auto-selection weighs whether a backward follows)."""
     from relpos.functional import select_backend
 
-    return select_backend(x["q"], x["k"], x["v"], max_distance=K, rel_keys=x["ak"],
-                          rel_values=x["av"], is_causal=x["causal"])
+    def pick() -> str:
+        return select_backend(x["q"], x["k"], x["v"], max_distance=K, rel_keys=x["ak"],
+                              rel_values=x["av"], is_causal=x["causal"])
+
+    with torch.no_grad():
+        forward = pick()
+    return {PASSES[0]: forward, PASSES[1]: pick()}
 
 
 def _run_shape(
@@ -253,8 +259,8 @@ def _run_shape(
             results.append(r)
             if case_K is not None:
                 r.auto = _picked(n, case_K, x)
-                r.note = _skip_reason(r.auto if backend == "auto" else backend, n, case_K, cfg,
-                                      budget)
+                worst = r.auto[PASSES[1]] if backend == "auto" else backend
+                r.note = _skip_reason(worst, n, case_K, cfg, budget)
             if not r.note:
                 calls[len(results) - 1] = [
                     functools.partial(fn, backend, x, case_K or 0)
@@ -378,7 +384,8 @@ def _tables(results: list[TrainingResult], s: TrainingSettings) -> list[list[str
                     rows.append([
                         f"{B} x {n}", "yes" if causal else "no", pass_, *cells,
                         common.format_ms(floor) if floor is not None else sdpa.note or "-",
-                        found[(B, n, K, causal, s.backends[0])].auto, fastest or "-", verdict,
+                        found[(B, n, K, causal, s.backends[0])].auto.get(pass_, "-"),
+                        fastest or "-", verdict,
                     ])
         tables.append([f"### K = {K}", "", *common.markdown_table(head, rows)])
     return tables
@@ -412,7 +419,8 @@ def _csv(results: list[TrainingResult]) -> str:
         for pass_ in PASSES:
             ms, floor = r.ms.get(pass_), floors.get((r.B, r.n, r.causal), {}).get(pass_)
             rows.append([
-                r.B, r.n, "" if r.K is None else r.K, int(r.causal), pass_, r.backend, r.auto,
+                r.B, r.n, "" if r.K is None else r.K, int(r.causal), pass_, r.backend,
+                r.auto.get(pass_, ""),
                 "" if ms is None else f"{ms:.4g}",
                 "" if ms is None or not floor else f"{ms / floor:.4g}", r.note,
             ])

@@ -13,11 +13,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason, accumulation_dtype
+from relpos.ops.call import AttentionCall, Reason, accumulation_dtype, needs_backward
 from relpos.ops.masking import call_visibility, masked_softmax
 from relpos.positions import relative_position_index
 
-__all__ = ["attention", "attention_and_weights", "unsupported_reason"]
+__all__ = [
+    "REFERENCE_MAX_KEYS",
+    "attention",
+    "attention_and_weights",
+    "auto_reason",
+    "reference_is_faster",
+    "unsupported_reason",
+]
+
+REFERENCE_MAX_KEYS: dict[bool, int] = {False: 128, True: 64}
+"""Needs a backward pass -> the most keys S at which auto-selection prefers the reference
+backend (float32/float64, eager; with a backward, only when the window spans every offset
+of the call). At these
+sizes the reference's ``(L, S, D)`` gathered tables are small and shared by every batch row
+and head, and its relative terms are batched matmuls, while this backend gathers and
+scatters over all ``B·H·L·S`` scores: the training-shapes table
+(benchmarks/training_shapes.md) has the reference 1.0-1.5x faster in the forward at
+n = 64 and 128, and 1.2x faster forward + backward at n = 64 with K = 64."""
+
+_REFERENCE_MAX_TABLE_BYTES = 32 << 20
 
 
 def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
@@ -61,4 +80,30 @@ def attention(call: AttentionCall) -> Tensor:
 
 def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """The bucketed backend serves every call."""
+    return None
+
+
+def reference_is_faster(call: AttentionCall) -> bool:
+    """Whether auto-selection runs the reference backend instead (:data:`REFERENCE_MAX_KEYS`;
+    its gathered tables must also stay under 32 MiB)."""
+    if not call.has_relative_terms or call.query.dtype not in (torch.float32, torch.float64):
+        return False
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False  # one traced graph serves many lengths: no choice by length here
+    grad = needs_backward(call)
+    S, L = call.key_len, call.query_len
+    if REFERENCE_MAX_KEYS[grad] < S or (grad and call.table_rows < S):
+        return False
+    tables = [t for t in (call.rel_keys, call.rel_values) if t is not None]
+    size = sum(t.shape[0] * L * S * t.shape[-1] * t.element_size() for t in tables)
+    return size <= _REFERENCE_MAX_TABLE_BYTES
+
+
+def auto_reason(call: AttentionCall) -> Reason | str | None:
+    """Why ``implementation=None`` passes the bucketed backend by: at the shortest sequences
+    the reference backend is faster (:func:`reference_is_faster`). None = bucketed is picked."""
+    if reference_is_faster(call):
+        return Reason.of("S={S} keys: the reference backend is faster at S <= {most} "
+                         "(batched matmuls over small (L, S, D) tables)", S=call.key_len,
+                         most=REFERENCE_MAX_KEYS[needs_backward(call)])
     return None

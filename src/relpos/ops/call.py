@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionCall", "Reason", "accumulation_dtype"]
+__all__ = ["AttentionCall", "Reason", "accumulation_dtype", "needs_backward"]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,3 +118,11 @@ class AttentionCall:
         """Fewer queries than keys, aligned to the end of the keys (a KV-cache step)."""
         return self.query_len < self.key_len and self.query_start == self.key_len - self.query_len
 
+
+def needs_backward(call: AttentionCall) -> bool:
+    """Whether autograd will differentiate the call: grad mode is on and an input requires
+    grad (auto-selection weighs the backward pass then)."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad
+        for t in (call.query, call.key, call.value, call.rel_keys, call.rel_values)
+    )

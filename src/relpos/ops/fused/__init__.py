@@ -32,8 +32,9 @@ this module was written against and fails loudly when a torch release changes th
 
 Auto-selection (:func:`auto_reason`) also leaves short sequences to the bucketed backend,
 which is faster there: below :func:`crossover_keys` keys, a threshold that depends on
-whether the call needs a backward pass and on causality (:data:`CROSSOVER`); asking for ``implementation="fused"`` by name
-only refuses the hard limitations of :func:`unsupported_reason`.
+whether the call needs a backward pass and on causality (:data:`CROSSOVER`); asking for
+``implementation="fused"`` by name only refuses the hard limitations of
+:func:`unsupported_reason`.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 K clip distance, R = 2K + 1 table rows.
@@ -44,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason
+from relpos.ops.call import AttentionCall, Reason, needs_backward
 from relpos.ops.fused import op  # noqa: F401  (registers relpos::fused_attention)
 
 __all__ = [
@@ -77,11 +78,7 @@ CROSSOVER_KEYS = max(CROSSOVER.values())
 
 def crossover_keys(call: AttentionCall) -> int:
     """The fewest keys at which auto-selection picks fused for ``call`` (:data:`CROSSOVER`)."""
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (call.query, call.key, call.value, call.rel_keys, call.rel_values)
-    )
-    return CROSSOVER[(grad, bool(call.is_causal))]
+    return CROSSOVER[(needs_backward(call), bool(call.is_causal))]
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
