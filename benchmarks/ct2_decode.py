@@ -77,7 +77,9 @@ def reset_peak() -> float:
 
 
 def memory_child(engine: str, directory: str, length: int, threads: int) -> None:
-    """Print the peak RSS a forward adds (MiB) and its time (s), as JSON."""
+    """Print the peak RSS a forward adds (MiB) and its time (s), as JSON: the second of two
+    forwards at full length (the first warms up), its peak above the resident memory before
+    it."""
     torch.set_num_threads(threads)
     ids = torch.randint(0, 1000, (1, length), generator=torch.Generator().manual_seed(0))
     if engine == "relpos":
@@ -85,14 +87,14 @@ def memory_child(engine: str, directory: str, length: int, threads: int) -> None
 
         model = load_module(directory)
         with torch.no_grad():
-            model(ids[:, :8])
+            model(ids)  # warm-up at full length: first-touch page faults, kernel choices
             base = reset_peak()
             start = time.perf_counter()
             model(ids)
     else:
         gen = load_generator(directory, intra_threads=threads)
         tokens = [[str(int(i)) for i in ids[0]]]
-        gen.forward_batch([tokens[0][:8]])
+        gen.forward_batch(tokens)  # warm-up at full length
         base = reset_peak()
         start = time.perf_counter()
         gen.forward_batch(tokens)

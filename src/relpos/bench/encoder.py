@@ -204,7 +204,8 @@ class EncoderResult:
     n: int
     K: int | None
     implementation: str | None
-    backend: str = ""
+    backend: str = ""  # for the forward + backward
+    forward_backend: str = ""  # for the forward, under torch.no_grad
     ms: dict[str, float] = field(default_factory=dict)
     note: str = ""
 
@@ -324,6 +325,8 @@ def _run_shape(
         for impl, model in by_impl.items():
             r = EncoderResult(B, n, K, impl, backend=(
                 _picked(B, n, K, model, dtype) if impl == "auto" else impl))
+            with torch.no_grad():  # auto-selection weighs whether a backward follows
+                r.forward_backend = _picked(B, n, K, model, dtype) if impl == "auto" else impl
             if impl == "reference" and n > presets.REFERENCE_MAX_N:
                 r.note = (f"skipped: n > {presets.REFERENCE_MAX_N} (the reference materializes "
                           "(n, n, D) tables)")
@@ -365,9 +368,11 @@ def _table(results: list[EncoderResult], s: EncoderSettings) -> list[str]:
     rows = []
     for B, n in s.shapes:
         base = found[(B, n, TORCH)]
-        picks = ", ".join(f"K={r.K}: {r.backend}" for r in results
-                          if (r.B, r.n) == (B, n) and r.implementation == "auto") or "-"
         for pass_ in presets.PASSES:
+            picks = ", ".join(
+                f"K={r.K}: {r.forward_backend if pass_ == presets.PASSES[0] else r.backend}"
+                for r in results if (r.B, r.n) == (B, n) and r.implementation == "auto"
+            ) or "-"
             floor = base.ms.get(pass_)
             cells = []
             for name in names:
@@ -410,7 +415,9 @@ def _csv(results: list[EncoderResult]) -> str:
             ms, floor = r.ms.get(pass_), floors.get((r.B, r.n), {}).get(pass_)
             rows.append([
                 r.B, r.n, "" if r.K is None else r.K, "torch" if r.K is None else "relpos",
-                r.implementation or "", r.backend, pass_, "" if ms is None else f"{ms:.4g}",
+                r.implementation or "",
+                r.forward_backend if pass_ == presets.PASSES[0] else r.backend, pass_,
+                "" if ms is None else f"{ms:.4g}",
                 "" if ms is None or not floor else f"{ms / floor:.4g}", r.note,
             ])
     return common.csv_text(
