@@ -3,11 +3,12 @@
 Shape legend: B batch, H heads, D head dim, E ``d_model``, S cached positions after the step,
 C cache capacity, R table rows (``left + right + 1``), V vocabulary.
 
-A decode step is one new token per sequence. Through the modules it costs about 1,700 ATen
-calls for a 6-layer model (argument checks, mask normalization, backend selection, separate
-q/k/v views, a general attention backend): at batch 1 that overhead, not the arithmetic,
-sets the speed. :class:`StepDecoder` runs the same math with about 25 ATen calls per
-layer:
+A decode step is one new token per sequence. Through the modules it costs about 115 ATen
+calls per layer (counted at the dispatcher: argument checks, mask normalization, backend
+selection, separate q/k/v views, a general attention backend): at batch 1 that overhead,
+not the arithmetic, is what separates the step from reading the weights once.
+:class:`StepDecoder` runs the same math with about 40 ATen calls per layer, 15 of them
+computing (the rest are views):
 
 * one fused QKV projection (the module's stacked ``in_proj_weight``), its output viewed as
   ``(B, 3, H, D)`` without a copy;
