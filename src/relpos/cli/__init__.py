@@ -67,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _one_line(err: BaseException) -> str:
-    """The message of ``err`` on one line."""
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+def _one_line(err: BaseException, limit: int | None = None) -> str:
+    """The message of ``err`` on one line; with ``limit``, at most that many characters (and
+    the exception's type name when it has no message)."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    if limit is None:
+        return text
+    text = text or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

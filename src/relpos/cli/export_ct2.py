@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from relpos.cli import CLIError, _args
+from relpos.cli import CLIError, _args, _one_line
 
 #: ``--quantization`` choices (CTranslate2 weight types); none = float32 weights.
 QUANTIZATIONS = ("int8", "int16", "float16", "bfloat16")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         module = load_module(source)
     except RuntimeError as err:  # load_state_dict: missing, unexpected or misshapen weights
-        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err)}") from None
+        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err, 300)}") from None
     if vocabulary is None and source.is_dir():
         vocabulary = checkpoint_vocabulary(source)
     try:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
         )
     except (RuntimeError, OSError) as err:  # CTranslate2's converter, the file system
-        raise CLIError(f"cannot write {str(output)!r}: {_one_line(err)}") from None
+        raise CLIError(f"cannot write {str(output)!r}: {_one_line(err, 300)}") from None
     print(f"wrote {output}")
     if not args.check:
         return 0
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         result = check_ctranslate2(module, output, max_new_tokens=args.max_new_tokens)
     except RuntimeError as err:  # CTranslate2 could not load or run the directory
         raise CLIError(
-            f"--check: CTranslate2 could not run {str(output)!r}: {_one_line(err)}"
+            f"--check: CTranslate2 could not run {str(output)!r}: {_one_line(err, 300)}"
         ) from None
     atol = args.atol if args.atol is not None else (None if args.quantization else 1e-4)
     for case in result.cases:
@@ -149,7 +149,9 @@ def _read_vocabulary(path: Path) -> str | list[str]:
     except FileNotFoundError:
         raise CLIError(f"--vocabulary: no such file: {str(path)!r}") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CLIError(f"--vocabulary {str(path)!r} is not a JSON file: {_one_line(err)}") from None
+        raise CLIError(
+            f"--vocabulary {str(path)!r} is not a JSON file: {_one_line(err, 300)}"
+        ) from None
     if isinstance(tokens, str):
         return tokens
     if isinstance(tokens, list) and all(isinstance(t, str) for t in tokens):
@@ -158,10 +160,3 @@ def _read_vocabulary(path: Path) -> str | list[str]:
         f"--vocabulary {str(path)!r} holds a {type(tokens).__name__}; allowed: a JSON list of "
         "token strings, or one string of characters"
     )
-
-
-def _one_line(err: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line (PyTorch's load_state_dict spans several)."""
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    text = text or type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from relpos.cli import CLIError, _args
+from relpos.cli import CLIError, _args, _one_line
 from relpos.cli._args import checkpoint_dir
 
 #: The oldest ONNX opset the exporter writes (torch.onnx's dynamo exporter starts at 18;
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         module = load_module(source)
     except RuntimeError as err:  # load_state_dict: missing, unexpected or misshapen weights
-        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err)}") from None
+        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err, 300)}") from None
     # The exporter's progress lines and internal deprecation notices are not for CLI users.
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings():
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             )
         except Exception as err:  # onnxruntime's errors derive from Exception only
             raise CLIError(
-                f"--check: onnxruntime could not run {str(output)!r}: {_one_line(err)}"
+                f"--check: onnxruntime could not run {str(output)!r}: {_one_line(err, 300)}"
             ) from None
         status = "ok" if worst <= args.atol else "FAILED"
         print(
@@ -119,10 +119,3 @@ def run(args: argparse.Namespace) -> int:
         if worst > args.atol:
             return 1
     return 0
-
-
-def _one_line(err: BaseException, limit: int = 300) -> str:
-    """An exception's message on one line (PyTorch's load_state_dict spans several)."""
-    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
-    text = text or type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = load_module(source)
     except RuntimeError as err:  # load_state_dict: missing, unexpected or misshapen weights
-        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err)}") from None
+        raise CLIError(f"cannot load {str(given)!r}: {_one_line(err, 300)}") from None
     if not isinstance(model, RelativeTransformerLM):
         raise CLIError(
             f"{str(given)!r} holds a {type(model).__name__}; relpos generate needs a language "
@@ -120,18 +120,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _vocabulary(checkpoints: Path) -> list[str] | None:
     """The characters of a ``relpos train --text`` run, or None for other tasks."""
-    from relpos.training.checkpoint import CheckpointError, read_state
+    from relpos.training.checkpoint import CheckpointError, text_vocabulary
 
     try:
-        state = read_state(checkpoints)
+        chars = text_vocabulary(checkpoints)
     except CheckpointError as err:
         raise CLIError(str(err)) from None
-    task = state.get("task")
-    if isinstance(task, dict) and task.get("name") == "text" and isinstance(
-        task.get("chars"), str
-    ):
-        return list(task["chars"])
-    return None
+    return None if chars is None else list(chars)
 
 
 def _stop_char(text: str, index: dict[str, int]) -> int:

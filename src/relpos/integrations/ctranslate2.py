@@ -274,14 +274,9 @@ def checkpoint_vocabulary(directory: str | os.PathLike[str]) -> str | None:
     Raises:
         relpos.training.checkpoint.CheckpointError: if it holds no readable checkpoint.
     """
-    from relpos.training.checkpoint import read_state
+    from relpos.training.checkpoint import text_vocabulary
 
-    task = read_state(directory).get("task")
-    if isinstance(task, dict) and task.get("name") == "text":
-        chars = task.get("chars")
-        if isinstance(chars, str) and chars:
-            return chars
-    return None
+    return text_vocabulary(directory)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ __all__ = [
     "optimizer_state_to_parts",
     "read_state",
     "save_checkpoint",
+    "text_vocabulary",
 ]
 
 #: Version of the on-disk format; a reader refuses other versions.
@@ -299,6 +300,24 @@ def read_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
         CheckpointError: as :func:`load_checkpoint`, for the manifest and ``state.json``.
     """
     return _read_document(_step_dir(Path(directory)))
+
+
+def text_vocabulary(directory: str | os.PathLike[str]) -> str | None:
+    """The characters of a ``relpos train --text`` checkpoint (token ``i`` = ``chars[i]``),
+    or None for a checkpoint of another task.
+
+    Args:
+        directory: a checkpoint directory (the one holding ``latest.json``).
+
+    Raises:
+        CheckpointError: if it holds no readable checkpoint.
+    """
+    task = read_state(directory).get("task")
+    if isinstance(task, dict) and task.get("name") == "text":
+        chars = task.get("chars")
+        if isinstance(chars, str) and chars:
+            return chars
+    return None
 
 
 def _read_document(step_dir: Path) -> dict[str, Any]:
