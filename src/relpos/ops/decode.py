@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason
+from relpos.ops.call import AttentionCall, Reason, exp_
 from relpos.ops.fused.kernels import flash_forward, restore_nan_rows
 from relpos.ops.fused.merge import combine_log_masses
 from relpos.ops.masking import masked_softmax, visibility_mask
@@ -165,7 +165,7 @@ def _attention_flash(call: AttentionCall, W: int) -> Tensor:
         s_band = s_band.masked_fill(~keep, neg_inf)
     lse, masses = combine_log_masses(torch.stack((z_far, torch.logsumexp(s_band, -1)), -1))
     far_mass = masses[..., :1]  # (B, H, t, 1)
-    p_band = torch.exp(s_band - lse.unsqueeze(-1))  # (B, H, t, W)
+    p_band = exp_(s_band - lse.unsqueeze(-1))  # (B, H, t, W)
     out = far_mass * o_far + p_band @ v_band  # (B, H, t, D)
     if call.rel_values is not None:
         R = call.rel_values.shape[-2]

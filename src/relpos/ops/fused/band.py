@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
+from relpos.ops.call import accumulation_dtype, exp_
 
 __all__ = ["CHUNK_ELEMS", "TILE", "BandLayout", "BandOperands", "band_backward", "band_forward"]
 
@@ -328,7 +328,7 @@ def band_forward(layout: BandLayout, ops: BandOperands) -> tuple[Tensor, Tensor,
         G, tiles, rows = h1 - h0, t1 - t0, slice(t0 * T, t1 * T)
         s, _, _ = band_scores(layout, ops, key_source, h0, h1, t0, t1)
         m = s.amax(-1, keepdim=True).clamp_(min=low)  # (G*tiles, T, 1); finite
-        p = s.sub_(m).exp_()  # (G*tiles, T, W): probabilities up to a per-row factor
+        p = exp_(s.sub_(m))  # (G*tiles, T, W): probabilities up to a per-row factor
         o = out[h0:h1, rows]  # (G, tiles*T, Dv), contiguous (a group spans whole heads)
         torch.bmm(p, layout.windows(value_source, t0, t1), out=o.view(G * tiles, T, Dv))
         torch.sum(p, -1, out=row_sum[h0:h1, rows].view(G * tiles, T))
@@ -375,7 +375,7 @@ def band_backward(
             dv_src = torch.zeros(G, layout.source_len, Dv, dtype=acc, device=dev)
             group = (h0, h1)
         s, q_tiles, key_windows = band_scores(layout, ops, key_source, h0, h1, t0, t1)
-        p = s.sub_(lse[h0:h1, rows].reshape(G * tiles, T, 1)).exp_()  # global P
+        p = exp_(s.sub_(lse[h0:h1, rows].reshape(G * tiles, T, 1)))  # global P
         go = grad_out[h0:h1, rows].reshape(G * tiles, T, Dv)
         value_windows = layout.windows(value_source, t0, t1)  # (G*tiles, W, Dv)
         # dP - delta = grad_out . (v_j + rel_values[r]) - delta

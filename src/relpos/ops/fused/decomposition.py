@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
+from relpos.ops.call import accumulation_dtype, exp_
 from relpos.ops.fused.band import BandLayout, BandOperands, band_backward, band_forward, pad_rows
 from relpos.ops.fused.far import far_backward, far_forward, key_bias
 from relpos.ops.fused.merge import (
@@ -117,7 +117,7 @@ def fused_forward(
         )
         masses = masses[..., :2]  # (B, H, L, 2): the far regions'
         out = o_band[:, :L].view(B, H, L, Dv)
-        out = out.mul_((m_band[:, :L].view(B, H, L) - lse).exp_()[..., None])
+        out = out.mul_(exp_(m_band[:, :L].view(B, H, L) - lse)[..., None])
     else:
         lse, masses = combine_log_masses(torch.stack((z_left, z_right), -1))
         out = torch.zeros(B, H, L, Dv, dtype=acc, device=dev)

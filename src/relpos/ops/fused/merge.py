@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
+from relpos.ops.call import accumulation_dtype, exp_
 
 __all__ = [
     "add_far_rows",
@@ -45,7 +45,7 @@ def combine_log_masses(log_masses: Tensor) -> tuple[Tensor, Tensor]:
         there, never NaN), and ``masses (..., regions)``, 0 for empty regions.
     """
     lse = torch.logsumexp(log_masses, -1).nan_to_num_(neginf=_INF)
-    return lse, (log_masses - lse[..., None]).exp_()
+    return lse, exp_(log_masses - lse[..., None])
 
 
 def merge_rows(
@@ -60,8 +60,8 @@ def merge_rows(
     old_o, old_l = o[:, :, rows], lam[:, :, rows]
     new_l = torch.logaddexp(old_l, pl)
     safe = new_l.nan_to_num(neginf=_INF)
-    w_old = (old_l - safe).exp_()[..., None]
-    w_new = (pl - safe).exp_()[..., None]
+    w_old = exp_(old_l - safe)[..., None]
+    w_new = exp_(pl - safe)[..., None]
     o[:, :, rows] = (old_o * w_old + po * w_new).to(o.dtype)
     lam[:, :, rows] = new_l
 
