@@ -155,3 +155,28 @@ def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch):
     kw = dict(max_distance=2, rel_keys=whole.rel_keys, rel_values=whole.rel_values, is_causal=True)
     relpos.relative_attention(whole.query, whole.key, whole.value, **kw)
     assert calls == []
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_decode_inference_step_is_one_flash_call_without_a_merge(t):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    p = make_problem(B=2, H=3, L=t, S=50, D=8, K=6, dtype=torch.float32, seed=t)
+    names: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    kw = dict(max_distance=6, rel_keys=p.rel_keys, rel_values=p.rel_values, is_causal=True)
+    with torch.no_grad():
+        ref = relpos.relative_attention(p.query, p.key, p.value, implementation="reference",
+                                        **kw)
+        with Record():
+            out = relpos.relative_attention(p.query, p.key, p.value, implementation="decode",
+                                            **kw)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
+    flash = [n for n in names if n.startswith("_scaled_dot_product_flash_attention_for_cpu")]
+    assert len(flash) == 1, names
+    assert not any(n.startswith(("logsumexp", "logaddexp")) for n in names), names
