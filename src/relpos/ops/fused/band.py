@@ -287,7 +287,10 @@ def band_scores(
     D = ops.queries.shape[-1]
     q_tiles = ops.queries[h0:h1, t0 * T : t1 * T].reshape(G * tiles, T, D)
     key_windows = layout.windows(key_source, t0, t1)  # (G * tiles, W, D)
-    s = torch.baddbmm(ops.off_band, q_tiles, key_windows.transpose(1, 2), alpha=ops.scale)
+    # bmm, then one pass for the scale and the off-band -inf: baddbmm with a broadcast input
+    # first copies it into every tile, then multiplies (about 1.5x the time on CPU).
+    s = torch.bmm(q_tiles, key_windows.transpose(1, 2))
+    s = torch.add(ops.off_band, s, alpha=ops.scale, out=s)
     if ops.key_table is not None:
         tables = ops.tables_of(ops.key_table, h0, h1)
         rel = _times_tables(q_tiles.view(-1, D), tables, G, transpose=True)  # (G*tiles*T, P)
@@ -379,8 +382,8 @@ def band_backward(
         go = grad_out[h0:h1, rows].reshape(G * tiles, T, Dv)
         value_windows = layout.windows(value_source, t0, t1)  # (G*tiles, W, Dv)
         # dP - delta = grad_out . (v_j + rel_values[r]) - delta
-        ds = torch.baddbmm(-delta[h0:h1, rows].reshape(G * tiles, T, 1), go,
-                           value_windows.transpose(1, 2))
+        ds = torch.bmm(go, value_windows.transpose(1, 2)).sub_(
+            delta[h0:h1, rows].reshape(G * tiles, T, 1))
         if ops.value_table is not None:
             v_tables = ops.tables_of(ops.value_table, h0, h1)
             rel = _times_tables(go.view(-1, Dv), v_tables, G, transpose=True)  # (G*tiles*T, P)
