@@ -157,11 +157,12 @@ def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_decode_inference_step_is_one_flash_call_without_a_merge(t):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_decode_single_token_step_is_one_flash_call_without_a_merge(per_head):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    p = make_problem(B=2, H=3, L=t, S=50, D=8, K=6, dtype=torch.float32, seed=t)
+    p = make_problem(B=2, H=3, L=1, S=50, D=8, K=6, per_head=per_head, dtype=torch.float32,
+                     seed=5)
     names: list[str] = []
 
     class Record(TorchDispatchMode):
