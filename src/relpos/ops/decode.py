@@ -74,7 +74,7 @@ def attention(call: AttentionCall) -> Tensor:
         "bottom-right aligned queries only")
     W = band_width(t, S, call.left)
     if _flash_ok(call, S - W):
-        if call.key_mask is None and t == 1 and W == call.left:
+        if call.key_mask is None and t == 1 and call.left == W:
             return _attention_single_token(call)
         return _attention_flash(call, W)
     F_ = S - W
@@ -139,8 +139,7 @@ def _attention_single_token(call: AttentionCall) -> Tensor:
     length per query: the merge of :func:`_attention_flash` is cheaper there.
     """
     query, key, value, K = call.query, call.key, call.value, call.left
-    B, H, _, S, D, Dv = call.dims
-    F_ = S - K
+    F_ = call.key_len - K
     bias_band: Tensor | None = None  # (B, H, 1, K): band key terms relative to the far row
     if call.rel_keys is not None:
         ak = call.rel_keys
