@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import AttentionCall, Reason, accumulation_dtype, needs_backward
-from relpos.ops.masking import call_visibility, masked_softmax
+from relpos.ops.masking import call_visibility, masked_softmax, rows_may_be_empty
 from relpos.positions import relative_position_index
 
 __all__ = [
@@ -59,7 +59,8 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
     keep = call_visibility(call)
-    weights = masked_softmax(scores, keep)  # (B, H, L, S)
+    weights = masked_softmax(  # (B, H, L, S)
+        scores, keep, rows_may_be_empty=rows_may_be_empty(call))
     probs = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0.0 else weights
     out = probs @ value  # (B, H, L, Dv)
     if call.rel_values is not None:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from relpos.ops.call import AttentionCall, accumulation_dtype
 
-__all__ = ["call_visibility", "masked_softmax", "visibility_mask"]
+__all__ = ["call_visibility", "masked_softmax", "rows_may_be_empty", "visibility_mask"]
 
 
 def visibility_mask(
@@ -48,19 +48,33 @@ def call_visibility(call: AttentionCall) -> Tensor | None:
     )
 
 
-def masked_softmax(scores_BHLS: Tensor, keep: Tensor | None) -> Tensor:
+def rows_may_be_empty(call: AttentionCall) -> bool:
+    """Whether some query row of the call may see no key: only a ``key_mask`` or an
+    ``attn_mask`` can hide every key of a row (a causal query at position ``p_i >= 0`` always
+    sees key 0)."""
+    return call.key_mask is not None or call.attn_mask is not None
+
+
+def masked_softmax(
+    scores_BHLS: Tensor, keep: Tensor | None, *, rows_may_be_empty: bool = True
+) -> Tensor:
     """Softmax over the last dim; rows with nothing visible give all-zero probabilities.
 
     Half-precision scores get their softmax statistics (row max and sum) in float32; the
-    probabilities come back in the scores' dtype.
+    probabilities come back in the scores' dtype. With ``rows_may_be_empty=False`` (the
+    caller knows every row sees a key, :func:`rows_may_be_empty`) the guard for empty rows,
+    a row maximum and two masked fills over ``(B, H, L, S)``, is skipped.
     """
     if scores_BHLS.shape[-1] == 0:  # no keys at all: every row sees nothing
         return scores_BHLS.new_zeros(scores_BHLS.shape)
     if keep is not None:
         scores_BHLS = scores_BHLS.masked_fill(~keep, float("-inf"))
+    acc = accumulation_dtype(scores_BHLS.dtype)
+    if not rows_may_be_empty:
+        probs = torch.softmax(scores_BHLS, dim=-1, dtype=None if acc == scores_BHLS.dtype else acc)
+        return probs.to(scores_BHLS.dtype)
     row_max = scores_BHLS.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
     dead = row_max == float("-inf")
     scores_BHLS = scores_BHLS.masked_fill(dead, 0.0)
-    acc = accumulation_dtype(scores_BHLS.dtype)
     probs = torch.softmax(scores_BHLS, dim=-1, dtype=None if acc == scores_BHLS.dtype else acc)
     return probs.masked_fill(dead, 0.0).to(scores_BHLS.dtype)
