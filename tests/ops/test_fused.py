@@ -229,17 +229,25 @@ def test_why_not_fused_reasons() -> None:
 
 
 def test_the_crossover_depends_on_backward_and_causality() -> None:
-    n = 300  # between the thresholds: fused without a backward pass, bucketed with one
-    assert fused.CROSSOVER[(False, False)] <= n < fused.CROSSOVER[(True, False)]
+    n = 200  # causal: fused without a backward pass, bucketed with one
+    assert fused.CROSSOVER[(False, True)] <= n < fused.CROSSOVER[(True, True)]
     p = make_problem(B=1, H=1, L=n, D=2, K=2)
-    with torch.no_grad():
-        assert relpos.select_backend(**_args(p)) == "fused"
     grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
             for k, v in _args(p).items()}
+    with torch.no_grad():
+        assert relpos.select_backend(**_args(p), is_causal=True) == "fused"
+    assert relpos.select_backend(**grad, is_causal=True) == "bucketed"
+    reason = relpos.why_not_fused(**grad, is_causal=True)
+    assert reason is not None and f"S >= {fused.CROSSOVER[(True, True)]}" in reason
+    n = 300  # with a backward pass: fused when causal, bucketed when not
+    assert fused.CROSSOVER[(True, True)] <= n < fused.CROSSOVER[(True, False)]
+    p = make_problem(B=1, H=1, L=n, D=2, K=2)
+    grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
+            for k, v in _args(p).items()}
+    assert relpos.select_backend(**grad, is_causal=True) == "fused"
     assert relpos.select_backend(**grad) == "bucketed"
-    reason = relpos.why_not_fused(**grad)
-    assert reason is not None and f"S >= {fused.CROSSOVER[(True, False)]}" in reason
-    assert relpos.select_backend(**grad, is_causal=True) == "fused"  # causal: from 256
+    with torch.no_grad():
+        assert relpos.select_backend(**_args(p)) == "bucketed"  # non-causal forward: from 512
     assert max(fused.CROSSOVER.values()) == fused.CROSSOVER_KEYS
 
 

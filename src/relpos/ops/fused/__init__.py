@@ -60,17 +60,18 @@ __all__ = [
 CROSSOVER: dict[tuple[bool, bool], int] = {
     # (needs a backward pass, causal) -> fewest keys S at which auto picks fused on CPU
     (False, True): 128,
-    (False, False): 256,
+    (False, False): 512,
     (True, True): 256,
     (True, False): 512,
 }
 """Where the fused backend overtakes the bucketed one on CPU, from the training-shapes
 table (``relpos bench --preset training``, 4096 tokens per batch, K = 16 and 64, H=8, D=64;
-benchmarks/training_shapes.md): the bucketed backend's cost grows with B·H·L·S (every
-score gathered and scattered), the fused one's with the flash kernel's work plus the
-O(L·K) band, so fused wins from shorter S without a backward pass (forward is where the
-bucketed backend's gathers weigh most) and with a causal mask (the flash kernel skips
-the masked half)."""
+benchmarks/training_shapes.md, three runs): the bucketed backend's cost grows with B·H·L·S
+(every score gathered and scattered), the fused one's with the flash kernel's work plus
+the O(L·K) band. With a causal mask the flash kernel skips the masked half and fused wins
+from shorter S, the more so without a backward pass; without one, the two far regions
+each fill the kernel's 512-key blocks, and bucketed stays as fast up to S = 256 (two of the
+three runs; within their spread in the third)."""
 
 CROSSOVER_KEYS = max(CROSSOVER.values())
 """From this many keys (S) auto-selection picks the fused backend for every call it serves."""
