@@ -139,12 +139,13 @@ def _attention_single_token(call: AttentionCall) -> Tensor:
     length per query: the merge of :func:`_attention_flash` is cheaper there.
     """
     query, key, value, K = call.query, call.key, call.value, call.left
-    F_ = call.key_len - K
+    B, H, _, S, D, Dv = call.dims
+    F_ = S - K
+    q_scaled = query * call.scale  # (B, H, 1, D)
     bias_band: Tensor | None = None  # (B, H, 1, K): band key terms relative to the far row
     if call.rel_keys is not None:
-        ak = call.rel_keys
-        rel = (ak[..., 1 : K + 1, :] - ak[..., :1, :]).mul_(call.scale)  # (Hr?, K, D)
-        bias_band = query @ rel.transpose(-2, -1)
+        ak = call.rel_keys  # (Hr, R, D)
+        bias_band = q_scaled @ (ak[:, 1 : K + 1] - ak[:, :1]).transpose(-2, -1)
     out, lse = flash_forward(query, key, value, is_causal=False,
                              bias=None if bias_band is None else F.pad(bias_band, (F_, 0)),
                              scale=call.scale)
@@ -152,10 +153,18 @@ def _attention_single_token(call: AttentionCall) -> Tensor:
     if call.rel_values is None:
         return out
     shift = -lse.unsqueeze(-1) if bias_band is None else bias_band - lse.unsqueeze(-1)
-    s_band = torch.matmul(query, key[:, :, F_:].transpose(-2, -1)).mul_(call.scale).add_(shift)
-    av = call.rel_values
-    out = out.add_(torch.matmul(exp_(s_band), av[..., 1 : K + 1, :] - av[..., :1, :]))
-    return out.add_(av[..., 0, None, :] if av.dim() == 3 else av[0])
+    s_band = torch.baddbmm(  # (B*H, 1, K): the band's scores minus the logsumexp
+        shift.reshape(B * H, 1, -1), q_scaled.reshape(B * H, 1, D),
+        key[:, :, F_:].reshape(B * H, K, D).transpose(1, 2))
+    p_band = exp_(s_band)  # the band's probabilities
+    av = call.rel_values  # (Hr, R, Dv)
+    delta = av[:, 1 : K + 1] - av[:, :1]  # (Hr, K, Dv)
+    if av.shape[0] == 1:  # shared: rel_values[0] + p_band @ delta in one GEMM
+        extra = torch.addmm(av[0, 0], p_band.view(B * H, K), delta[0])
+    else:
+        extra = torch.baddbmm(av[:, 0, None].repeat(B, 1, 1), p_band,
+                              delta.repeat(B, 1, 1))  # (B*H, 1, Dv)
+    return out.add_(extra.view(B, H, 1, Dv))
 
 
 def _attention_flash(call: AttentionCall, W: int) -> Tensor:
