@@ -55,7 +55,7 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
     if call.rel_keys is not None:
         assert index_BHLS is not None
         qa = q_scaled @ call.rel_keys.transpose(-2, -1)  # (B, H, L, R)
-        scores = scores + qa.gather(-1, index_BHLS)
+        scores = scores.add_(qa.gather(-1, index_BHLS))  # in place: matmul keeps no output
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
     keep = call_visibility(call)
@@ -70,7 +70,7 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
         buckets = probs.new_zeros(B, H, L, R, dtype=acc).scatter_add(
             -1, index_BHLS, probs.to(acc)
         ).to(probs.dtype)  # (B, H, L, R)
-        out = out + buckets @ call.rel_values  # (B, H, L, R) @ (Hr, R, Dv)
+        out = out.add_(buckets @ call.rel_values)  # (B, H, L, R) @ (Hr, R, Dv)
     return out, weights
 
 
