@@ -70,7 +70,7 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
         scores = scores + call.attn_mask
     keep = None if fold_causal else call_visibility(call)
     weights = masked_softmax(  # (B, H, L, S)
-        scores, keep, rows_may_be_empty=rows_may_be_empty(call))
+        scores, keep, rows_may_be_empty=rows_may_be_empty(call), overwrite=True)
     probs = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0.0 else weights
     out = probs @ value  # (B, H, L, Dv)
     if call.rel_values is not None:

@@ -56,25 +56,28 @@ def rows_may_be_empty(call: AttentionCall) -> bool:
 
 
 def masked_softmax(
-    scores_BHLS: Tensor, keep: Tensor | None, *, rows_may_be_empty: bool = True
+    scores_BHLS: Tensor, keep: Tensor | None, *, rows_may_be_empty: bool = True,
+    overwrite: bool = False,
 ) -> Tensor:
     """Softmax over the last dim; rows with nothing visible give all-zero probabilities.
 
     Half-precision scores get their softmax statistics (row max and sum) in float32; the
     probabilities come back in the scores' dtype. With ``rows_may_be_empty=False`` (the
     caller knows every row sees a key, :func:`rows_may_be_empty`) the guard for empty rows,
-    a row maximum and two masked fills over ``(B, H, L, S)``, is skipped.
+    a row maximum and two masked fills over ``(B, H, L, S)``, is skipped. With
+    ``overwrite=True`` (the scores are the caller's own temporary, which no backward reads)
+    the masked fills of the scores run in place: no copy of them.
     """
     if scores_BHLS.shape[-1] == 0:  # no keys at all: every row sees nothing
         return scores_BHLS.new_zeros(scores_BHLS.shape)
+    fill = Tensor.masked_fill_ if overwrite else Tensor.masked_fill
     if keep is not None:
-        scores_BHLS = scores_BHLS.masked_fill(~keep, float("-inf"))
+        scores_BHLS = fill(scores_BHLS, ~keep, float("-inf"))
     acc = accumulation_dtype(scores_BHLS.dtype)
     if not rows_may_be_empty:
         probs = torch.softmax(scores_BHLS, dim=-1, dtype=None if acc == scores_BHLS.dtype else acc)
         return probs.to(scores_BHLS.dtype)
-    row_max = scores_BHLS.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
-    dead = row_max == float("-inf")
-    scores_BHLS = scores_BHLS.masked_fill(dead, 0.0)
+    dead = scores_BHLS.detach().amax(dim=-1, keepdim=True) == float("-inf")  # (B, H, L, 1)
+    scores_BHLS = fill(scores_BHLS, dead, 0.0)
     probs = torch.softmax(scores_BHLS, dim=-1, dtype=None if acc == scores_BHLS.dtype else acc)
-    return probs.masked_fill(dead, 0.0).to(scores_BHLS.dtype)
+    return probs.masked_fill(dead, 0.0).to(scores_BHLS.dtype)  # softmax's backward reads probs

@@ -34,7 +34,7 @@ def attention(call: AttentionCall) -> Tensor:
         scores = scores + call.attn_mask
     keep = call_visibility(call)
     probs = masked_softmax(  # (B, H, L, S)
-        scores, keep, rows_may_be_empty=rows_may_be_empty(call))
+        scores, keep, rows_may_be_empty=rows_may_be_empty(call), overwrite=True)
     if call.dropout_p > 0.0:
         probs = F.dropout(probs, p=call.dropout_p)
     out = torch.einsum("bhls,bhsd->bhld", probs, value)
