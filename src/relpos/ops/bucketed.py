@@ -77,7 +77,7 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
         assert index_BHLS is not None
         # A bucket sums up to S probabilities: accumulate half precision in float32.
         acc = accumulation_dtype(probs.dtype)
-        buckets = probs.new_zeros(B, H, L, R, dtype=acc).scatter_add(
+        buckets = probs.new_zeros(B, H, L, R, dtype=acc).scatter_add_(
             -1, index_BHLS, probs.to(acc)
         ).to(probs.dtype)  # (B, H, L, R)
         out = out.add_(buckets @ call.rel_values)  # (B, H, L, R) @ (Hr, R, Dv)
