@@ -228,26 +228,22 @@ def test_why_not_fused_reasons() -> None:
     assert "Dv=3" in str(relpos.why_not_fused(**_args(other_dv)))
 
 
-def test_the_crossover_depends_on_backward_and_causality() -> None:
-    n = 200  # causal: fused without a backward pass, bucketed with one
-    assert fused.CROSSOVER[(False, True)] <= n < fused.CROSSOVER[(True, True)]
-    p = make_problem(B=1, H=1, L=n, D=2, K=2)
-    grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
-            for k, v in _args(p).items()}
-    with torch.no_grad():
-        assert relpos.select_backend(**_args(p), is_causal=True) == "fused"
-    assert relpos.select_backend(**grad, is_causal=True) == "bucketed"
-    reason = relpos.why_not_fused(**grad, is_causal=True)
-    assert reason is not None and f"S >= {fused.CROSSOVER[(True, True)]}" in reason
-    n = 300  # with a backward pass: fused when causal, bucketed when not
-    assert fused.CROSSOVER[(True, True)] <= n < fused.CROSSOVER[(True, False)]
-    p = make_problem(B=1, H=1, L=n, D=2, K=2)
-    grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
-            for k, v in _args(p).items()}
-    assert relpos.select_backend(**grad, is_causal=True) == "fused"
-    assert relpos.select_backend(**grad) == "bucketed"
-    with torch.no_grad():
-        assert relpos.select_backend(**_args(p)) == "bucketed"  # non-causal forward: from 512
+def test_the_crossover_follows_the_table_for_each_pass_and_causality() -> None:
+    for n in (200, 300, 600):
+        p = make_problem(B=1, H=1, L=n, D=2, K=2)
+        grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
+                for k, v in _args(p).items()}
+        for causal in (False, True):
+            for backward in (False, True):
+                crossover = fused.CROSSOVER[(backward, causal)]
+                with torch.set_grad_enabled(backward):
+                    got = relpos.select_backend(**(grad if backward else _args(p)),
+                                                is_causal=causal)
+                assert (got == "fused") == (n >= crossover), (n, causal, backward, got)
+                if n < crossover:
+                    reason = relpos.why_not_fused(**(grad if backward else _args(p)),
+                                                  is_causal=causal)
+                    assert reason is not None and f"S >= {crossover}" in reason
     assert max(fused.CROSSOVER.values()) == fused.CROSSOVER_KEYS
 
 
