@@ -52,23 +52,15 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
             L, S, (call.left, call.right), query_start=call.query_start, device=query.device
         )
         index_BHLS = index_LS.expand(B, H, L, S)
-    # A causal mask alone rides on the bias gather: hidden pairs read an extra -inf column of
-    # q @ rel_keys.T, so the scores need no separate masked fill (a copy and a pass over them).
-    fold_causal = (call.is_causal and call.rel_keys is not None and call.key_mask is None
-                   and call.attn_mask is None)
     if call.rel_keys is not None:
         assert index_BHLS is not None
         qa = q_scaled @ call.rel_keys.transpose(-2, -1)  # (B, H, L, R)
-        key_index = index_BHLS
-        if fold_causal:
-            qa = F.pad(qa, (0, 1), value=float("-inf"))  # (B, H, L, R + 1)
-            pos_q = call.query_start + torch.arange(L, device=query.device)
-            hidden = torch.arange(S, device=query.device)[None, :] > pos_q[:, None]  # (L, S)
-            key_index = index_LS.masked_fill(hidden, R).expand(B, H, L, S)
-        scores = scores.add_(qa.gather(-1, key_index))  # in place: matmul keeps no output
+        scores = scores.add_(qa.gather(-1, index_BHLS))  # in place: matmul keeps no output
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
-    keep = None if fold_causal else call_visibility(call)
+    # Hidden pairs are filled with -inf (not given an extra -inf bias, which would let a NaN
+    # in a hidden key reach the rows that cannot see it).
+    keep = call_visibility(call)
     weights = masked_softmax(  # (B, H, L, S)
         scores, keep, rows_may_be_empty=rows_may_be_empty(call), overwrite=True)
     probs = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0.0 else weights
