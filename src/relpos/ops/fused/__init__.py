@@ -66,7 +66,7 @@ CROSSOVER: dict[tuple[bool, bool], int] = {
 }
 """Where the fused backend overtakes the bucketed one on CPU, from the training-shapes
 table (``relpos bench --preset training``, 4096 tokens per batch, K = 16 and 64, H=8, D=64;
-benchmarks/training_shapes.md, three runs): the bucketed backend's cost grows with B·H·L·S
+benchmarks/training_shapes.md, five runs): the bucketed backend's cost grows with B·H·L·S
 (every score gathered and scattered), the fused one's with the flash kernel's work plus
 the O(L·K) band. With a causal mask the flash kernel skips the masked half and fused wins
 from S = 256; without one, the two far regions each fill the kernel's 512-key blocks, and
