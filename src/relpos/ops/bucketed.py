@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import AttentionCall, Reason, accumulation_dtype, needs_backward
-from relpos.ops.masking import call_visibility, masked_softmax, rows_may_be_empty
+from relpos.ops.masking import call_softmax
 from relpos.positions import relative_position_index
 
 __all__ = [
@@ -58,11 +58,7 @@ def attention_and_weights(call: AttentionCall) -> tuple[Tensor, Tensor]:
         scores = scores.add_(qa.gather(-1, index_BHLS))  # in place: matmul keeps no output
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
-    # Hidden pairs are filled with -inf (not given an extra -inf bias, which would let a NaN
-    # in a hidden key reach the rows that cannot see it).
-    keep = call_visibility(call)
-    weights = masked_softmax(  # (B, H, L, S)
-        scores, keep, rows_may_be_empty=rows_may_be_empty(call), overwrite=True)
+    weights = call_softmax(scores, call)  # (B, H, L, S)
     probs = F.dropout(weights, p=call.dropout_p) if call.dropout_p > 0.0 else weights
     out = probs @ value  # (B, H, L, Dv)
     if call.rel_values is not None:

@@ -10,7 +10,9 @@ from torch import Tensor
 
 from relpos.ops.call import AttentionCall, accumulation_dtype
 
-__all__ = ["call_visibility", "masked_softmax", "rows_may_be_empty", "visibility_mask"]
+__all__ = [
+    "call_softmax", "call_visibility", "masked_softmax", "rows_may_be_empty", "visibility_mask",
+]
 
 
 def visibility_mask(
@@ -81,3 +83,14 @@ def masked_softmax(
     scores_BHLS = fill(scores_BHLS, dead, 0.0)
     probs = torch.softmax(scores_BHLS, dim=-1, dtype=None if acc == scores_BHLS.dtype else acc)
     return probs.masked_fill(dead, 0.0).to(scores_BHLS.dtype)  # softmax's backward reads probs
+
+
+def call_softmax(scores_BHLS: Tensor, call: AttentionCall) -> Tensor:
+    """:func:`masked_softmax` of a call's own score temporary: the call's masks, the empty-row
+    guard only where a mask can empty a row (:func:`rows_may_be_empty`), fills in place.
+
+    Hidden pairs are filled with -inf rather than given a -inf bias, so a NaN in a hidden key
+    does not reach the rows that cannot see it.
+    """
+    return masked_softmax(scores_BHLS, call_visibility(call),
+                          rows_may_be_empty=rows_may_be_empty(call), overwrite=True)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relpos.ops.call import AttentionCall, Reason
-from relpos.ops.masking import call_visibility, masked_softmax, rows_may_be_empty, visibility_mask
+from relpos.ops.masking import call_softmax, masked_softmax, visibility_mask
 from relpos.positions import relative_position_index
 
 __all__ = ["attention", "masked_softmax", "unsupported_reason", "visibility_mask"]
@@ -32,9 +32,7 @@ def attention(call: AttentionCall) -> Tensor:
     scores = scores * call.scale
     if call.attn_mask is not None and call.attn_mask.dtype != torch.bool:
         scores = scores + call.attn_mask
-    keep = call_visibility(call)
-    probs = masked_softmax(  # (B, H, L, S)
-        scores, keep, rows_may_be_empty=rows_may_be_empty(call), overwrite=True)
+    probs = call_softmax(scores, call)  # (B, H, L, S)
     if call.dropout_p > 0.0:
         probs = F.dropout(probs, p=call.dropout_p)
     out = torch.einsum("bhls,bhsd->bhld", probs, value)
