@@ -20,7 +20,7 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, reference
+from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, native, reference
 from relpos.ops.call import AttentionCall, Reason
 from relpos.positions import check_window, resolve_query_start
 
@@ -37,6 +37,7 @@ __all__ = [
 
 _MODULES: dict[str, ModuleType] = {
     "reference": reference, "bucketed": bucketed, "fused": fused, "decode": decode,
+    "native": native,
 }
 assert set(_MODULES) == set(BACKENDS)
 

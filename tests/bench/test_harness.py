@@ -72,8 +72,8 @@ def test_decode_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: igno
     assert "relpos bench --decode" in report and "**torch**" in report
     rows = (tmp_path / "decode.csv").read_text().splitlines()
     assert rows[0].startswith("K,t,S,auto_backend,sdpa_ms,relpos_ms,bucketed_ms")
-    assert [r.split(",")[:4] for r in rows[1:]] == [["2", "1", "16", "decode"],
-                                                      ["2", "4", "16", "decode"]]
+    assert [r.split(",")[:4] for r in rows[1:]] == [["2", "1", "16", "native"],
+                                                      ["2", "4", "16", "native"]]
 
 
 def test_steps_needs_decode(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -90,4 +90,4 @@ def test_bench_decode_shim_warns_and_reexports() -> None:
     assert (shim.DecodeResult, shim.measure_step, shim.run_decode) == (
         decode.DecodeResult, decode.measure_step, decode.run_decode)
     r = shim.measure_step(8, 2, heads=1, head_dim=4, max_distance=1, repeats=1, warmup=0)
-    assert set(r.ms) == {"sdpa", "relpos"} and r.backend == "decode"
+    assert set(r.ms) == {"sdpa", "relpos"} and r.backend == "native"

@@ -40,7 +40,7 @@ def test_training_settings_defaults() -> None:
     s = presets.training_settings(argparse.Namespace())
     assert s.shapes == presets.token_shapes(4096)
     assert (s.max_distances, s.causal, s.heads, s.head_dim) == ([16, 64], [False, True], 8, 64)
-    assert s.backends == ["auto", "fused", "bucketed", "reference"]
+    assert s.backends == ["auto", "native", "fused", "bucketed", "reference"]
     only_causal = presets.training_settings(argparse.Namespace(causal=True, max_distances=(3,)))
     assert (only_causal.causal, only_causal.max_distances) == ([True], [3])
     with pytest.raises(ValueError, match="unknown"):

@@ -32,7 +32,7 @@ def test_training_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> Non
     _header(report)
     assert "- **OMP_WAIT_POLICY**: PASSIVE" in report
     assert "--preset training --tokens 640 --lengths 16,640" in report
-    head = ("| B x n | causal | pass | auto | fused | bucketed | reference | SDPA ms | "
+    head = ("| B x n | causal | pass | auto | native | fused | bucketed | reference | SDPA ms | "
             "auto picks | fastest | auto within 10% of fastest |")
     assert head in report and head in printed and "### K = 2" in report
     rows = [line for line in report.splitlines() if line.startswith(("| 40 x 16", "| 1 x 640"))]
@@ -40,24 +40,20 @@ def test_training_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> Non
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[1] in ("yes", "no") and cells[2] in ("fwd", "fwd+bwd")
-        # auto picks fused from relpos.ops.fused.crossover_keys on (512 keys at most), the
-        # reference for a 16-key forward (bucketed.REFERENCE_MAX_KEYS), bucketed between
-        if cells[0] == "1 x 640":
-            assert cells[8] == "fused"
-        else:
-            assert cells[8] == ("reference" if cells[2] == "fwd" else "bucketed")
-        for cell in cells[3:6]:  # auto, fused, bucketed ran: "ms (ratio x)"
+        # auto picks the native kernels wherever they serve a call: every call here
+        assert cells[9] == "native"
+        for cell in cells[3:7]:  # auto, native, fused, bucketed ran: "ms (ratio x)"
             assert cell.endswith("x)") and " ms (" in cell
         if cells[0] == "1 x 640":
-            assert cells[6].startswith("skipped: n > 512")  # the reference, with its reason
-            assert cells[9] in ("fused", "bucketed")
+            assert cells[7].startswith("skipped: n > 512")  # the reference, with its reason
+            assert cells[10] in ("native", "fused", "bucketed")
         else:
-            assert cells[6].endswith("x)")
-            assert cells[9] in ("fused", "bucketed", "reference")
-        assert cells[10].startswith(("yes (", "no ("))
+            assert cells[7].endswith("x)")
+            assert cells[10] in ("native", "fused", "bucketed", "reference")
+        assert cells[11].startswith(("yes (", "no ("))
     csv = (tmp_path / "training.csv").read_text().splitlines()
     assert csv[0] == "B,n,K,causal,pass,backend,auto_backend,ms,over_sdpa,note"
-    assert len(csv) - 1 == 2 * 2 * (1 + 4) * 2  # shapes x causal x (SDPA + backends) x passes
+    assert len(csv) - 1 == 2 * 2 * (1 + 5) * 2  # shapes x causal x (SDPA + backends) x passes
     assert sum("skipped: n > 512" in line for line in csv) == 2 * 2
 
 
@@ -75,8 +71,8 @@ def test_encoder_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> None
     head = ("| B x n | pass | nn.TransformerEncoderLayer | relpos K=16 auto | relpos K=16 fused | "
             "auto picks |")
     assert head in report and head in captured.out
-    # 8 tokens, K=16: the window spans every offset, so auto runs the reference there
-    assert "| 2 x 8 | fwd+bwd |" in report and "K=16: reference" in report
+    # auto runs the native kernels
+    assert "| 2 x 8 | fwd+bwd |" in report and "K=16: native" in report
     csv = (tmp_path / "encoder.csv").read_text().splitlines()
     assert csv[0].startswith("B,n,K,model,implementation,attention_backend,pass,ms,over_torch")
     assert len(csv) - 1 == 3 * 2  # (torch, auto, fused) x passes

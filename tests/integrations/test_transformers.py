@@ -53,7 +53,7 @@ def test_patched_model_gives_the_same_outputs(attn, dtype, tol, padded):
                                stock(x, **kw).last_hidden_state, rtol=0, atol=tol)
 
 
-def test_long_input_goes_through_the_fused_backend(monkeypatch):
+def test_long_input_goes_through_the_native_backend(monkeypatch):
     stock = _w2v_bert()
     patched = copy.deepcopy(stock)
     hf.patch(patched)
@@ -72,7 +72,7 @@ def test_long_input_goes_through_the_fused_backend(monkeypatch):
     import relpos
     q = torch.randn(3, 4, 1100, 8, dtype=F64)
     assert relpos.select_backend(q, q, q, max_distance=(6, 2), key_mask=seen[0]["key_mask"],
-                                 rel_keys=torch.randn(9, 8, dtype=F64)) == "fused"
+                                 rel_keys=torch.randn(9, 8, dtype=F64)) == "native"
 
 
 def test_gradients_are_the_same():

@@ -77,7 +77,7 @@ def test_dropout_same_mask_in_reference_and_bucketed():
     assert not torch.allclose(a, run(p, "reference"))
 
 
-def test_auto_prefers_the_reference_at_the_shortest_sequences() -> None:
+def test_auto_prefers_the_reference_at_the_shortest_sequences(no_native: None) -> None:
     from relpos.ops import bucketed
 
     def args(n: int, K: int, grad: bool) -> dict:

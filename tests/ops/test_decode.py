@@ -138,7 +138,7 @@ def test_decode_step_builds_nothing_of_size_t_by_S_by_D(grad):
     assert max(sizes) >= t * S * D  # the check above can fail
 
 
-def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch):
+def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch, no_native):
     calls: list[str] = []
     real = decode.attention
     monkeypatch.setattr(decode, "attention",

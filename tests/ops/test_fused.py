@@ -215,7 +215,7 @@ def _args(problem: object, **kw: object) -> dict:
                 rel_keys=p.rel_keys, rel_values=p.rel_values, **kw)  # type: ignore[attr-defined]
 
 
-def test_why_not_fused_reasons() -> None:
+def test_why_not_fused_reasons(no_native: None) -> None:
     short = make_problem(B=1, H=1, L=8, K=2)
     reason = relpos.why_not_fused(**_args(short))
     assert reason is not None and "below the fused crossover" in reason and "S=8" in reason
@@ -228,7 +228,7 @@ def test_why_not_fused_reasons() -> None:
     assert "Dv=3" in str(relpos.why_not_fused(**_args(other_dv)))
 
 
-def test_the_crossover_follows_the_table_for_each_pass_and_causality() -> None:
+def test_the_crossover_follows_the_table_for_each_pass_and_causality(no_native: None) -> None:
     for n in (200, 300, 600):
         p = make_problem(B=1, H=1, L=n, D=2, K=2)
         grad = {k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) else v
@@ -259,7 +259,9 @@ def _validated(problem: object) -> AttentionCall:
     return validate_call(**_args(problem))
 
 
-def test_auto_picks_what_why_not_fused_says(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_picks_what_why_not_fused_says(
+    monkeypatch: pytest.MonkeyPatch, no_native: None
+) -> None:
     import importlib
 
     calls: list[str] = []

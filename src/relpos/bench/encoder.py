@@ -57,7 +57,7 @@ QUICK_TOKENS = 512
 QUICK_LENGTHS = (64,)
 #: What ``--backends`` may name with ``--preset encoder``: the relpos layers' implementation
 #: (``auto`` = None). The torch model always runs.
-IMPLEMENTATIONS = ("auto", "fused", "bucketed", "reference")
+IMPLEMENTATIONS = ("auto", "native", "fused", "bucketed", "reference")
 TORCH = "nn.TransformerEncoderLayer"
 
 

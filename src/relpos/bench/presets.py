@@ -7,11 +7,12 @@ of two from 64 up to the budget, B = tokens // n; :func:`token_shapes`). At each
 times self-attention with both relative terms (keys and values, tables shared by the heads),
 H=8, D=64, for K in {16, 64}, causal and not, forward (under ``torch.no_grad``) and forward +
 backward (of a random upstream gradient), with the backends ``auto`` (``implementation=None``,
-and the backend :func:`relpos.select_backend` says it picks), ``fused``, ``bucketed`` and
-``reference``, and ``F.scaled_dot_product_attention`` without relative terms. All cases of
-one shape (every K, causal flag, backend and SDPA) run in the same interleaved rounds, the
-order rotated by one case each round (:func:`relpos.bench.common.interleaved_medians`),
-medians reported, so the ratios to SDPA compare numbers taken side by side.
+and the backend :func:`relpos.select_backend` says it picks), ``native``, ``fused``,
+``bucketed`` and ``reference``, and ``F.scaled_dot_product_attention`` without relative
+terms. All cases of one shape (every K, causal flag, backend and SDPA) run in the same
+interleaved rounds, the order rotated by one case each round
+(:func:`relpos.bench.common.interleaved_medians`), medians reported, so the ratios to SDPA
+compare numbers taken side by side.
 
 Skipped, with the reason in the table: the reference above n = 512 (it materializes
 ``(n, n, D)`` tables: 4 n² D bytes each in float32, their gradients, and the score

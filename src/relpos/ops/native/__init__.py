@@ -1,0 +1,148 @@
+"""Native backend: exact clipped relative attention in one fused C++ kernel per direction, on CPU.
+
+Flash attention with Toeplitz buckets (DESIGN.md section 6): per query block and key block,
+``scale * q @ k^T`` plus the relative key term gathered from ``QA = scale * q @ aK^T``
+(``(L, R)``, one small GEMM; key blocks wholly beyond the band add one constant per row), an
+online softmax, ``P @ V`` and per-row bucket masses ``Pb`` (``(L, R)``) for the value term,
+``out = (acc + Pb @ aV) / l``. The backward recomputes ``P`` tile by tile with
+``dS = P * (dP - delta)``, ``dP`` including ``dO @ aV^T`` gathered. Extra memory is O(L·R) per
+head, never O(L·S). Equivalent to :mod:`relpos.ops.reference`.
+
+Serves every call on CPU tensors (float32, float64, bfloat16, float16 — half precision in
+float32 inside), except a float ``attn_mask`` that requires grad: causal or not, ``key_mask``
+padding, a bool or float ``attn_mask`` (one that depends on the key only, ``(B, 1, 1, S)`` as
+``nn.TransformerEncoder`` hands a padding mask over, is read as an O(B·S) key bias; a dense one
+is read in place, broadcast), ``query_start`` / bottom-right alignment,
+windows ``(left, right)``, keys-only and values-only, shared or per-head tables, ``Dv != D``,
+attention dropout (in the kernel: a counter-based hash of a seed drawn from torch's default
+generator, regenerated in the backward; :func:`dropout_mask` exposes it), and KV-cache steps.
+Rows that see no key give zeros and zero gradients.
+
+The C++ sources (``csrc/``) are compiled on first use and cached (:mod:`.build`); without a
+compiler, or with ``RELPOS_NATIVE=0``, this backend passes every call by and the PyTorch
+backends serve it. Registered as the custom op ``relpos::native_attention`` (:mod:`.op`), so
+``torch.compile(fullgraph=True)`` traces it.
+
+Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
+R = left + right + 1 table rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from relpos.ops.call import AttentionCall, Reason, accumulation_dtype
+from relpos.ops.native import build
+
+__all__ = [
+    "attention",
+    "auto_reason",
+    "available",
+    "draw_seed",
+    "dropout_mask",
+    "masks",
+    "unsupported_reason",
+]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def available() -> bool:
+    """Whether the native kernels can run here (building them now if needed)."""
+    return not _state()
+
+
+@torch.compiler.assume_constant_result
+def _state() -> str:
+    """Why the kernels cannot run here ("" when they can), building them on first use. A
+    constant for ``torch.compile``: it is asked once, while tracing, not on every call."""
+    if build.disabled():
+        return "the native kernels are turned off (RELPOS_NATIVE=0)"
+    if build.load() is None:
+        return ("the native kernels could not be built here: "
+                f"{build.failure() or 'see the warning'}; the PyTorch backends serve the call")
+    return ""
+
+
+def _per_key(mask: Tensor) -> bool:
+    """Whether a mask broadcastable to ``(B, H, L, S)`` depends on the batch row and the key
+    only (its shape says so: size 1 along H and L)."""
+    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    return shape[1] == 1 and shape[2] == 1
+
+
+def unsupported_reason(call: AttentionCall) -> Reason | str | None:
+    """Why the native backend cannot serve the call, or None."""
+    query = call.query
+    if query.device.type != "cpu":
+        return f"device {query.device} is not supported by the native CPU kernels (allowed: cpu)"
+    if query.dtype not in _DTYPES:
+        return f"dtype {query.dtype} is not supported (allowed: {_DTYPES})"
+    mask = call.attn_mask
+    if mask is not None and mask.requires_grad:
+        return "a float attn_mask that requires grad (the native kernels give no mask gradient)"
+    return _state() or None
+
+
+def auto_reason(call: AttentionCall) -> Reason | str | None:
+    """Auto-selection picks the native backend wherever it serves a call."""
+    return unsupported_reason(call)
+
+
+def masks(call: AttentionCall) -> tuple[Tensor | None, Tensor | None]:
+    """The call's masks as the kernels take them: a ``(B, S)`` additive key bias (from
+    ``key_mask`` and from an ``attn_mask`` that depends on the key only) and a dense additive
+    ``attn_mask`` broadcastable to ``(B, H, L, S)`` (``-inf`` = hidden), in the kernels' dtype;
+    None for what the call does not have."""
+    B, _, _, S, _, _ = call.dims
+    dtype = accumulation_dtype(call.query.dtype)
+    bias: Tensor | None = None
+    if call.key_mask is not None:
+        bias = torch.zeros(B, S, dtype=dtype).masked_fill_(~call.key_mask, float("-inf"))
+    mask, dense = call.attn_mask, None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        mask = mask.to(dtype)
+        if _per_key(mask):
+            shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+            add = mask.reshape(shape)[:, 0, 0, :].expand(B, S)  # (B, S)
+            bias = add.contiguous() if bias is None else bias + add
+        else:
+            dense = mask
+    return bias, dense
+
+
+def draw_seed() -> Tensor:
+    """The dropout stream of one call: two int64 drawn from torch's default generator (so
+    ``torch.manual_seed`` makes runs reproducible)."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+
+
+def dropout_mask(seed: Tensor, shape: tuple[int, int, int, int], dropout_p: float) -> Tensor:
+    """The keep mask ``(B, H, L, S)`` the kernels apply for ``seed`` (see :func:`draw_seed`)."""
+    from relpos.ops.native.op import dropout_mask as mask
+
+    return mask(seed, shape, dropout_p)
+
+
+def attention(call: AttentionCall) -> Tensor:
+    """Native backend: see :func:`relpos.relative_attention` for the meaning of the call.
+
+    Returns:
+        ``(B, H, L, Dv)``; rows that see no key are zeros.
+    """
+    reason = unsupported_reason(call)
+    if reason is not None:
+        raise RuntimeError(f"the native backend cannot serve this call: {reason}")
+    from relpos.ops.native import op  # noqa: F401  (registers relpos::native_attention)
+
+    seed = draw_seed() if call.dropout_p > 0.0 else None
+    key_bias, attn_bias = masks(call)
+    return torch.ops.relpos.native_attention(
+        call.query, call.key, call.value, call.rel_keys, call.rel_values, key_bias, attn_bias,
+        seed,
+        left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
+        query_start=call.query_start, dropout_p=call.dropout_p,
+    )[0]
