@@ -339,7 +339,7 @@ def test_bad_input(call, error, fragment):
 
 # --- non-finite values (documented in relative_attention's docstring) ----------------------
 
-IMPLEMENTATIONS = ("reference", "bucketed", "fused")
+IMPLEMENTATIONS = ("reference", "bucketed", "fused", "native")
 
 
 def _problem() -> tuple[torch.Tensor, ...]:

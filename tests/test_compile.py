@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import relpos
 
 F64 = torch.float64
-BACKENDS = ("bucketed", "fused")
+BACKENDS = ("bucketed", "fused", "native")
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -8,7 +8,7 @@ import torch
 
 import relpos
 
-IMPLEMENTATIONS = ("reference", "bucketed", "fused")
+IMPLEMENTATIONS = ("reference", "bucketed", "fused", "native")
 
 
 @pytest.fixture(autouse=True)

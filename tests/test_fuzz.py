@@ -17,7 +17,7 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2}
 
 @st.composite
 def calls(draw: st.DrawFn) -> dict:
-    implementation = draw(st.sampled_from([None, "reference", "bucketed", "fused"]))
+    implementation = draw(st.sampled_from([None, "reference", "bucketed", "fused", "native"]))
     # Mostly calls the fused backend serves (no dense mask, Dv == D), so it gets exercised.
     fused_friendly = implementation == "fused" and draw(st.integers(0, 3)) > 0
     dtype = draw(st.sampled_from(list(TOLERANCE)))
@@ -94,7 +94,7 @@ def test_clear_error_or_finite_reference_equal_result(call):
 def test_fuzz_reaches_every_backend(monkeypatch):
     """The strategy is not vacuous: every backend serves some drawn calls."""
     served: set[str] = set()
-    for name in ("reference", "bucketed", "fused"):
+    for name in ("reference", "bucketed", "fused", "native"):
         backend = importlib.import_module(f"relpos.ops.{name}")
         original = backend.attention
 
@@ -104,11 +104,11 @@ def test_fuzz_reaches_every_backend(monkeypatch):
 
         monkeypatch.setattr(backend, "attention", spy)
 
-    @settings(max_examples=40, deadline=None, derandomize=True)
+    @settings(max_examples=80, deadline=None, derandomize=True)
     @given(call=calls())
     def probe(call):
         with contextlib.suppress(TypeError, ValueError, RuntimeError):
             relpos.relative_attention(**call)
 
     probe()
-    assert served == {"reference", "bucketed", "fused"}, served
+    assert served == {"reference", "bucketed", "fused", "native"}, served

@@ -70,7 +70,7 @@ NAMES = ("out", "dq", "dk", "dv", "drel_keys", "drel_values")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mode", ["native", "autocast"])
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("implementation", ["bucketed", "fused"])
+@pytest.mark.parametrize("implementation", ["bucketed", "fused", "native"])
 def test_error_at_most_twice_the_reference_in_same_precision(implementation, dtype, mode, causal):
     if implementation == "fused":
         x = _inputs()[0].to(dtype)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 # Subcommand modules, in the order ``relpos --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
     "experiment", "train", "generate", "table", "heatmap", "bench", "export_onnx", "export_ct2",
+    "kernels",
 )
 
 

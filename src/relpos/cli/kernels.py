@@ -1,0 +1,44 @@
+"""``relpos kernels``: the native CPU kernels — whether they are built on this machine, where,
+for which instruction set — and ``--build`` to compile them now rather than on first use."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from relpos.cli import CLIError, _args
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``relpos kernels``."""
+    p = _args.subcommand(
+        subparsers, "kernels", run, "show (or build) the native CPU kernels",
+        "Print whether relpos's native CPU kernels are built for this machine, where they are "
+        "cached, for which instruction set and torch version, and how their GEMMs run. They "
+        "compile on first use (once per machine, cached); --build compiles them now. "
+        "RELPOS_NATIVE=0 turns them off; RELPOS_CACHE_DIR moves the cache.",
+    )
+    p.add_argument("--build", action="store_true",
+                   help="compile the kernels now if this machine has none (about a minute)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from relpos.ops.native import build
+
+    if args.build:
+        if build.disabled():
+            raise CLIError("the native kernels are turned off (RELPOS_NATIVE=0); unset it to "
+                           "build them")
+        if build.load() is None:
+            raise CLIError(f"the native kernels could not be built: {build.failure()}")
+    s = build.status()
+    state = ("off (RELPOS_NATIVE=0)" if not s.enabled else "built" if s.built else
+             "not built yet (they compile on first use, or now with --build)")
+    print(f"native kernels: {state}")
+    print(f"cache:          {s.directory}")
+    print(f"ISA:            {s.isa}")
+    print(f"torch:          {s.torch_version}")
+    print(f"GEMMs:          {s.blas}")
+    if s.failure:
+        print(f"last failure:   {s.failure}")
+    return 0

@@ -1,0 +1,377 @@
+"""The native backend (C++ kernels): exact against the reference in float64, forward and all five
+gradients, for every feature it serves; attention dropout with the kernels' own mask; masks as
+torch.nn hands them over; the build (cache, fallback without a compiler, RELPOS_NATIVE=0)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import relpos
+from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
+from relpos.ops import native
+from relpos.ops.native import build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_the_kernels_are_built_here() -> None:
+    # A C++ compiler and ninja are part of the development set-up: CI builds the kernels once
+    # and every native test below runs them (none is skipped for want of a build).
+    assert native.available(), build.failure()
+    assert build.status().built
+
+
+@pytest.mark.parametrize(("L", "S"), [(1, 1), (5, 5), (7, 11), (3, 40), (70, 70), (13, 600)])
+@pytest.mark.parametrize("K", [0, 1, 3, 1000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference(L: int, S: int, K: int, causal: bool) -> None:
+    if L > 20 and K == 1000:
+        K = 65  # wider than the band of 64-row query blocks: both far regions and the band
+    p = make_problem(B=2, H=2, L=L, S=S, D=5, K=K, seed=L * 7 + S)
+    assert relpos.select_backend(p.query, p.key, p.value, max_distance=K, rel_keys=p.rel_keys,
+                                 is_causal=causal) == "native"
+    assert_same_as_reference(p, "native", is_causal=causal)
+
+
+@pytest.mark.parametrize("window", [(0, 0), (2, 0), (0, 3), (64, 8), (5, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows_and_query_start(window: tuple[int, int], causal: bool) -> None:
+    left, right = window
+    g = torch.Generator().manual_seed(left * 10 + right)
+    q = torch.randn(2, 3, 9, 6, generator=g, dtype=F64, requires_grad=True)
+    k = torch.randn(2, 3, 90, 6, generator=g, dtype=F64, requires_grad=True)
+    v = torch.randn(2, 3, 90, 4, generator=g, dtype=F64, requires_grad=True)  # Dv != D
+    ak = torch.randn(3, left + right + 1, 6, generator=g, dtype=F64, requires_grad=True)
+    av = torch.randn(left + right + 1, 4, generator=g, dtype=F64, requires_grad=True)
+    for start in (0, 40, 81):
+        kw = dict(max_distance=window, rel_keys=ak, rel_values=av, is_causal=causal,
+                  query_start=start)
+        outs = {}
+        for impl in ("reference", "native"):
+            out = relpos.relative_attention(q, k, v, implementation=impl, **kw)
+            outs[impl] = (out, torch.autograd.grad(out.square().sum(), (q, k, v, ak, av)))
+        torch.testing.assert_close(outs["native"][0], outs["reference"][0], rtol=0, atol=1e-11)
+        for a, b in zip(outs["native"][1], outs["reference"][1], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("terms", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_keys_only_values_only_and_per_head_tables(
+    terms: tuple[bool, bool], per_head: bool
+) -> None:
+    keys, values = terms
+    p = make_problem(B=2, H=3, L=9, S=12, D=4, Dv=6, K=2, per_head=per_head, keys_term=keys,
+                     values_term=values, seed=3)
+    for causal in (False, True):
+        assert_same_as_reference(p, "native", is_causal=causal)
+
+
+def test_key_mask_padding_and_rows_that_see_nothing() -> None:
+    p = make_problem(B=3, H=2, L=10, S=10, D=4, K=3, seed=5)
+    km = torch.ones(3, 10, dtype=torch.bool)
+    km[0, 6:] = False  # padding
+    km[1, :] = False  # a batch row that sees no key: zeros, zero gradients
+    km[2, ::3] = False
+    assert_same_as_reference(p, "native", key_mask=km)
+    out, grads = forward_backward(p, "native", key_mask=km, is_causal=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][1], torch.zeros_like(grads[0][1]))
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 1, 10), (1, 1, 1, 10), (10,), (3, 2, 7, 10), (7, 10),
+                                   (3, 1, 7, 10)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attention_masks(shape: tuple[int, ...], kind: str) -> None:
+    p = make_problem(B=3, H=2, L=7, S=10, D=4, K=2, seed=8)
+    g = torch.Generator().manual_seed(len(shape))
+    keep = torch.rand(shape, generator=g) > 0.3
+    mask = keep if kind == "bool" else torch.randn(shape, generator=g, dtype=F64).masked_fill(
+        ~keep, float("-inf"))
+    assert relpos.select_backend(p.query, p.key, p.value, max_distance=2,
+                                 rel_keys=p.rel_keys, attn_mask=mask) == "native"
+    assert_same_as_reference(p, "native", attn_mask=mask, key_mask=torch.rand(3, 10) > 0.2)
+
+
+def test_float_padding_as_nn_transformer_encoder_gives_it_stays_native(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # nn.TransformerEncoder turns a bool src_key_padding_mask into a float 0/-inf mask; the
+    # modules hand it over as (B, 1, 1, S), which the kernels read as an O(B·S) key bias.
+    torch.manual_seed(0)
+    layer = relpos.RelativeTransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                                   max_distance=3).double()
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(3, 11, 16, dtype=F64)
+    pad = torch.zeros(3, 11, dtype=torch.bool)
+    pad[0, 7:] = True
+    pad[2, 4:] = True
+    seen: list[tuple[object, object]] = []
+    real = native.attention
+
+    def spy(call):  # type: ignore[no-untyped-def]
+        seen.append((call.attn_mask is None or call.attn_mask.dtype, call.key_mask is None))
+        return real(call)
+
+    monkeypatch.setattr(native, "attention", spy)
+    native_out = encoder(x, src_key_padding_mask=pad)
+    monkeypatch.setattr(native, "attention", real)
+    assert len(seen) == 2
+    for mod in encoder.modules():
+        if isinstance(mod, relpos.RelativeMultiheadAttention):
+            mod.implementation = "reference"
+    ref = encoder(x, src_key_padding_mask=pad)
+    valid = ~pad
+    torch.testing.assert_close(native_out[valid], ref[valid], rtol=0, atol=1e-10)
+
+
+def test_a_float_mask_that_requires_grad_is_refused() -> None:
+    p = make_problem(B=1, H=1, L=4, S=4, D=4, K=1)
+    mask = torch.zeros(4, 4, dtype=F64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        run(p, "native", attn_mask=mask)
+    assert relpos.select_backend(p.query, p.key, p.value, max_distance=1, attn_mask=mask,
+                                 rel_keys=p.rel_keys) != "native"
+
+
+def test_gradcheck() -> None:
+    p = make_problem(B=1, H=2, L=6, S=8, D=3, K=2, seed=4)
+    km = torch.tensor([[True] * 6 + [False] * 2])
+
+    def f(q, k, v, ak, av):  # type: ignore[no-untyped-def]
+        return relpos.relative_attention(q, k, v, max_distance=2, rel_keys=ak, rel_values=av,
+                                         key_mask=km, is_causal=True, implementation="native")
+
+    assert torch.autograd.gradcheck(f, tuple(p.leaves()))
+
+
+def test_opcheck() -> None:
+    from relpos.ops.native import op  # noqa: F401
+
+    p = make_problem(B=2, H=2, L=5, S=7, D=4, K=2, per_head=True, seed=2)
+    kb = torch.zeros(2, 7, dtype=F64)
+    kb[1, 5:] = float("-inf")
+    args = (p.query, p.key, p.value, p.rel_keys, p.rel_values, kb, None, None)
+    kw = dict(left=2, right=2, is_causal=True, scale=0.4, query_start=2, dropout_p=0.0)
+    torch.library.opcheck(torch.ops.relpos.native_attention.default, args, kw)
+    seed = native.draw_seed()
+    torch.library.opcheck(torch.ops.relpos.native_attention.default,
+                          (*args[:6], None, seed), {**kw, "dropout_p": 0.3})
+
+
+# ------------------------------------------------------------------------------------------
+# Attention dropout in the kernel
+
+
+def _reference_with_mask(p, keep: torch.Tensor, dropout_p: float, **kw):  # type: ignore[no-untyped-def]
+    """The definition with an explicit keep mask: ``(P * keep / (1 - p)) @ (V + aV)``."""
+    L, S = p.query.shape[2], p.key.shape[2]
+    index = relpos.relative_position_index(L, S, p.max_distance)
+    scale = p.query.shape[-1] ** -0.5
+    scores = p.query @ p.key.transpose(-1, -2)
+    if p.rel_keys is not None:
+        scores = scores + torch.einsum("bhld,lsd->bhls", p.query, p.rel_keys[index])
+    scores = scores * scale
+    if kw.get("is_causal"):
+        scores = scores.masked_fill(torch.ones(L, S, dtype=torch.bool).tril(S - L).logical_not(),
+                                    float("-inf"))
+    probs = torch.softmax(scores, -1) * keep / (1 - dropout_p)
+    out = probs @ p.value
+    if p.rel_values is not None:
+        out = out + torch.einsum("bhls,lsd->bhld", probs, p.rel_values[index])
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_is_the_exposed_mask_applied_to_the_reference(causal: bool) -> None:
+    p = make_problem(B=2, H=3, L=9, S=9, D=4, K=2, seed=6)
+    rate = 0.3
+    torch.manual_seed(123)
+    out = run(p, "native", dropout_p=rate, is_causal=causal)
+    torch.manual_seed(123)
+    keep = native.dropout_mask(native.draw_seed(), (2, 3, 9, 9), rate)
+    ref = _reference_with_mask(p, keep, rate, is_causal=causal)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    up = torch.randn_like(out)
+    got = torch.autograd.grad(out, p.leaves(), up)
+    want = torch.autograd.grad(ref, p.leaves(), up)
+    for a, b in zip(got, want, strict=True):  # the backward regenerates the same mask
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_dropout_is_reproducible_and_drops_the_right_share() -> None:
+    p = make_problem(B=2, H=2, L=16, S=16, D=4, K=2, seed=7)
+    torch.manual_seed(5)
+    a = run(p, "native", dropout_p=0.4)
+    torch.manual_seed(5)
+    b = run(p, "native", dropout_p=0.4)
+    c = run(p, "native", dropout_p=0.4)  # the generator moved on: another mask
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    keep = native.dropout_mask(torch.tensor([11, 22]), (4, 8, 64, 256), 0.4)
+    share = 1 - keep.double().mean().item()
+    assert abs(share - 0.4) < 0.005, share  # 524288 draws: 5 sigma is under 0.004
+    # neighbouring rows, heads and keys are not correlated
+    assert abs((keep[:, :, 1:] == keep[:, :, :-1]).double().mean().item() - 0.52) < 0.01
+    assert native.dropout_mask(torch.tensor([1, 2]), (1, 1, 3, 5), 0.0).all()
+
+
+def test_dropout_gradcheck() -> None:
+    p = make_problem(B=1, H=2, L=5, S=6, D=3, K=1, seed=9)
+
+    def f(q, k, v, ak, av):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)  # the same mask at every evaluation
+        return relpos.relative_attention(q, k, v, max_distance=1, rel_keys=ak, rel_values=av,
+                                         dropout_p=0.25, implementation="native")
+
+    assert torch.autograd.gradcheck(f, tuple(p.leaves()))
+
+
+def test_modules_train_with_default_dropout_on_the_native_backend() -> None:
+    mha = relpos.RelativeMultiheadAttention(16, 2, dropout=0.1, batch_first=True, max_distance=4)
+    x = torch.randn(2, 9, 16)
+    q = torch.randn(2, 2, 9, 8)
+    assert relpos.select_backend(q, q, q, max_distance=4, dropout_p=0.1,
+                                 rel_keys=mha.rel_keys) == "native"
+    y, _ = mha(x, x, x, need_weights=False)
+    y.sum().backward()
+    assert mha.rel_keys.grad is not None and torch.isfinite(mha.rel_keys.grad).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Precision, determinism, layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_error_is_within_the_bucketed_backends(dtype: torch.dtype) -> None:
+    p64 = make_problem(B=2, H=2, L=40, S=40, D=16, K=4, seed=11)
+    low = make_problem(B=2, H=2, L=40, S=40, D=16, K=4, seed=11, dtype=dtype)
+    truth = run(p64, "reference", is_causal=True)
+    errors = {impl: (run(low, impl, is_causal=True).double() - truth).abs().max().item()
+              for impl in ("native", "bucketed")}
+    if dtype == torch.float32:
+        assert errors["native"] < 1e-5, errors
+    else:
+        assert errors["native"] <= 2 * errors["bucketed"], errors
+
+
+def test_backward_is_deterministic() -> None:
+    p = make_problem(B=3, H=4, L=33, S=33, D=8, K=3, dtype=torch.float32, seed=1)
+    first = forward_backward(p, "native", is_causal=True)[1]
+    second = forward_backward(p, "native", is_causal=True)[1]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cache_step_matches_the_full_sequence() -> None:
+    p = make_problem(B=2, H=2, L=12, S=12, D=4, K=3, seed=10)
+    full = run(p, "reference", is_causal=True)
+    for t in (1, 4):
+        step = relpos.relative_attention(
+            p.query[:, :, -t:], p.key, p.value, max_distance=3, rel_keys=p.rel_keys,
+            rel_values=p.rel_values, is_causal=True, implementation="native")
+        torch.testing.assert_close(step, full[:, :, -t:], rtol=0, atol=1e-12)
+        assert relpos.select_backend(p.query[:, :, -t:], p.key, p.value, max_distance=3,
+                                     rel_keys=p.rel_keys, is_causal=True) == "native"
+
+
+def test_plain_attention_equals_sdpa() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 700, 8, generator=g, dtype=F64) for _ in range(3))
+    for causal in (False, True):
+        out = relpos.relative_attention(q, k, v, max_distance=4, is_causal=causal,
+                                        implementation="native")
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------
+# The build: cache, RELPOS_NATIVE=0, no compiler
+
+
+def test_turned_off_with_relpos_native_0(no_native: None) -> None:
+    p = make_problem(B=1, H=1, L=4, S=4, D=4, K=1)
+    assert relpos.select_backend(p.query, p.key, p.value, max_distance=1,
+                                 rel_keys=p.rel_keys) != "native"
+    with pytest.raises(RuntimeError, match="RELPOS_NATIVE=0"):
+        run(p, "native")
+    assert_same_as_reference(p, "bucketed")
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env={**os.environ, **env}, cwd=ROOT, timeout=300)
+
+
+def test_without_a_compiler_one_warning_and_the_other_backends_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    code = """
+        import warnings, torch, relpos
+        q = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+        t = torch.randn(5, 4, dtype=torch.float64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            name = relpos.select_backend(q, q, q, max_distance=2, rel_keys=t)
+            out = relpos.relative_attention(q, q, q, max_distance=2, rel_keys=t, rel_values=t)
+            relpos.relative_attention(q, q, q, max_distance=2, rel_keys=t)
+        ref = relpos.relative_attention(q, q, q, max_distance=2, rel_keys=t, rel_values=t,
+                                        implementation="reference")
+        assert name != "native", name
+        assert torch.allclose(out, ref, atol=1e-12)
+        native = [w for w in caught if "native CPU kernels could not be built" in str(w.message)]
+        assert len(native) == 1, [str(w.message) for w in caught]
+        print("fallback ok")
+    """
+    done = _python(code, CXX=str(tmp_path / "no-such-compiler"),
+                   RELPOS_CACHE_DIR=str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fallback ok" in done.stdout
+
+
+def test_a_built_cache_loads_without_compiling() -> None:
+    assert build.status().built
+    directory = build.build_directory()
+    assert torch.__version__.replace("+", "_") in directory.name and build.isa() in directory.name
+    done = _python("""
+        import time, torch
+        from relpos.ops.native import build
+        start = time.perf_counter()
+        assert build.load() is not None
+        print(f"{time.perf_counter() - start:.3f}")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "compiling" not in done.stderr
+    assert float(done.stdout.strip()) < 10.0
+
+
+def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "native kernels: built" in out and build.isa() in out and "cache:" in out
+
+
+def test_relpos_kernels_cli_refuses_to_build_when_off(no_native: None, capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    assert main(["kernels", "--build"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "RELPOS_NATIVE=0" in err
+
+
+@pytest.mark.slow
+def test_the_backend_tests_pass_without_the_native_kernels() -> None:
+    # The fallback stays correct: the backend tests once more with the kernels turned off.
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/ops",
+         "tests/test_functional.py", "tests/test_cache.py", "-k", "not native"],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "RELPOS_NATIVE": "0"},
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout
