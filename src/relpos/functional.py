@@ -396,8 +396,9 @@ def relative_attention(call: AttentionCall) -> Tensor:
         query_start: position of query 0, ``0 <= query_start <= S - L``; default ``S - L``.
         implementation: ``"reference"`` (the definition, O(L·S·D) memory), ``"bucketed"``
             (O(B·H·L·(2K+1)) extra), ``"fused"`` (exact region decomposition, O(n) extra
-            memory), ``"decode"`` (KV-cache steps) or None for the best backend that serves
-            the call (:func:`select_backend` names it).
+            memory), ``"decode"`` (KV-cache steps), ``"native"`` (the C++ CPU kernels, one
+            fused pass per direction, O(L·R) extra; compiled on first use) or None for the best
+            backend that serves the call (:func:`select_backend` names it).
 
     Returns:
         ``(B, H, L, Dv)``. Query rows that see no key are zeros.
@@ -425,7 +426,7 @@ def select_backend(call: AttentionCall) -> str:
     Example:
         >>> q = torch.randn(1, 2, 5, 8)
         >>> select_backend(q, q, q, max_distance=2, rel_keys=torch.randn(5, 8))
-        'bucketed'
+        'native'
     """
     return _backend_for(call)
 

@@ -226,9 +226,16 @@ struct Geometry {
     bd = std::min(std::max(p + right, fl), end);
   }
 
-  // Number of keys of block [j0, j1) any row of query block [i0, i1) can see (0 = skip).
+  // Whether any row of query block [i0, i1) sees a key of the block starting at j0.
   inline bool block_visible(int64_t i1, int64_t j0) const {
     return !causal || j0 <= query_start + i1 - 1;
+  }
+
+  // End of the key block starting at j0: BK keys, cut where the causal mask hides the rest
+  // from every row of the query block ending at i1 (so the GEMMs skip the hidden triangle).
+  inline int64_t block_end(int64_t i1, int64_t j0, int64_t BK) const {
+    const int64_t j1 = std::min(S, j0 + BK);
+    return causal ? std::min(j1, query_start + i1) : j1;
   }
 };
 
@@ -241,21 +248,14 @@ static int64_t query_block_size(int64_t L, int64_t S) {
 static int64_t key_block_size(int64_t S) { return std::min<int64_t>(S, 512); }
 
 // ------------------------------------------------------------------------------------------
-// Score rows of one tile: bias, masks. `s` holds scale * q . k for keys [j0, j1) of row p.
+// Score rows of one tile. `s` holds scale * q . k for keys [j0, j1) of the row at position p.
+// The relative key term is added to the band only: a far segment's constant (QA[i, 0] or
+// QA[i, R-1]) is folded into its max and its exp offset, so far keys cost no extra pass.
 
 template <typename T>
-static inline void add_row_bias(T* s, const Geometry& g, int64_t p, int64_t j0, int64_t j1,
-                                const T* qa, const T* kb, const T* mrow, int64_t& fl, int64_t& bd,
-                                int64_t& end) {
-  g.segments(p, j0, j1, fl, bd, end);
+static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, const T* kb,
+                             const T* mrow) {
   const T ninf = -std::numeric_limits<T>::infinity();
-  if (qa != nullptr) {
-    const T c0 = qa[0], c1 = qa[g.R - 1];
-    for (int64_t j = j0; j < fl; ++j) s[j - j0] += c0;
-    const T* band = qa + (g.left - p);  // band[j] = qa[j - p + left]
-    for (int64_t j = fl; j < bd; ++j) s[j - j0] += band[j];
-    for (int64_t j = bd; j < end; ++j) s[j - j0] += c1;
-  }
   if (kb != nullptr) {
 #pragma omp simd
     for (int64_t j = j0; j < end; ++j) {
@@ -272,14 +272,26 @@ static inline void add_row_bias(T* s, const Geometry& g, int64_t p, int64_t j0, 
   }
 }
 
+// x[j] = exp(x[j] - offset) over n entries; returns their sum.
+template <typename T>
+static inline T exp_sum(T* x, int64_t n, T offset);
+
+// max(a, b), NaN if either is.
+template <typename T>
+static inline T nan_max(T a, T b) {
+  return (std::isnan(a) || a > b) ? a : b;
+}
+
 // Bucket sums of one row of `x` (keys [j0, end)) into pb (R entries).
 template <typename T>
 static inline void bucket_row(const T* x, const Geometry& g, int64_t p, int64_t j0, int64_t fl,
                               int64_t bd, int64_t end, T* pb) {
   T sum_l = 0, sum_r = 0;
+#pragma omp simd reduction(+ : sum_l)
   for (int64_t j = j0; j < fl; ++j) sum_l += x[j - j0];
   T* band = pb + (g.left - p);
   for (int64_t j = fl; j < bd; ++j) band[j] += x[j - j0];
+#pragma omp simd reduction(+ : sum_r)
   for (int64_t j = bd; j < end; ++j) sum_r += x[j - j0];
   pb[0] += sum_l;
   pb[g.R - 1] += sum_r;
@@ -299,6 +311,18 @@ static inline T row_max(const T* x, int64_t n) {
   for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
   for (int u = 0; u < W; ++u) mx = lane[u] > mx ? lane[u] : mx;
   return mx;
+}
+
+template <typename T>
+static inline T exp_sum(T* x, int64_t n, T offset) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = exp_<T>(x[j] - offset);
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -334,18 +358,28 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
       std::fill(l.begin(), l.end(), T(0));
       for (int64_t j0 = 0; j0 < S; j0 += BK) {
         if (!g.block_visible(i1, j0)) break;
-        const int64_t j1 = std::min(S, j0 + BK), nk = j1 - j0;
+        const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
         gemm<T>(false, true, nq, nk, D, scale, qp, D, kp + j0 * D, D, T(0), sbuf.data(), nk);
         for (int64_t r = 0; r < nq; ++r) {
           const int64_t i = i0 + r, p = g.query_start + i;
           T* s = sbuf.data() + r * nk;
           int64_t fl, bd, end;
+          g.segments(p, j0, j1, fl, bd, end);
           const T* mrow = mask ? mask + b * g.mB + h * g.mH + i * g.mL : nullptr;
-          add_row_bias<T>(s, g, p, j0, j1, akp ? qa.data() + r * R : nullptr, kb, mrow, fl, bd,
-                          end);
-          const int64_t nv = end - j0;
-          T mx = row_max<T>(s, nv);
-          // std::max drops NaN; a row whose visible scores are all NaN must stay NaN, not look
+          add_masks<T>(s, g, j0, end, kb, mrow);
+          const T* qar = akp ? qa.data() + r * R : nullptr;
+          const T c0 = qar ? qar[0] : T(0), c1 = qar ? qar[R - 1] : T(0);
+          const int64_t nl = fl - j0, nb = bd - fl, nr = end - bd, nv = end - j0;
+          T* sb = s + nl;  // the band's scores
+          if (qar != nullptr) {
+            const T* band = qar + (g.left - p + fl);  // band[x] = QA[i, (fl + x) - p + left]
+            for (int64_t x = 0; x < nb; ++x) sb[x] += band[x];
+          }
+          T mx = ninf;
+          if (nl > 0) mx = nan_max<T>(mx, row_max<T>(s, nl) + c0);
+          if (nb > 0) mx = nan_max<T>(mx, row_max<T>(sb, nb));
+          if (nr > 0) mx = nan_max<T>(mx, row_max<T>(sb + nb, nr) + c1);
+          // row_max skips NaN; a row whose visible scores are all NaN must stay NaN, not look
           // empty (other NaNs reach the row through exp and its sum).
           if (mx == ninf) {
             for (int64_t j = 0; j < nv; ++j)
@@ -368,15 +402,11 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
             }
           }
           m[r] = m_new;
-          T sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < nv; ++j) {
-            const T e = exp_<T>(s[j] - m_new);
-            s[j] = e;
-            sum += e;
-          }
+          const T sum_l = exp_sum<T>(s, nl, m_new - c0);
+          const T sum_b = exp_sum<T>(sb, nb, m_new);
+          const T sum_r = exp_sum<T>(sb + nb, nr, m_new - c1);
           for (int64_t j = nv; j < nk; ++j) s[j] = T(0);
-          l[r] += sum;
+          l[r] += sum_l + sum_b + sum_r;
           if (drop.on) {
             uint32_t k1, k2;
             drop.row_keys(bh, i, k1, k2);
@@ -386,8 +416,14 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
               const bool kp_ = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th);
               s[j] = kp_ ? s[j] * inv_keep : T(0);
             }
+            if (avp) bucket_row<T>(s, g, p, j0, fl, bd, end, pb.data() + r * R);
+          } else if (avp) {
+            T* pr = pb.data() + r * R;
+            pr[0] += sum_l;
+            pr[R - 1] += sum_r;
+            T* band = pr + (g.left - p + fl);
+            for (int64_t x = 0; x < nb; ++x) band[x] += sb[x];
           }
-          if (avp) bucket_row<T>(s, g, p, j0, fl, bd, end, pb.data() + r * R);
         }
         gemm<T>(false, false, nq, Dv, nk, T(1), sbuf.data(), nk, vp + j0 * Dv, Dv, T(1),
                 acc.data(), Dv);
@@ -466,7 +502,7 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
         std::fill(dqacc.begin(), dqacc.begin() + nq * D, T(0));
         for (int64_t j0 = 0; j0 < S; j0 += BK) {
           if (!g.block_visible(i1, j0)) break;
-          const int64_t j1 = std::min(S, j0 + BK), nk = j1 - j0;
+          const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
           gemm<T>(false, true, nq, nk, D, scale, qp, D, kp + j0 * D, D, T(0), sbuf.data(), nk);
           gemm<T>(false, true, nq, nk, Dv, T(1), dop, Dv, vp + j0 * Dv, Dv, T(0), dpbuf.data(),
                   nk);
@@ -477,22 +513,67 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
             T* dp = dpbuf.data() + r * nk;
             T* pdr = pd + r * nk;
             int64_t fl, bd, end;
+            g.segments(p, j0, j1, fl, bd, end);
             const T* mrow = mask ? mask + b * g.mB + h * g.mH + i * g.mL : nullptr;
-            add_row_bias<T>(s, g, p, j0, j1, akp ? qa.data() + r * R : nullptr, kb, mrow, fl, bd,
-                            end);
-            const int64_t nv = end - j0;
-            const T lr = lp[r];
-#pragma omp simd
-            for (int64_t j = 0; j < nv; ++j) s[j] = exp_<T>(s[j] - lr);  // P
-            if (avp) {
-              const T* o = doa.data() + r * R;
-              const T c0 = o[0], c1 = o[R - 1];
-              for (int64_t j = j0; j < fl; ++j) dp[j - j0] += c0;
-              const T* band = o + (g.left - p);
-              for (int64_t j = fl; j < bd; ++j) dp[j - j0] += band[j];
-              for (int64_t j = bd; j < end; ++j) dp[j - j0] += c1;
+            add_masks<T>(s, g, j0, end, kb, mrow);
+            const T* qar = akp ? qa.data() + r * R : nullptr;
+            const T* doar = avp ? doa.data() + r * R : nullptr;
+            const T c0 = qar ? qar[0] : T(0), c1 = qar ? qar[R - 1] : T(0);
+            const T e0 = doar ? doar[0] : T(0), e1 = doar ? doar[R - 1] : T(0);
+            const int64_t nl = fl - j0, nb = bd - fl, nr = end - bd, nv = end - j0;
+            T* sb = s + nl;
+            T* dpb = dp + nl;
+            if (qar != nullptr) {
+              const T* band = qar + (g.left - p + fl);
+              for (int64_t x = 0; x < nb; ++x) sb[x] += band[x];
             }
-            if (drop.on) {
+            const T lr = lp[r], dl = delta[r];
+            // P, segment by segment (the far constants folded into the offsets)
+            const T p_l = exp_sum<T>(s, nl, lr - c0);
+            exp_sum<T>(sb, nb, lr);
+            const T p_r = exp_sum<T>(sb + nb, nr, lr - c1);
+            if (!drop.on) {
+              // dS = P (dO . (v_j + aV[r]) - delta): the far segments' dO . aV is a constant
+              T ds_l = 0, ds_r = 0;
+              const T dl_l = dl - e0, dl_r = dl - e1;
+#pragma omp simd reduction(+ : ds_l)
+              for (int64_t j = 0; j < nl; ++j) {
+                const T x = s[j] * (dp[j] - dl_l);
+                dp[j] = x;
+                ds_l += x;
+              }
+              const T* doab = doar ? doar + (g.left - p + fl) : nullptr;
+              for (int64_t x = 0; x < nb; ++x)
+                dpb[x] = sb[x] * (dpb[x] + (doab ? doab[x] : T(0)) - dl);
+              T* dpr = dpb + nb;
+              const T* sr = sb + nb;
+#pragma omp simd reduction(+ : ds_r)
+              for (int64_t j = 0; j < nr; ++j) {
+                const T x = sr[j] * (dpr[j] - dl_r);
+                dpr[j] = x;
+                ds_r += x;
+              }
+              if (avp) {
+                T* pr = pb.data() + r * R;
+                pr[0] += p_l;
+                pr[R - 1] += p_r;
+                T* band = pr + (g.left - p + fl);
+                for (int64_t x = 0; x < nb; ++x) band[x] += sb[x];
+              }
+              if (akp) {
+                T* dr = dsb.data() + r * R;
+                dr[0] += ds_l;
+                dr[R - 1] += ds_r;
+                T* band = dr + (g.left - p + fl);
+                for (int64_t x = 0; x < nb; ++x) band[x] += dpb[x];
+              }
+            } else {
+              if (doar != nullptr) {
+                for (int64_t j = 0; j < nl; ++j) dp[j] += e0;
+                const T* doab = doar + (g.left - p + fl);
+                for (int64_t x = 0; x < nb; ++x) dpb[x] += doab[x];
+                for (int64_t j = 0; j < nr; ++j) dpb[nb + j] += e1;
+              }
               uint32_t k1, k2;
               drop.row_keys(bh, i, k1, k2);
               const uint32_t th = drop.threshold;
@@ -501,20 +582,17 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
                 const T w = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th) ? inv_keep
                                                                                      : T(0);
                 pdr[j] = s[j] * w;
-                dp[j] *= w;
+                dp[j] = s[j] * (dp[j] * w - dl);  // dS
               }
               for (int64_t j = nv; j < nk; ++j) pdr[j] = T(0);
+              if (avp) bucket_row<T>(pdr, g, p, j0, fl, bd, end, pb.data() + r * R);
+              if (akp) bucket_row<T>(dp, g, p, j0, fl, bd, end, dsb.data() + r * R);
             }
-            if (avp) bucket_row<T>(pdr, g, p, j0, fl, bd, end, pb.data() + r * R);
-            // dP -> dS in place (dpbuf); the masked tail is 0 in both buffers.
-            const T dl = delta[r];
-#pragma omp simd
-            for (int64_t j = 0; j < nv; ++j) dp[j] = s[j] * (dp[j] - dl);
+            // the masked tail is 0 in both buffers
             for (int64_t j = nv; j < nk; ++j) {
               dp[j] = T(0);
               s[j] = T(0);
             }
-            if (akp) bucket_row<T>(dp, g, p, j0, fl, bd, end, dsb.data() + r * R);
           }
           // dv += P^T @ dO, dq += dS @ K, dk += scale * dS^T @ Q
           gemm<T>(true, false, nk, Dv, nq, T(1), pd, nk, dop, Dv, T(1), dvp + j0 * Dv, Dv);
