@@ -29,10 +29,12 @@ R = left + right + 1 table rows.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason, accumulation_dtype
+from relpos.ops.call import AttentionCall, Reason, accumulation_dtype, needs_backward
 from relpos.ops.native import build
 
 __all__ = [
@@ -136,13 +138,18 @@ def attention(call: AttentionCall) -> Tensor:
     reason = unsupported_reason(call)
     if reason is not None:
         raise RuntimeError(f"the native backend cannot serve this call: {reason}")
-    from relpos.ops.native import op  # noqa: F401  (registers relpos::native_attention)
+    from relpos.ops.native import op  # registers relpos::native_attention
 
     seed = draw_seed() if call.dropout_p > 0.0 else None
     key_bias, attn_bias = masks(call)
-    return torch.ops.relpos.native_attention(
-        call.query, call.key, call.value, call.rel_keys, call.rel_values, key_bias, attn_bias,
-        seed,
+    args = (call.query, call.key, call.value, call.rel_keys, call.rel_values, key_bias,
+            attn_bias, seed)
+    options: dict[str, Any] = dict(
         left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
         query_start=call.query_start, dropout_p=call.dropout_p,
-    )[0]
+    )
+    if not needs_backward(call) and not (
+        torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    ):
+        return op.forward(*args, **options)[0]  # inference and decoding: no dispatch cost
+    return torch.ops.relpos.native_attention(*args, **options)[0]

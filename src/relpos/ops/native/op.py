@@ -18,7 +18,7 @@ from torch import Tensor
 from relpos.ops.call import accumulation_dtype
 from relpos.ops.native.build import load
 
-__all__ = ["dropout_mask", "native_attention"]
+__all__ = ["dropout_mask", "forward", "native_attention"]
 
 
 def _kernels():
@@ -39,6 +39,29 @@ def _expanded(mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
         return None
     B, H, L, _ = query.shape
     return mask.expand(B, H, L, key.shape[2])
+
+
+def forward(
+    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None, key_bias: Tensor | None, attn_bias: Tensor | None,
+    seed: Tensor | None, *, left: int, right: int, is_causal: bool, scale: float,
+    query_start: int, dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """The forward of :func:`native_attention`, without the custom op's dispatch (what
+    inference calls directly: no autograd, no tracing)."""
+    B, H, L, _ = query.shape
+    S, Dv = key.shape[2], value.shape[-1]
+    acc = accumulation_dtype(query.dtype)
+    if L == 0 or S == 0 or B * H == 0:
+        out = query.new_zeros(B, H, L, Dv)
+        return out, torch.full((B, H, L), float("inf"), dtype=acc, device=query.device)
+    q, k, v, rk, rv, kb, mb = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values,
+                                                        key_bias, attn_bias))
+    out, lse = _kernels().forward(
+        q, k, v, rk, rv, kb, _expanded(mb, query, key), left, right, is_causal, scale,
+        query_start, dropout_p, seed,
+    )
+    return out.to(query.dtype), lse
 
 
 @torch.library.custom_op("relpos::native_attention", mutates_args=())
@@ -67,19 +90,11 @@ def native_attention(
     (``-inf`` hides the pair); ``seed`` is two int64 (the dropout stream), or None without
     dropout.
     """
-    B, H, L, _ = query.shape
-    S, Dv = key.shape[2], value.shape[-1]
-    acc = accumulation_dtype(query.dtype)
-    if L == 0 or S == 0 or B * H == 0:
-        out = query.new_zeros(B, H, L, Dv)
-        return out, torch.full((B, H, L), float("inf"), dtype=acc, device=query.device)
-    q, k, v, rk, rv, kb, mb = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values,
-                                                        key_bias, attn_bias))
-    out, lse = _kernels().forward(
-        q, k, v, rk, rv, kb, _expanded(mb, query, key), left, right, is_causal, scale,
-        query_start, dropout_p, seed,
+    return forward(
+        query, key, value, rel_keys, rel_values, key_bias, attn_bias, seed, left=left,
+        right=right, is_causal=is_causal, scale=scale, query_start=query_start,
+        dropout_p=dropout_p,
     )
-    return out.to(query.dtype), lse
 
 
 @native_attention.register_fake
