@@ -442,6 +442,9 @@ def why_not_fused(call: AttentionCall) -> str | None:
         return f"implementation={call.implementation!r} was asked for"
     for name in BACKENDS[: BACKENDS.index("fused")]:
         if call.implementation is None and _auto_reason(name, call) is None:
+            if name == "native":
+                return ("the native CPU kernels serve this call and are picked first "
+                        "(RELPOS_NATIVE=0 turns them off)")
             return (f"the {name} backend is picked first for L={call.query_len} queries over "
                     f"S={call.key_len} keys")
     reason = fused.unsupported_reason(call) if call.implementation else _auto_reason("fused", call)
