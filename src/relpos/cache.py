@@ -100,6 +100,7 @@ class LayerCache:
         self._values: Tensor | None = None  # (B, H, capacity, Dv)
         self._key_mask: Tensor | None = None  # (B, capacity) bool, True = real token
         self._length = 0
+        self._version = 0
 
     # ------------------------------------------------------------------ properties
     @property
@@ -109,6 +110,13 @@ class LayerCache:
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def version(self) -> int:
+        """A counter that every change of the cache increments (append, step, growth,
+        truncate, reorder, reset): what an object holding storage derived from the cache
+        (:class:`relpos.models.decoding.StepDecoder`) compares to know it is still in sync."""
+        return self._version
 
     @property
     def capacity(self) -> int:
@@ -258,6 +266,7 @@ class LayerCache:
         if self._key_mask is not None:
             self._key_mask[:, self._length : needed] = True if key_mask is None else key_mask
         self._length = needed
+        self._version += 1
         return self.keys, self.values, self.key_mask  # type: ignore[return-value]
 
     def reserve_step(self, batch_size: int, heads: int, head_dim: int) -> tuple[
@@ -287,6 +296,7 @@ class LayerCache:
             cap = self.capacity
             self._resize(cap * 2)
         S = self._length + 1
+        self._version += 1
         mask = None
         if self._key_mask is not None:
             self._key_mask[:, self._length] = True
@@ -300,11 +310,13 @@ class LayerCache:
                 f"cannot advance by {t}: length {self._length}, capacity {self.capacity}"
             )
         self._length += t
+        self._version += 1
 
     def _resize(self, capacity: int) -> None:
         assert self._keys is not None and self._values is not None
         keys = self._keys.new_empty(*self._keys.shape[:2], capacity, self._keys.shape[3])
         values = self._values.new_empty(*self._values.shape[:2], capacity, self._values.shape[3])
+        self._version += 1
         keys[:, :, : self._length] = self._keys[:, :, : self._length]
         values[:, :, : self._length] = self._values[:, :, : self._length]
         self._keys, self._values = keys, values
@@ -319,6 +331,7 @@ class LayerCache:
         """Forget every cached position and the shapes; keeps capacity settings."""
         self._keys = self._values = self._key_mask = None
         self._length = 0
+        self._version += 1
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (e.g. reject speculative tokens).
@@ -333,6 +346,7 @@ class LayerCache:
                 f"cannot truncate to length {length}: allowed 0 <= length <= {self._length}"
             )
         self._length = int(length)
+        self._version += 1
 
     @contextlib.contextmanager
     def rollback_on_error(self) -> Iterator[LayerCache]:
@@ -388,6 +402,7 @@ class LayerCache:
 
     def _apply_indices(self, idx: Tensor) -> None:
         assert self._keys is not None and self._values is not None
+        self._version += 1
         self._keys = self._keys.index_select(0, idx)
         self._values = self._values.index_select(0, idx)
         if self._key_mask is not None:
