@@ -221,6 +221,26 @@ def test_generate_stops_at_eos_and_pads_finished_rows() -> None:
     assert bool((both[1, 1:] == eos).all())
 
 
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=1e-40), dict(temperature=1e-300), dict(temperature=5e-324),
+    dict(top_p=1e-320), dict(top_p=5e-324), dict(top_p=1e-40, temperature=1e-300),
+], ids=str)
+def test_a_tiny_temperature_or_top_p_is_greedy(sampling: dict) -> None:
+    """The temperature divides logits with the top one at 0 (in float64); the top token
+    always stays in the nucleus."""
+    model = _lm(max_distance=3)
+    prompt = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(2))
+    out = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0), **sampling)
+    assert torch.equal(out, model.generate(prompt, 6, temperature=0))
+
+
+def test_generate_refuses_a_cache_larger_than_memory() -> None:
+    model = _lm(max_distance=3)
+    with pytest.raises(ValueError, match=r"max_new_tokens=1000000000000: a cache of 4 \+ "
+                                         r"1000000000000 positions needs .* GiB, more than"):
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 10**12)
+
+
 def test_generate_top_p() -> None:
     model = _lm(max_distance=3)
     prompt = torch.randint(0, V, (4, 3))
