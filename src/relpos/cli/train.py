@@ -116,7 +116,7 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--warmup", type=non_negative_int, help="warmup steps (20)")
     g.add_argument("--weight-decay", type=_args.non_negative_float,
                    help="AdamW weight decay, a finite number >= 0 (0.01)")
-    g.add_argument("--seed", type=non_negative_int, help="seed (default 0)")
+    g.add_argument("--seed", type=_args.seed, help="seed (default 0)")
     g = p.add_argument_group("run")
     g.add_argument("--out", default="runs/train", metavar="DIR",
                    help="output directory (default runs/train)")
@@ -330,7 +330,8 @@ def _out_of_memory(err: BaseException) -> bool:
 def run(args: argparse.Namespace) -> int:
     out = _args.check_output_dir(args.out)
     if args.text is not None and not Path(args.text).is_file():
-        raise CLIError(f"text file {args.text!r} does not exist")
+        what = "is a directory" if Path(args.text).is_dir() else "does not exist"
+        raise CLIError(f"text file {args.text!r} {what}; allowed: a UTF-8 text file")
 
     import torch
 

@@ -114,6 +114,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.seed > 2**64 - 1:
+            raise ValueError(f"seed must be an int in 0..2**64 - 1 (torch.manual_seed's range), "
+                             f"got {self.seed}")
         if self.schedule_steps is not None:
             value = self.schedule_steps
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
