@@ -160,3 +160,19 @@ def test_models_without_supported_attention_and_non_models_are_refused():
         hf.patch(bert)
     with pytest.raises(TypeError, match="got str"):
         hf.patch("facebook/w2v-bert-2.0")  # type: ignore[arg-type]
+
+
+def test_patched_model_with_a_mask_compiles_with_fullgraph():
+    """The mask conversion has no data-dependent branch, so the patched model compiles as
+    one graph, like the stock one."""
+    stock = _w2v_bert(dtype=torch.float32)
+    patched = copy.deepcopy(stock)
+    hf.patch(patched)
+    x, mask = _inputs(torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(x, attention_mask=mask).last_hidden_state
+        want = stock(x, attention_mask=mask).last_hidden_state
+    valid = mask.bool()[..., None].expand_as(want)  # padded frames: see test above
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
