@@ -111,3 +111,14 @@ def test_missing_model(tmp_path, capsys):
     assert code == 2 and "no such file" in err
     code, _, err = _run(capsys, "generate", str(tmp_path), "--text", "x")
     assert code == 2 and "without a training checkpoint" in err
+
+
+def test_load_module_takes_a_run_directory_like_the_commands(text_run, tmp_path):
+    from relpos.export import ModuleFormatError
+
+    a, b = load_module(text_run), load_module(text_run / "checkpoints")
+    assert isinstance(a, RelativeTransformerLM)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    with pytest.raises(ModuleFormatError, match="neither latest.json nor checkpoints/latest"):
+        load_module(tmp_path)
