@@ -120,5 +120,5 @@ def test_load_module_takes_a_run_directory_like_the_commands(text_run, tmp_path)
     assert isinstance(a, RelativeTransformerLM)
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x, y), name
-    with pytest.raises(ModuleFormatError, match="neither latest.json nor checkpoints/latest"):
+    with pytest.raises(ModuleFormatError, match=r"neither latest\.json nor checkpoints/latest"):
         load_module(tmp_path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,12 @@ def check_output_dir(path: str | Path, option: str = "--out") -> Path:
     return target
 
 
+def _plain(text: str) -> str:
+    """Docstring markup as plain text for ``--help``: ``x`` and :role:`x` become x."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def subcommand(
     subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], summary: str,
     description: str,
@@ -263,7 +270,8 @@ def subcommand(
         summary: its line in ``relpos --help``.
         description: the text of ``relpos NAME --help``.
     """
-    p: argparse.ArgumentParser = subparsers.add_parser(name, help=summary, description=description)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=summary, description=_plain(description))
     p.set_defaults(func=run)
     return p
 
