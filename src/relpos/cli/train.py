@@ -95,7 +95,9 @@ def add_parser(subparsers: Any) -> None:
         "(those given must agree with the saved ones); --eval-lengths, --eval-every and "
         "--checkpoint-every may differ, and --steps: a larger one trains longer on the run's "
         "learning-rate schedule (the floor rate after its end), a smaller one (not below "
-        "the checkpoint's step) stops earlier.",
+        "the checkpoint's step) stops earlier. Losses are cross-entropies in nats per "
+        "scored position (bits beside; the experiment report uses bits per character); "
+        "--no-progress hides the bar, not the evaluation lines.",
     )
     g = p.add_argument_group("data")
     g.add_argument("--task", metavar="NAME",
@@ -379,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=not args.no_progress,
             ctx=ctx,
+            log=print,
         )
     except RuntimeError as err:
         if not _out_of_memory(err):
