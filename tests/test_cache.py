@@ -388,3 +388,8 @@ def test_version_counts_every_change_and_no_refused_call():
     assert cache.version == seen[-1]
     cache.reset()
     changed()
+    # unique across caches: two caches with the same history never share a version
+    a, b = LayerCache(), LayerCache()
+    for c in (a, b):
+        c.append(x, x)
+    assert a.version != b.version

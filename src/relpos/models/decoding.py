@@ -241,7 +241,7 @@ class StepDecoder:
 
     @staticmethod
     def _versions(cache: KVCache) -> tuple[int, ...]:
-        return (id(cache), *(lc.version for lc in cache))
+        return tuple(lc.version for lc in cache)  # unique across caches
 
     @torch.no_grad()
     def __call__(self, token: Tensor, cache: KVCache) -> Tensor:
