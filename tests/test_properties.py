@@ -80,11 +80,16 @@ def _leaves(call: dict) -> list[str]:
             if call[n] is not None]
 
 
+def _prepared(call: dict, grad: bool) -> dict:
+    """``call`` with query, key, value and the tables requiring grad (or not)."""
+    return {k: v.detach().requires_grad_(grad) if k in _leaves(call) else v
+            for k, v in call.items()}
+
+
 def _run(call: dict, implementation: str, grad: bool) -> list[torch.Tensor]:
-    """Output (and, with ``grad``, the gradients of every tensor input for a fixed upstream
-    gradient), in float64."""
-    call = {k: v.detach().requires_grad_(grad) if isinstance(v, torch.Tensor)
-            and v.is_floating_point() else v for k, v in call.items()}
+    """Output (and, with ``grad``, the gradients of query, key, value and the tables for a
+    fixed upstream gradient), in float64."""
+    call = _prepared(call, grad)
     out = relpos.relative_attention(**call, implementation=implementation)
     results = [out.detach().double()]
     if grad:
@@ -103,7 +108,7 @@ def test_every_serving_backend_equals_the_reference(call):
     grad = call["query"].dtype == torch.float64
     want = _run(call, "reference", grad)
     tol = TOLERANCE[call["query"].dtype] * max(1.0, abs(call["scale"] or 1.0))
-    for name in serving_backends(**call):
+    for name in serving_backends(**_prepared(call, grad)):  # as the call will run
         if name == "reference":
             continue
         got = _run(call, name, grad)
