@@ -371,8 +371,8 @@ def relative_attention(call: AttentionCall) -> Tensor:
     hidden non-finite value may still reach other rows, through ``0 * inf`` in the value
     product, and through hidden keys in the fused backend). A NaN or infinity in table row ``r``
     makes non-finite every row that sees a key at offset ``r`` and leaves the rows with no key
-    at that offset unchanged, except that the bucketed and decode backends multiply their value
-    buckets by the whole ``rel_values`` table, so there a non-finite ``rel_values`` row reaches
+    at that offset unchanged, except in backends that multiply per-row value buckets by the
+    whole ``rel_values`` table (bucketed, decode): there a non-finite ``rel_values`` row reaches
     every row. ``-inf`` in a float ``attn_mask``
     means masked, exactly like ``False`` in a bool mask; ``+inf`` or NaN in it makes that row
     NaN. Rows that see no key return zeros with zero gradients, never NaN.
