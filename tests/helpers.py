@@ -113,3 +113,18 @@ def manual_mha(mha: relpos.RelativeMultiheadAttention, x: torch.Tensor, **kwargs
         implementation="reference", **kwargs,
     )
     return mha.out_proj(out.transpose(1, 2).reshape(B, L, E))
+
+
+def serving_backends(**call: object) -> list[str]:
+    """The backends of :func:`relpos.available_backends` that serve ``call`` (the arguments of
+    :func:`relpos.relative_attention` without ``implementation``); a backend that refuses it
+    is left out for this call only."""
+    names = []
+    for name in relpos.available_backends():
+        try:
+            relpos.select_backend(**call, implementation=name)  # type: ignore[arg-type]
+        except RuntimeError as err:
+            assert "cannot serve this call" in str(err), err
+            continue
+        names.append(name)
+    return names

@@ -362,3 +362,34 @@ def test_kv_cache_rollback_undoes_every_layer_of_a_partial_step():
         empty[0].append(*_rollback_kv())
         raise ValueError("mid-step")
     assert all(layer.keys is None for layer in empty)
+
+
+def test_version_counts_every_change_and_no_refused_call():
+    cache = LayerCache(capacity=2, growable=True)
+    seen = [cache.version]
+
+    def changed() -> None:
+        assert cache.version != seen[-1]
+        seen.append(cache.version)
+
+    x = torch.randn(1, 2, 2, 4)
+    cache.append(x, x)
+    changed()
+    cache.reserve_step(1, 2, 4)  # grows 2 -> 4
+    changed()
+    cache.advance(1)
+    changed()
+    cache.truncate(2)
+    changed()
+    cache.reorder([0, 0])
+    changed()
+    with pytest.raises(ValueError):
+        cache.append(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))  # batch size 1 != 2
+    assert cache.version == seen[-1]
+    cache.reset()
+    changed()
+    # unique across caches: two caches with the same history never share a version
+    a, b = LayerCache(), LayerCache()
+    for c in (a, b):
+        c.append(x, x)
+    assert a.version != b.version

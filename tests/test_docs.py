@@ -31,9 +31,12 @@ def test_docs_build_strict(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     api = (site / "api" / "index.html").read_text()
     for name in ("relative_attention", "RelativeMultiheadAttention", "resize_relative_table",
-                 "load_state_dict_resized", "save_module", "export_onnx", "KVCache"):
+                 "load_state_dict_resized", "save_module", "export_onnx", "KVCache",
+                 "RelativeTransformerLM", "ModelConfig", "TrainConfig", "save_checkpoint",
+                 "relpos.integrations.transformers", "is_patched", "to_ctranslate2"):
         assert name in api, name
     conventions = (site / "conventions" / "index.html").read_text()
     assert "query 2 (p=4)   0  0  0  0  1" in conventions  # the bottom-right index matrix

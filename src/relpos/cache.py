@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import numbers
 from collections.abc import Iterator, Sequence
 
@@ -34,6 +35,8 @@ from torch import Tensor
 __all__ = ["KVCache", "LayerCache"]
 
 _DEFAULT_CAPACITY = 64
+# Versions are unique across caches: equal versions mean the same cache in the same state.
+_VERSIONS = itertools.count()
 
 
 def _check_capacity(capacity: object, growable: object) -> tuple[int | None, bool]:
@@ -100,6 +103,7 @@ class LayerCache:
         self._values: Tensor | None = None  # (B, H, capacity, Dv)
         self._key_mask: Tensor | None = None  # (B, capacity) bool, True = real token
         self._length = 0
+        self._version = next(_VERSIONS)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -109,6 +113,14 @@ class LayerCache:
 
     def __len__(self) -> int:
         return self._length
+
+    @property
+    def version(self) -> int:
+        """A number that every change of the cache renews (append, step, growth, truncate,
+        reorder, reset), unique across caches: what an object holding storage derived from
+        the cache (:class:`relpos.models.decoding.StepDecoder`) compares to know it is still
+        in sync."""
+        return self._version
 
     @property
     def capacity(self) -> int:
@@ -258,6 +270,7 @@ class LayerCache:
         if self._key_mask is not None:
             self._key_mask[:, self._length : needed] = True if key_mask is None else key_mask
         self._length = needed
+        self._version = next(_VERSIONS)
         return self.keys, self.values, self.key_mask  # type: ignore[return-value]
 
     def reserve_step(self, batch_size: int, heads: int, head_dim: int) -> tuple[
@@ -287,6 +300,7 @@ class LayerCache:
             cap = self.capacity
             self._resize(cap * 2)
         S = self._length + 1
+        self._version = next(_VERSIONS)
         mask = None
         if self._key_mask is not None:
             self._key_mask[:, self._length] = True
@@ -300,11 +314,13 @@ class LayerCache:
                 f"cannot advance by {t}: length {self._length}, capacity {self.capacity}"
             )
         self._length += t
+        self._version = next(_VERSIONS)
 
     def _resize(self, capacity: int) -> None:
         assert self._keys is not None and self._values is not None
         keys = self._keys.new_empty(*self._keys.shape[:2], capacity, self._keys.shape[3])
         values = self._values.new_empty(*self._values.shape[:2], capacity, self._values.shape[3])
+        self._version = next(_VERSIONS)
         keys[:, :, : self._length] = self._keys[:, :, : self._length]
         values[:, :, : self._length] = self._values[:, :, : self._length]
         self._keys, self._values = keys, values
@@ -319,6 +335,7 @@ class LayerCache:
         """Forget every cached position and the shapes; keeps capacity settings."""
         self._keys = self._values = self._key_mask = None
         self._length = 0
+        self._version = next(_VERSIONS)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions (e.g. reject speculative tokens).
@@ -333,6 +350,7 @@ class LayerCache:
                 f"cannot truncate to length {length}: allowed 0 <= length <= {self._length}"
             )
         self._length = int(length)
+        self._version = next(_VERSIONS)
 
     @contextlib.contextmanager
     def rollback_on_error(self) -> Iterator[LayerCache]:
@@ -388,6 +406,7 @@ class LayerCache:
 
     def _apply_indices(self, idx: Tensor) -> None:
         assert self._keys is not None and self._values is not None
+        self._version = next(_VERSIONS)
         self._keys = self._keys.index_select(0, idx)
         self._values = self._values.index_select(0, idx)
         if self._key_mask is not None:

@@ -264,7 +264,8 @@ def save_module(module: nn.Module, path: str | os.PathLike[str]) -> Path:
 
 
 def load_module(path: str | os.PathLike[str]) -> nn.Module:
-    """Load a module saved by :func:`save_module` (or a ``relpos train`` checkpoint directory).
+    """Load a module saved by :func:`save_module`, or a ``relpos train`` run: its ``--out``
+    directory or the ``checkpoints/`` directory in it (as every ``relpos`` command takes).
 
     The module comes back on CPU, in eval mode.
 
@@ -307,9 +308,13 @@ def load_module(path: str | os.PathLike[str]) -> nn.Module:
 
 
 def _load_checkpoint_dir(root: Path) -> nn.Module:
+    if not (root / "latest.json").is_file() and (root / "checkpoints" / "latest.json").is_file():
+        root = root / "checkpoints"  # a relpos train --out directory
     if not (root / "latest.json").is_file():
         raise ModuleFormatError(
-            f"{str(root)!r} is a directory without a training checkpoint (latest.json)"
+            f"{str(root)!r} is a directory without a training checkpoint: neither latest.json "
+            "nor checkpoints/latest.json; allowed: a relpos train --out directory, its "
+            "checkpoints/, or a file saved with save_module"
         )
     from relpos.training.checkpoint import load_checkpoint
 

@@ -370,7 +370,11 @@ def relative_attention(call: AttentionCall) -> Tensor:
     non-finite output row ``i`` and leaves every other row unchanged; a NaN or infinity in key
     or value ``j`` makes non-finite every row that can see ``j`` (masks do not sanitize: a
     hidden non-finite value may still reach other rows, through ``0 * inf`` in the value
-    product, and through hidden keys in the fused backend). ``-inf`` in a float ``attn_mask``
+    product, and through hidden keys in the fused backend). A NaN or infinity in table row ``r``
+    makes non-finite every row that sees a key at offset ``r`` and leaves the rows with no key
+    at that offset unchanged, except in backends that multiply per-row value buckets by the
+    whole ``rel_values`` table (bucketed, decode): there a non-finite ``rel_values`` row reaches
+    every row. ``-inf`` in a float ``attn_mask``
     means masked, exactly like ``False`` in a bool mask; ``+inf`` or NaN in it makes that row
     NaN. Rows that see no key return zeros with zero gradients, never NaN.
 

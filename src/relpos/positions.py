@@ -32,6 +32,9 @@ import torch
 _SIZE_TYPES = (numbers.Integral, torch.SymInt)
 
 
+_MAX_ROW = 2**63 - 1  # the largest torch.long
+
+
 def _is_size(v: object) -> bool:
     return not isinstance(v, bool) and isinstance(v, _SIZE_TYPES)
 
@@ -172,6 +175,11 @@ def relative_position_index(
                 [0, 0, 1, 2]])
     """
     left, right = check_window(max_distance)
+    if left + right > _MAX_ROW:
+        raise ValueError(
+            f"max_distance={max_distance!r} has table rows up to left + right = {left + right}, "
+            f"more than a torch.long index holds; allowed: left + right <= {_MAX_ROW}"
+        )
     for name, v in (("query_len", query_len), ("key_len", key_len)):
         if not _is_size(v) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")

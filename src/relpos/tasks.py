@@ -419,6 +419,7 @@ class TextLM(Task):
 
     Raises:
         FileNotFoundError: if the file does not exist.
+        IsADirectoryError: if it is a directory.
         ValueError: if it is not UTF-8 text or too short to split.
     """
 
@@ -428,6 +429,9 @@ class TextLM(Task):
 
     def __init__(self, path: str | Path, *, valid_fraction: float = 0.1) -> None:
         self.path = Path(path)
+        if self.path.is_dir():
+            raise IsADirectoryError(f"text file {str(self.path)!r} is a directory; allowed: a "
+                                    "UTF-8 text file")
         if not self.path.is_file():
             raise FileNotFoundError(f"text file {str(self.path)!r} does not exist")
         if not 0.0 < valid_fraction < 1.0:

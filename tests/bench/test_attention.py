@@ -38,3 +38,19 @@ def test_bench_cli_rejects_unknown_backend(capsys) -> None:  # type: ignore[no-u
 
     assert main(["bench", "--backends", "nope", "--no-memory"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_the_default_table_has_an_auto_row_naming_its_pick(capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.bench.attention import default_backends
+    from relpos.cli import main
+
+    assert default_backends()[0] == "auto" and "decode" not in default_backends()
+    status = main([
+        "bench", "--lengths", "40,600", "--max-distances", "3", "--heads", "1", "--head-dim",
+        "8", "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "auto,sdpa",
+    ])
+    assert status == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    auto = [r for r in rows if len(r) > 2 and r[2] == "auto"]
+    assert [r[0] for r in auto] == ["40", "600"]
+    assert "picks reference" in " ".join(auto[0]) and "picks fused" in " ".join(auto[1])

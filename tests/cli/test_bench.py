@@ -183,3 +183,14 @@ def test_help_names_the_presets(capsys) -> None:  # type: ignore[no-untyped-def]
     text = capsys.readouterr().out
     assert "--preset {training,encoder}" in text and "--omp-wait-policy {passive,active}" in text
     assert "--tokens" in text
+
+
+def test_help_is_plain_text_in_every_subcommand(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Docstring markup (double backticks, :role:`x`) does not reach --help."""
+    from relpos.cli import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit):
+            main([name.replace("_", "-"), "--help"])
+        text = capsys.readouterr().out
+        assert "``" not in text and ":mod:" not in text and ":func:" not in text, name

@@ -210,6 +210,36 @@ CASES: list[tuple[str, Setup, str]] = [
     ("export-onnx --opset 1000",
      lambda t, r: ["export-onnx", str(_module(t)), "--opset", "1000"],
      "--opset 1000 is newer than the installed onnx"),
+    ("train --seed 99999999999999999999",
+     lambda t, r: ["train", "--seed", "99999999999999999999"],
+     "--seed: must be an int <= 18446744073709551615, got '99999999999999999999'"),
+    ("generate --seed -1", lambda t, r: ["generate", str(t), "--prompt-ids", "1", "--seed", "-1"],
+     "--seed: must be an int >= 0"),
+    ("train --threads 100000000000", lambda t, r: ["train", "--threads", "100000000000"],
+     "--threads: must be an int <= 1024"),
+    ("train --ff 99999999999999999999", lambda t, r: ["train", "--ff", "99999999999999999999"],
+     "--ff: must be an int <= 9223372036854775807"),
+    ("generate -n 1000000000000",
+     lambda t, r: ["generate", str(_copy_run(r, t)), "--prompt-ids", "1,2", "-n",
+                   "1000000000000"],
+     "max_new_tokens=1000000000000: a cache of 2 + 1000000000000 positions needs"),
+    # --- lists: each value once -------------------------------------------------------------
+    ("experiment --ks 2,2", lambda t, r: ["experiment", "--ks", "2,2", "--out", str(t / "e")],
+     "argument --ks: must be distinct, got '2,2' (2 more than once)"),
+    ("experiment --tasks recall,recall",
+     lambda t, r: ["experiment", "--tasks", "recall,recall", "--out", str(t / "e")],
+     "argument --tasks: must be distinct, got 'recall,recall' (recall more than once)"),
+    ("experiment --seeds 1,2,1",
+     lambda t, r: ["experiment", "--seeds", "1,2,1", "--out", str(t / "e")],
+     "argument --seeds: must be distinct, got '1,2,1' (1 more than once)"),
+    ("experiment --code-ks 4,4", lambda t, r: ["experiment", "--code-ks", "4,4"],
+     "argument --code-ks: must be distinct"),
+    ("experiment --depths 1,1", lambda t, r: ["experiment", "--depths", "1,1"],
+     "argument --depths: must be distinct"),
+    # --- what the input is -------------------------------------------------------------------
+    ("train --text DIR", lambda t, r: ["train", "--text", f"{_dir(t, 'corpus')}/", "--out",
+                                       str(t / "o")],
+     "text file '{tmp}/corpus/' is a directory; allowed: a UTF-8 text file"),
     # --- --resume reads the saved configuration -----------------------------------------------
     ("train --resume -k other than saved",
      lambda t, r: ["train", "--resume", "-k", "3", "--out", str(_copy_run(r, t))],
@@ -247,7 +277,9 @@ def test_bad_command_line(tmp_path, trained, no_long_work, setup, fragment):
     argv = setup(tmp_path, trained)
     if argv[0] == "export-onnx":
         pytest.importorskip("onnxscript")  # without the extra it says so first
+    before = sorted(tmp_path.rglob("*"))
     code, err = _run(argv)
+    assert sorted(tmp_path.rglob("*")) == before, "a refused run left files behind"
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("relpos: error: "), err
     fragment = fragment.replace("{tmp}", str(tmp_path))

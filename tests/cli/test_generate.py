@@ -111,3 +111,22 @@ def test_missing_model(tmp_path, capsys):
     assert code == 2 and "no such file" in err
     code, _, err = _run(capsys, "generate", str(tmp_path), "--text", "x")
     assert code == 2 and "without a training checkpoint" in err
+
+
+def test_load_module_takes_a_run_directory_like_the_commands(text_run, tmp_path):
+    from relpos.export import ModuleFormatError
+
+    a, b = load_module(text_run), load_module(text_run / "checkpoints")
+    assert isinstance(a, RelativeTransformerLM)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    with pytest.raises(ModuleFormatError, match=r"neither latest\.json nor checkpoints/latest"):
+        load_module(tmp_path)
+
+
+@pytest.mark.parametrize("sampling", [["--temperature", "1e-40"], ["--temperature", "1e-300"],
+                                      ["--top-p", "1e-320"]], ids=" ".join)
+def test_a_tiny_temperature_or_top_p_is_greedy_on_the_command_line(text_run, capsys, sampling):
+    greedy = _run(capsys, "generate", str(text_run), "--text", "def f1(", "-n", "8", "--greedy")
+    got = _run(capsys, "generate", str(text_run), "--text", "def f1(", "-n", "8", *sampling)
+    assert got == greedy and got[0] == 0

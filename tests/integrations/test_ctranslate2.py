@@ -263,6 +263,14 @@ def test_missing_ctranslate2_names_the_extra(tmp_path, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
+def test_a_symmetric_window_checks_like_its_clip_distance(tmp_path):
+    """max_distance=(K, K) is stored as [K, K] in the JSON metadata: still this model's."""
+    model = _lm(max_distance=(3, 3))
+    result = ct2.check_ctranslate2(model, _export(model, tmp_path), prompt_ids=WITH_ONE,
+                                   max_new_tokens=4)
+    assert result.ok(ATOL), result
+
+
 def test_check_refuses_another_models_export(tmp_path):
     out = _export(_lm(max_distance=2), tmp_path)
     with pytest.raises(ct2.CTranslate2ExportError, match="another configuration"):

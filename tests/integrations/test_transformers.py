@@ -139,6 +139,33 @@ def test_seamless_m4t_v2_speech_encoder():
                                stock(x, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-10)
 
 
+def test_seamless_m4t_v2_chunked_attention_with_padding():
+    """What the README says: real frames equal stock; a padded frame whose chunk holds no
+    real key (its query sees none) is zeros in relpos's attention, where stock differs."""
+    from transformers import SeamlessM4Tv2Config
+    from transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2 import (
+        SeamlessM4Tv2SpeechEncoder,
+    )
+
+    torch.manual_seed(0)
+    config = SeamlessM4Tv2Config(
+        hidden_size=32, speech_encoder_layers=1, speech_encoder_attention_heads=4,
+        speech_encoder_intermediate_size=64, feature_projection_input_dim=16,
+        conv_depthwise_kernel_size=3, position_embeddings_type="relative_key",
+        left_max_position_embeddings=5, right_max_position_embeddings=2,
+        speech_encoder_dropout=0.0, dropout=0.0, add_adapter=False, speech_encoder_layerdrop=0.0,
+        speech_encoder_chunk_size=4, speech_encoder_left_chunk_num=0)
+    stock = SeamlessM4Tv2SpeechEncoder(config).to(F64).eval()
+    patched = copy.deepcopy(stock)
+    hf.patch(patched)
+    x, mask = _inputs()  # row 1: its last 6 frames are padding, a whole chunk of them
+    got = patched(x, attention_mask=mask).last_hidden_state
+    want = stock(x, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-12)
+    assert not torch.allclose(got[~real], want[~real], atol=1e-6)
+
+
 def _forwards(model: torch.nn.Module) -> list[object]:
     return [m.forward for m in model.modules()]
 
@@ -160,3 +187,19 @@ def test_models_without_supported_attention_and_non_models_are_refused():
         hf.patch(bert)
     with pytest.raises(TypeError, match="got str"):
         hf.patch("facebook/w2v-bert-2.0")  # type: ignore[arg-type]
+
+
+def test_patched_model_with_a_mask_compiles_with_fullgraph():
+    """The mask conversion has no data-dependent branch, so the patched model compiles as
+    one graph, like the stock one."""
+    stock = _w2v_bert(dtype=torch.float32)
+    patched = copy.deepcopy(stock)
+    hf.patch(patched)
+    x, mask = _inputs(torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(x, attention_mask=mask).last_hidden_state
+        want = stock(x, attention_mask=mask).last_hidden_state
+    valid = mask.bool()[..., None].expand_as(want)  # padded frames: see test above
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)

@@ -142,6 +142,45 @@ def test_reserve_step_refusals() -> None:
         StepDecoder(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("kw", [dict(max_distance=3),
+                                dict(max_distance=(2, 1), share_heads=False)], ids=str)
+def test_steps_follow_a_cache_that_grows_shrinks_is_reordered_or_reset(kw: dict) -> None:
+    """The decoder's own storages (keys and values plus their table row) stay in sync with
+    every change of the cache: each step equals the full forward of the sequence so far."""
+    model = _lm(**kw)
+    ids = torch.randint(0, V, (3, 30), generator=torch.Generator().manual_seed(1))
+    step = StepDecoder(model)
+
+    def check(cache: KVCache, seq: torch.Tensor, upto: int) -> torch.Tensor:
+        """Steps ``cache`` (holding ``seq[:, :cache.length]``) up to ``upto`` tokens."""
+        for t in range(cache.length, upto):
+            got = step(seq[:, t], cache)
+            torch.testing.assert_close(got, model(seq[:, : t + 1])[:, -1], rtol=0, atol=1e-10)
+        return seq
+
+    with torch.no_grad():
+        cache = model.new_cache(capacity=4)  # growable, smaller than the sequence
+        model(ids[:, :3], cache=cache)
+        step.start(cache)
+        check(cache, ids, 20)  # grows 4 -> 8 -> 16 -> 32 under the steps
+        assert cache.capacity >= 20
+        cache.truncate(11)  # shrink (e.g. rejected speculative tokens), then go on
+        other = ids.clone()
+        other[:, 11:] = ids.flip(1)[:, 11:]
+        check(cache, other, 16)
+        model(other[:, 16:19], cache=cache)  # a chunk appended through the model
+        check(cache, other, 22)
+        order = torch.tensor([2, 0, 0, 1])  # reorder, a row repeated: the batch size changes
+        cache.reorder(order)
+        check(cache, other[order], 26)
+        cache.reset()  # a new prompt in the same cache
+        model(ids[:2, :5], cache=cache)
+        check(cache, ids[:2], 9)
+        fixed = model.new_cache(capacity=12, growable=False)  # another cache, same decoder
+        model(ids[:, :2], cache=fixed)
+        check(fixed, ids, 12)
+
+
 # ----------------------------------------------------------------------------- generate
 def test_generate_greedy_matches_module_decoding() -> None:
     model = _lm(max_distance=3)
@@ -180,6 +219,26 @@ def test_generate_stops_at_eos_and_pads_finished_rows() -> None:
     assert both.shape[1] <= out.shape[1]
     assert int(both[1, 0]) == int(free[1, 0])
     assert bool((both[1, 1:] == eos).all())
+
+
+@pytest.mark.parametrize("sampling", [
+    dict(temperature=1e-40), dict(temperature=1e-300), dict(temperature=5e-324),
+    dict(top_p=1e-320), dict(top_p=5e-324), dict(top_p=1e-40, temperature=1e-300),
+], ids=str)
+def test_a_tiny_temperature_or_top_p_is_greedy(sampling: dict) -> None:
+    """The temperature divides logits with the top one at 0 (in float64); the top token
+    always stays in the nucleus."""
+    model = _lm(max_distance=3)
+    prompt = torch.randint(0, V, (3, 4), generator=torch.Generator().manual_seed(2))
+    out = model.generate(prompt, 6, generator=torch.Generator().manual_seed(0), **sampling)
+    assert torch.equal(out, model.generate(prompt, 6, temperature=0))
+
+
+def test_generate_refuses_a_cache_larger_than_memory() -> None:
+    model = _lm(max_distance=3)
+    with pytest.raises(ValueError, match=r"max_new_tokens=1000000000000: a cache of 4 \+ "
+                                         r"1000000000000 positions needs .* GiB, more than"):
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 10**12)
 
 
 def test_generate_top_p() -> None:

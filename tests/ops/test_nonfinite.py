@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import relpos
-from helpers import F64
+from helpers import F64, serving_backends
 
 CASES = [(L, S, K, causal, j, what)
          for L, S, K, causal, j, what in itertools.product(
@@ -61,3 +61,51 @@ def test_nan_query_row_gives_nan_in_that_row(implementation, K):
                                     dtype=F64), implementation=implementation)
     assert out[0, 1, 0].isnan().all()
     assert out[0, 0].isfinite().all() and out[0, 1, 1:].isfinite().all()
+
+
+VALUE_ROWS_CONTAINED = ("reference", "fused")
+"""The backends that keep a non-finite ``rel_values`` row from the rows with no key at its
+offset; the others multiply per-row value buckets by the whole table (documented)."""
+
+
+@pytest.mark.parametrize("what", ["rel_keys", "rel_values"])
+@pytest.mark.parametrize(("L", "S", "causal", "padded"), [
+    (20, 20, False, False), (20, 20, True, False), (20, 20, False, True), (2, 20, False, False),
+    (1, 20, True, True),
+])
+def test_nan_in_a_table_row_reaches_only_the_rows_that_read_it(what, L, S, causal, padded):
+    """Every row that sees a key at offset r of a non-finite table row r is NaN; a row with no
+    key at that offset at all stays finite and unchanged, in every backend, edge rows
+    included (except where value buckets multiply the whole table: documented)."""
+    K = 3
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 4, dtype=F64, generator=g) for n in (L, S, S))
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, S, dtype=torch.bool)
+        key_mask[1, :5] = False
+    index = relpos.relative_position_index(L, S, K)  # (L, S) table rows
+    visible = torch.ones(2, L, S, dtype=torch.bool)
+    if causal:
+        visible &= torch.arange(S)[None, :] <= torch.arange(S - L, S)[:, None]
+    if key_mask is not None:
+        visible &= key_mask[:, None, :]
+    for row in range(2 * K + 1):
+        tables = {name: torch.randn(2 * K + 1, 4, dtype=F64, generator=g)
+                  for name in ("rel_keys", "rel_values")}
+        clean = dict(tables)
+        tables[what] = tables[what].clone()
+        tables[what][row, 1] = float("nan")
+        call = dict(query=q, key=k, value=v, max_distance=K, is_causal=causal, key_mask=key_mask)
+        sees = ((index == row)[None] & visible).any(-1)  # (B, L)
+        never = ~(index == row).any(-1)[None].expand(2, L)  # (B, L): no key at that offset
+        for name in serving_backends(**call, **tables):
+            out = relpos.relative_attention(**call, **tables, implementation=name)
+            ref = relpos.relative_attention(**call, **clean, implementation=name)
+            bad = ~out.isfinite().all(-1).all(1)  # (B, L)
+            assert bad[sees].all(), (name, row)
+            if what == "rel_values" and name not in VALUE_ROWS_CONTAINED:
+                continue  # documented: their value buckets multiply the whole table
+            assert not bad[never].any(), (name, row, bad)
+            keep = never[:, None, :, None].expand_as(out)
+            torch.testing.assert_close(out[keep], ref[keep], rtol=0, atol=1e-12)

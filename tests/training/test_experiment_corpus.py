@@ -93,3 +93,25 @@ def test_batches_are_deterministic_and_meta_sees_only_the_window(fake_stdlib):
         task.batch(seed=0, step=0, batch_size=1, length=8, split="valid")
     with pytest.raises(ValueError, match="too few for length"):
         task.batch(seed=0, step=0, batch_size=1, length=10**7, split="train")
+
+
+def test_a_root_of_binary_py_files_is_refused_in_one_clear_line(tmp_path):
+    for i in range(30):
+        (tmp_path / f"blob{i}.py").write_bytes(bytes([0xFF, 0xFE, 0x00, 0x80]) * 8)
+    with pytest.raises(ValueError, match=r"no text for the train and validation split\(s\) "
+                                         r"\(30 \.py files, 30 of them unreadable or not UTF-8"):
+        SourceCorpus(tmp_path)
+
+
+def test_experiment_with_a_binary_corpus_root_exits_2_and_leaves_nothing(tmp_path, capsys):
+    from relpos.cli import main
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "blob.py").write_bytes(b"\xff\xfe\x00\x80")
+    before = sorted(tmp_path.rglob("*"))
+    code = main(["experiment", "--tasks", "pysrc", "--corpus-root", str(root), "--out",
+                 str(tmp_path / "exp"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "no text for the train" in err, err
+    assert sorted(tmp_path.rglob("*")) == before

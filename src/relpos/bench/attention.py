@@ -50,15 +50,17 @@ MEMORY_METHOD = memory.METHOD
 
 
 def backends() -> tuple[str, ...]:
-    """What ``--backends`` may name: :func:`relpos.available_backends` and ``"sdpa"``."""
+    """What ``--backends`` may name: ``"auto"`` (what ``implementation=None`` picks),
+    :func:`relpos.available_backends` and ``"sdpa"``."""
     from relpos.functional import available_backends
 
-    return (*available_backends(), "sdpa")
+    return ("auto", *available_backends(), "sdpa")
 
 
 def default_backends() -> tuple[str, ...]:
-    """What runs without ``--backends``: every backend but ``decode``, which serves KV-cache
-    steps (``relpos bench --decode``), not whole-sequence attention."""
+    """What runs without ``--backends``: auto (its note names the backend it picks) and every
+    backend but ``decode``, which serves KV-cache steps (``relpos bench --decode``), not
+    whole-sequence attention."""
     return tuple(b for b in backends() if b != "decode")
 
 
@@ -94,6 +96,7 @@ class Result:
     fwdbwd_ms: float | None = None
     peak_mib: float | None = None
     skipped: str = ""
+    picks: str = ""  # auto: the backends it picks
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -127,8 +130,24 @@ def config(args: argparse.Namespace) -> Config:
     )
 
 
+def auto_picks(n: int, K: int, cfg: Config) -> tuple[str, str]:
+    """The backends ``implementation=None`` picks for a case: for the forward alone (no
+    gradient) and for the forward + backward."""
+    from relpos.functional import select_backend
+
+    dtype = getattr(torch, cfg.dtype)
+    q = torch.empty(cfg.batch, cfg.heads, n, cfg.head_dim, dtype=dtype, requires_grad=True)
+    table = torch.empty(2 * K + 1, cfg.head_dim, dtype=dtype, requires_grad=True)
+    kw = dict(max_distance=K, rel_keys=table, rel_values=table, is_causal=cfg.causal)
+    with torch.no_grad():
+        fwd = select_backend(q, q, q, **kw)  # type: ignore[arg-type]
+    return fwd, select_backend(q, q, q, **kw)  # type: ignore[arg-type]
+
+
 def estimate_bytes(backend: str, n: int, K: int, cfg: Config) -> int:
     """Rough peak bytes of one forward + backward (inputs excluded)."""
+    if backend == "auto":
+        return max(estimate_bytes(b, n, K, cfg) for b in auto_picks(n, K, cfg))
     B, H, D = cfg.batch, cfg.heads, cfg.head_dim
     e = getattr(torch, cfg.dtype).itemsize
     bhnd = B * H * n * D * e
@@ -281,6 +300,9 @@ def run_attention(args: argparse.Namespace) -> int:
         for K in cfg.max_distances:
             for backend in cfg.backends:
                 r = Result(n, K, backend)
+                if backend == "auto":
+                    fwd, both = auto_picks(n, K, cfg)
+                    r.picks = fwd if fwd == both else f"{fwd} (fwd), {both} (fwd+bwd)"
                 results.append(r)
                 if backend == "sdpa" and sdpa is not None:  # SDPA has no K: once per n
                     group.append((r, None))
@@ -356,7 +378,8 @@ def _rows(results: list[Result]) -> list[dict[str, Any]]:
             n=r.n, K=r.K, backend=r.backend, fwd_ms=r.fwd_ms,
             fwd_ratio=_ratio(r.fwd_ms, f.fwd_ms if f else None), fwdbwd_ms=r.fwdbwd_ms,
             fwdbwd_ratio=_ratio(r.fwdbwd_ms, f.fwdbwd_ms if f else None), peak_mib=r.peak_mib,
-            mem_ratio=_ratio(r.peak_mib, f.peak_mib if f else None), note=r.skipped,
+            mem_ratio=_ratio(r.peak_mib, f.peak_mib if f else None),
+            note="; ".join(x for x in (f"picks {r.picks}" if r.picks else "", r.skipped) if x),
         ))
     return rows
 

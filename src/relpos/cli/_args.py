@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -34,15 +35,29 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "seed",
     "subcommand",
 ]
 
+SEED_MAX = 2**64 - 1
+"""The largest seed ``torch.manual_seed`` takes."""
+THREADS_MAX = 1024
+"""The most ``--threads`` a command takes."""
 
-def _int(text: str) -> int:
+
+INT_MAX = 2**63 - 1
+"""The largest int an option takes (torch's sizes and counts are 64-bit); seeds go to
+:data:`SEED_MAX`."""
+
+
+def _int(text: str, maximum: int = INT_MAX) -> int:
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an int, got {text!r}") from None
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be an int <= {maximum}, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -65,7 +80,7 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """argparse type factory: an int in ``low..high`` (``high`` None = no upper bound)."""
 
     def parse(text: str) -> int:
-        value = _int(text)
+        value = _int(text, max(INT_MAX, high or 0))
         allowed = "" if high is None else f"; allowed: {low}..{high}"
         if value < low:
             raise argparse.ArgumentTypeError(f"must be an int >= {low}, got {text!r}{allowed}")
@@ -76,14 +91,17 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def int_list(minimum: int, maximum: int | None = None) -> Callable[[str], tuple[int, ...]]:
+def int_list(
+    minimum: int, maximum: int | None = None, *, distinct: bool = False
+) -> Callable[[str], tuple[int, ...]]:
     """argparse type factory: at least one int in ``minimum..maximum`` (None = no upper
-    bound), separated by commas (or spaces), as a tuple."""
+    bound), separated by commas (or spaces), as a tuple; ``distinct``: no value twice."""
 
     def parse(text: str) -> tuple[int, ...]:
         try:
-            values = tuple(int(v) for v in text.replace(",", " ").split())
-        except ValueError:
+            values = tuple(_int(v, max(INT_MAX, maximum or 0))
+                           for v in text.replace(",", " ").split())
+        except argparse.ArgumentTypeError:
             raise argparse.ArgumentTypeError(
                 f"must be comma-separated ints, got {text!r}"
             ) from None
@@ -96,9 +114,24 @@ def int_list(minimum: int, maximum: int | None = None) -> Callable[[str], tuple[
             raise argparse.ArgumentTypeError(
                 f"must be comma-separated ints <= {maximum}, got {text!r}{allowed}"
             )
+        if distinct:
+            _check_distinct(values, text)
         return values
 
     return parse
+
+
+def _check_distinct(values: tuple[object, ...], text: str) -> None:
+    twice = sorted({str(v) for v in values if values.count(v) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(
+            f"must be distinct, got {text!r} ({', '.join(twice)} more than once)"
+        )
+
+
+def seed(text: str) -> int:
+    """argparse type: a seed, an int in ``0..SEED_MAX`` (what ``torch.manual_seed`` takes)."""
+    return int_in(0, SEED_MAX)(text)
 
 
 def float_in(low: float, high: float) -> Callable[[str], float]:
@@ -140,9 +173,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def name_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str, ...]]:
+def name_list(
+    choices: Collection[str], what: str, *, distinct: bool = False
+) -> Callable[[str], tuple[str, ...]]:
     """argparse type factory: at least one of ``choices``, comma-separated, as a tuple;
-    ``what`` names them in the message (``"task(s)"``)."""
+    ``what`` names them in the message (``"task(s)"``); ``distinct``: no name twice."""
 
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(n.strip() for n in text.split(",") if n.strip())
@@ -151,6 +186,8 @@ def name_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str,
             raise argparse.ArgumentTypeError(
                 f"unknown {what} {unknown or list(names)!r}; allowed: {', '.join(choices)}"
             )
+        if distinct:
+            _check_distinct(names, text)
         return names
 
     return parse
@@ -214,6 +251,12 @@ def check_output_dir(path: str | Path, option: str = "--out") -> Path:
     return target
 
 
+def _plain(text: str) -> str:
+    """Docstring markup as plain text for ``--help``: ``x`` and :role:`x` become x."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def subcommand(
     subparsers: Any, name: str, run: Callable[[argparse.Namespace], int], summary: str,
     description: str,
@@ -227,7 +270,8 @@ def subcommand(
         summary: its line in ``relpos --help``.
         description: the text of ``relpos NAME --help``.
     """
-    p: argparse.ArgumentParser = subparsers.add_parser(name, help=summary, description=description)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=summary, description=_plain(description))
     p.set_defaults(func=run)
     return p
 
@@ -265,7 +309,7 @@ def window(args: argparse.Namespace) -> int | tuple[int, int]:
 
 def add_threads(p: Any, help: str) -> None:
     """``--threads N``: torch CPU threads (default None: the command's own default)."""
-    p.add_argument("--threads", type=positive_int, default=None, help=help)
+    p.add_argument("--threads", type=int_in(1, THREADS_MAX), default=None, help=help)
 
 
 def add_no_progress(p: Any) -> None:

@@ -75,7 +75,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--warmup", type=_args.non_negative_int, default=None,
                    help="warm-up rounds (default 1; with --decode 3)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated backends: any of relpos.available_backends() and sdpa "
+                   help="comma-separated backends: auto (what relpos picks; the table's note "
+                        "names the backend), any of relpos.available_backends() and sdpa "
                         "(default: all but decode; with --decode: the backends timed by name "
                         "besides relpos (auto) and sdpa, default all but reference; with "
                         "--preset training: any of auto,fused,bucketed,reference, default all, "

@@ -51,15 +51,17 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
-    p.add_argument("--seeds", type=_args.int_list(0), metavar="S,S,...",
+    p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
+                   metavar="S,S,...",
                    help="seeds (default 0,1,2)")
-    p.add_argument("--ks", type=_args.int_list(0), metavar="K,K,...",
+    p.add_argument("--ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the synthetic tasks")
-    p.add_argument("--code-ks", type=_args.int_list(0), metavar="K,K,...",
+    p.add_argument("--code-ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the pysrc task")
-    p.add_argument("--depths", type=_args.int_list(1), metavar="N,N,...",
+    p.add_argument("--depths", type=_args.int_list(1, distinct=True), metavar="N,N,...",
                    help="numbers of layers of the synthetic tasks")
-    p.add_argument("--tasks", type=_args.name_list(TASKS, "task(s)"), metavar="T,T",
+    p.add_argument("--tasks", type=_args.name_list(TASKS, "task(s)", distinct=True),
+                   metavar="T,T",
                    help="tasks (default recall,agree,pysrc)")
     p.add_argument("--steps", type=_args.positive_int, help="training steps (synthetic)")
     p.add_argument("--code-steps", type=_args.positive_int, help="training steps (pysrc)")
@@ -78,8 +80,6 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     out = _args.check_output_dir(args.out)
     _args.check_output_dir(out / "runs", "--out")
-    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
-        raise CLIError(f"--seeds: seeds must be distinct, got {','.join(map(str, args.seeds))}")
     if args.corpus_root is not None and not Path(args.corpus_root).is_dir():
         raise CLIError(f"--corpus-root {args.corpus_root!r} is not a directory")
 

@@ -47,7 +47,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--stop", metavar="TEXT_OR_ID", action="append", default=None,
                    help="stop after this character (with --text) or token id (with "
                         "--prompt-ids); repeatable")
-    p.add_argument("--seed", type=_args.non_negative_int, default=0,
+    p.add_argument("--seed", type=_args.seed, default=0,
                    help="sampling seed (default 0)")
     _args.add_threads(p, "torch CPU threads (default: torch's)")
 

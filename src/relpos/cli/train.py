@@ -95,7 +95,9 @@ def add_parser(subparsers: Any) -> None:
         "(those given must agree with the saved ones); --eval-lengths, --eval-every and "
         "--checkpoint-every may differ, and --steps: a larger one trains longer on the run's "
         "learning-rate schedule (the floor rate after its end), a smaller one (not below "
-        "the checkpoint's step) stops earlier.",
+        "the checkpoint's step) stops earlier. Losses are cross-entropies in nats per "
+        "scored position (bits beside; the experiment report uses bits per character); "
+        "--no-progress hides the bar, not the evaluation lines.",
     )
     g = p.add_argument_group("data")
     g.add_argument("--task", metavar="NAME",
@@ -116,7 +118,7 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--warmup", type=non_negative_int, help="warmup steps (20)")
     g.add_argument("--weight-decay", type=_args.non_negative_float,
                    help="AdamW weight decay, a finite number >= 0 (0.01)")
-    g.add_argument("--seed", type=non_negative_int, help="seed (default 0)")
+    g.add_argument("--seed", type=_args.seed, help="seed (default 0)")
     g = p.add_argument_group("run")
     g.add_argument("--out", default="runs/train", metavar="DIR",
                    help="output directory (default runs/train)")
@@ -330,7 +332,8 @@ def _out_of_memory(err: BaseException) -> bool:
 def run(args: argparse.Namespace) -> int:
     out = _args.check_output_dir(args.out)
     if args.text is not None and not Path(args.text).is_file():
-        raise CLIError(f"text file {args.text!r} does not exist")
+        what = "is a directory" if Path(args.text).is_dir() else "does not exist"
+        raise CLIError(f"text file {args.text!r} {what}; allowed: a UTF-8 text file")
 
     import torch
 
@@ -378,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume,
             progress=not args.no_progress,
             ctx=ctx,
+            log=print,
         )
     except RuntimeError as err:
         if not _out_of_memory(err):

@@ -775,7 +775,8 @@ def check_ctranslate2(
     ):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     meta = read_metadata(path)
-    if meta.get("config") != lm.config.to_dict():
+    # The metadata went through JSON (a window (K, K) reads back as [K, K]): compare as JSON.
+    if meta.get("config") != json.loads(json.dumps(lm.config.to_dict())):
         raise CTranslate2ExportError(
             f"{str(path)!r} was exported from another configuration than this model's"
         )

@@ -69,7 +69,10 @@ def _key_mask(attention_mask: Tensor | None, B: int, L: int) -> tuple[Tensor | N
 
     A padding-only mask (every query row the same) becomes a ``(B, S)`` key mask (True = real
     frame), which the fused backend serves in O(n) memory; anything else is passed on as a
-    dense mask (bool True = may attend, or float added to the scores).
+    dense mask (bool True = may attend, or float added to the scores). Under
+    ``torch.compile`` the values cannot be inspected without a data-dependent branch, so every
+    mask is passed on dense (a float one with ``-inf`` where hidden): one graph, the same
+    numbers, the bucketed backend's memory.
     """
     if attention_mask is None:
         return None, None
@@ -79,6 +82,11 @@ def _key_mask(attention_mask: Tensor | None, B: int, L: int) -> tuple[Tensor | N
             f"expected the 4-D attention mask transformers builds, got shape {tuple(mask.shape)}"
         )
     visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    if torch.compiler.is_compiling():
+        # No branch on the mask's values (a graph break, or an error under fullgraph): the
+        # general form, a float bias with -inf where hidden (the same as False in relpos).
+        return None, visible if mask.dtype == torch.bool else mask.masked_fill(
+            ~visible, float("-inf"))
     if mask.dtype != torch.bool and not bool(((mask == 0) | ~visible).all()):
         return None, mask  # a float bias, not just a mask: added to the scores as it is
     first = visible[:, 0, :1, :]  # (B, 1, S)

@@ -112,6 +112,13 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     return lambda x: torch.addmm(bias, x, wt)
 
 
+def _grown(x: Tensor, length: int, capacity: int) -> Tensor:
+    """``(B, H, C, X)`` storage copied into ``capacity`` positions (its first ``length``)."""
+    y = x.new_empty(*x.shape[:2], capacity, x.shape[3])
+    y[:, :, :length] = x[:, :, :length]
+    return y
+
+
 @dataclass(frozen=True)
 class _Layer:
     """One block's parameters, in the order the step uses them."""
@@ -198,11 +205,14 @@ class StepDecoder:
     def start(self, cache: KVCache) -> None:
         """Build the step storages from a cache the prompt was just written into.
 
-        Called once after the prefill (the model's forward with ``cache=``), before the first
+        Called after the prefill (the model's forward with ``cache=``), before the first
         step. Every cached key becomes ``k_j + rel_keys[0]`` (the row of every offset
         ``<= -left``) and value ``v_j + rel_values[0]``; a step rewrites only the band.
+        A step calls it again by itself when the cache changed since this decoder's last step
+        (an append through the model, ``truncate``, ``reorder``, ``reset`` and a new prefill:
+        :attr:`relpos.LayerCache.version`), and a growable cache may grow under the steps.
         """
-        self._plus = []
+        self._plus: list[tuple[Tensor | None, Tensor | None]] = []
         self._linears: list[tuple[Linear, Linear, Linear, Linear]] = []
         B = cache.batch_size or 1
         fast = self.fast_linears
@@ -227,6 +237,11 @@ class StepDecoder:
                 pv = values.new_empty(values.shape[0], values.shape[1], cap, values.shape[3])
                 torch.add(values, layer.rel_values[..., :1, :], out=pv[:, :, : values.shape[2]])
             self._plus.append((pk, pv))
+        self._seen = self._versions(cache)
+
+    @staticmethod
+    def _versions(cache: KVCache) -> tuple[int, ...]:
+        return tuple(lc.version for lc in cache)  # unique across caches
 
     @torch.no_grad()
     def __call__(self, token: Tensor, cache: KVCache) -> Tensor:
@@ -234,9 +249,11 @@ class StepDecoder:
 
         Args:
             token: ``(B,)`` token ids (validated by the caller).
-            cache: the model's fixed-capacity cache, holding the prompt (and earlier steps);
-                :meth:`start` was called after the prefill.
+            cache: the model's cache, holding the prompt (and earlier steps); fixed-size
+                or growable.
         """
+        if getattr(self, "_seen", None) != self._versions(cache):
+            self.start(cache)  # a new cache, or one changed since the last step
         B = token.shape[0]
         E, H, D = self.E, self.H, self.D
         p = cache.length  # position of the new token
@@ -250,10 +267,13 @@ class StepDecoder:
         m = min(S, left + 1)  # the band: keys whose table row changes from step to step
         band = slice(S - m, S)
         band_rows = slice(left + 1 - m, left + 1)
-        for layer, lc, (pk, pv), (qkv_proj, out_proj, ff1, ff2) in zip(
+        for n, (layer, lc, (pk, pv), (qkv_proj, out_proj, ff1, ff2)) in enumerate(zip(
             self.layers, cache, self._plus, self._linears, strict=True
-        ):
+        )):
             keys, values, key_mask = lc.reserve_step(B, H, D)  # (B, H, S, D) views
+            if (pk is not None and pk.shape[2] < S) or (pv is not None and pv.shape[2] < S):
+                pk, pv = (None if t is None else _grown(t, S - 1, lc.capacity) for t in (pk, pv))
+                self._plus[n] = (pk, pv)  # the cache grew: so do the storages
             h = F.layer_norm(x, (E,), *layer.norm1)
             qkv = qkv_proj(h).view(B, 3, H, D)
             keys[:, :, p].copy_(qkv[:, 1])
@@ -276,5 +296,6 @@ class StepDecoder:
             h = F.gelu(ff1(h))
             x = x + ff2(h)
         cache.advance(1)
+        self._seen = self._versions(cache)
         x = F.layer_norm(x, (E,), *self.final_norm)
         return self._head(x)  # (B, V), tied head

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relpos._sysinfo import available_memory
 from relpos.cache import KVCache
 from relpos.models.config import ModelConfig
 from relpos.models.decoding import StepDecoder, sinusoidal_positions
@@ -198,6 +199,21 @@ class RelativeTransformerLM(_Backbone):
         with cache.rollback_on_error():  # leave the cache as it was before a refused step
             return self.logits(self.hidden(ids, key_mask, cache, is_causal=True))
 
+    def _check_generation_memory(self, ids: Tensor, P: int, N: int) -> None:
+        """Refuse a generation whose cache (allocated up front) does not fit in memory."""
+        cfg = self.config
+        item = self.embed.weight.element_size()
+        # keys and values per layer, plus the step decoder's copies with their table rows
+        copies = 2 * (1 + int(cfg.uses_relative))
+        need = cfg.num_layers * copies * ids.shape[0] * (P + N) * cfg.d_model * item
+        free = available_memory(self.embed.weight.device)
+        if free is not None and need > free:
+            raise ValueError(
+                f"max_new_tokens={N}: a cache of {P} + {N} positions needs "
+                f"{need / 2**30:.3g} GiB, more than the {free / 2**30:.3g} GiB of memory "
+                "available; allowed: fewer new tokens"
+            )
+
     @torch.no_grad()
     def generate(
         self,
@@ -264,6 +280,7 @@ class RelativeTransformerLM(_Backbone):
         pad = pads[0] if pads else (stop[0] if stop else None)
         P, N = ids.shape[1], int(max_new_tokens)
         self.check_length(0, P + N)
+        self._check_generation_memory(ids, P, N)
         if N == 0:
             return ids[:, :0] if new_tokens_only else ids
         cache = self.new_cache(capacity=P + N, growable=False)
@@ -349,7 +366,10 @@ def _sample(
     """Next token ``(B,)`` from ``(B, V)`` logits."""
     if temperature == 0.0 or top_k == 1:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # In float64, with the top logit at 0: no overflow, and a temperature too small to tell
+    # from 0 gives the top token all the probability (greedy), never inf / inf.
+    logits = logits.double()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -358,6 +378,7 @@ def _sample(
         cum = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # drop a token when the ones before it already reach top_p (the first always stays)
         drop = (cum - F.softmax(sorted_logits, dim=-1)) >= top_p
+        drop[:, 0] = False  # also when top_p rounds to 0 against the probabilities
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -114,6 +114,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.seed > 2**64 - 1:
+            raise ValueError(f"seed must be an int in 0..2**64 - 1 (torch.manual_seed's range), "
+                             f"got {self.seed}")
         if self.schedule_steps is not None:
             value = self.schedule_steps
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -424,6 +427,7 @@ def train(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     overwrite: bool = False,
     on_backward: Callable[[int, nn.Module], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train a model on a task; returns the (unwrapped) model and the metrics document.
 
@@ -448,6 +452,10 @@ def train(
         on_backward: called as ``on_backward(step, model)`` (0-based step, the unwrapped
             model) after each backward pass, before gradient clipping and the optimizer
             step, so the raw gradients can be read (the K study's per-row signal).
+        log: where the periodic evaluation lines go without a progress bar (rank 0 only;
+            None = nowhere). With one they are written above it.
+
+    Losses are cross-entropies in nats per scored position (divide by ln 2 for bits).
 
     Returns:
         ``(model, metrics)``; ``metrics`` is also written to ``out_dir/metrics.json``.
@@ -648,11 +656,12 @@ def train(
                     "accuracy": ev["accuracy"],
                 }
             )
+            line = (f"step {done}: eval loss {_nats(ev['loss'])} accuracy "
+                    f"{ev['accuracy']:.4f} (length {ev['length']})")
             if bar is not None:
-                bar.write(
-                    f"step {done}: eval loss {ev['loss']:.4f} accuracy {ev['accuracy']:.4f} "
-                    f"(length {ev['length']})"
-                )
+                bar.write(line)
+            elif log is not None:
+                log(line)
         if config.checkpoint_every and done % config.checkpoint_every == 0 and done < config.steps:
             checkpoint(done)
         if bar is not None:
@@ -712,12 +721,18 @@ def load_metrics(out_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(out_dir) / METRICS_FILE).read_text())
 
 
+def _nats(loss: float) -> str:
+    """A cross-entropy with its unit: nats, and bits beside."""
+    return f"{loss:.4f} nats ({loss / math.log(2):.4f} bits)"
+
+
 def summarize(metrics: dict[str, Any]) -> list[str]:
-    """Human-readable lines for the final evaluation."""
+    """Human-readable lines for the final evaluation (losses in nats per scored position,
+    bits beside)."""
     lines = []
     for ev in metrics.get("eval", []):
         lines.append(
-            f"length {ev['length']:>5}: loss {ev['loss']:.4f}  accuracy {ev['accuracy']:.4f}  "
+            f"length {ev['length']:>5}: loss {_nats(ev['loss'])}  accuracy {ev['accuracy']:.4f}  "
             f"({ev['count']} scored positions)"
         )
         for key, table in ev.get("by", {}).items():

@@ -182,8 +182,12 @@ class BandOperands:
         keys, values: ``(N, S, D)``, ``(N, S, Dv)`` flat views of the inputs.
         key_table: ``(Hr, P, D)`` band rows of ``rel_keys`` times ``scale``, or None.
         value_table: ``(Hr, P, Dv)`` band rows of ``rel_values``, or None.
-        column_bias: ``(B|1, tiles, W)`` 0 for real keys, -inf for padding and ``key_mask``.
-        tiles_with_bias: per tile, whether its window has a -inf column.
+        column_hidden: ``(B|1, tiles, W)`` True for padding and keys hidden by ``key_mask``
+            (their scores are filled with -inf, so a non-finite table row or hidden key
+            reaches no row through them).
+        tiles_with_bias: per tile, whether its window has a hidden column.
+        value_rows_bad: ``(Hr, P)`` True for band rows of ``rel_values`` with a non-finite
+            entry, or None when every row is finite (the common case).
         off_band: ``(1, T, W)``: 0 on the band, -inf off it.
         num_heads: H (flat head ``h`` is batch row ``h // H``, head ``h % H``).
         scale: the score scale.
@@ -194,8 +198,9 @@ class BandOperands:
     values: Tensor
     key_table: Tensor | None
     value_table: Tensor | None
-    column_bias: Tensor
+    column_hidden: Tensor
     tiles_with_bias: tuple[bool, ...]
+    value_rows_bad: Tensor | None
     off_band: Tensor
     num_heads: int
     scale: float
@@ -216,16 +221,19 @@ class BandOperands:
         if key_mask is not None:
             valid = valid & key_mask[:, pos.clamp(0, max(S - 1, 0))]  # (B, source rows)
         win_valid = valid.unfold(1, layout.window, layout.tile)[:, : layout.num_tiles]
-        column_bias = torch.zeros(win_valid.shape, dtype=acc, device=q.device).masked_fill_(
-            ~win_valid, -_INF
-        )  # (B|1, tiles, W)
+        column_hidden = ~win_valid  # (B|1, tiles, W)
+        value_rows_bad = None
+        if value_table is not None and not bool(value_table.isfinite().all()):
+            value_rows_bad = ~value_table.isfinite().all(-1)  # (Hr, P)
+            value_table = value_table.nan_to_num(0.0, 0.0, 0.0)
         off_band = torch.full((1, layout.tile, layout.window), -_INF, dtype=acc, device=q.device)
         unskew(off_band, layout.num_offsets).zero_()
         return cls(
             queries=pad_rows(q.reshape(B * H, L, D).to(acc), layout.padded_queries),
             keys=k.reshape(B * H, S, D), values=v.reshape(B * H, S, Dv),
-            key_table=key_table, value_table=value_table, column_bias=column_bias,
-            tiles_with_bias=tuple((~win_valid).any(-1).any(0).tolist()), off_band=off_band,
+            key_table=key_table, value_table=value_table, column_hidden=column_hidden,
+            tiles_with_bias=tuple(column_hidden.any(-1).any(0).tolist()),
+            value_rows_bad=value_rows_bad, off_band=off_band,
             num_heads=H, scale=scale,
         )
 
@@ -305,16 +313,16 @@ def band_scores(
         unskew(s, P).add_(rel.view(G * tiles, T, P))
     need = ops.tiles_with_bias[t0:t1]
     if any(need):
-        cb = ops.column_bias
-        if cb.shape[0] > 1:  # per batch row: flat head h is batch row h // H
-            cb = cb.index_select(0, torch.arange(h0, h1, device=cb.device) // ops.num_heads)
-        bias = cb[:, t0:t1]  # (1 | G, tiles, W)
+        ch = ops.column_hidden
+        if ch.shape[0] > 1:  # per batch row: flat head h is batch row h // H
+            ch = ch.index_select(0, torch.arange(h0, h1, device=ch.device) // ops.num_heads)
+        hidden = ch[:, t0:t1]  # (1 | G, tiles, W)
         if G > 1 or all(need):
-            s.view(G, tiles, T, -1).add_(bias[:, :, None, :])
+            s.view(G, tiles, T, -1).masked_fill_(hidden[:, :, None, :], -_INF)
         else:
             for t, flag in enumerate(need):
                 if flag:
-                    s[t] += bias[0, t, None, :]
+                    s[t].masked_fill_(hidden[0, t, None, :], -_INF)
     return s, q_tiles, key_windows
 
 
@@ -348,6 +356,10 @@ def band_forward(layout: BandLayout, ops: BandOperands) -> tuple[Tensor, Tensor,
             p_band = unskew(p, P).contiguous().view(-1, P)  # (G*tiles*T, P)
             tables = ops.tables_of(ops.value_table, h0, h1)
             o.view(-1, Dv).add_(_times_tables(p_band, tables, G, transpose=False))
+            if ops.value_rows_bad is not None:  # NaN where a row sees a key at a bad offset
+                bad = ops.tables_of(ops.value_rows_bad[..., None], h0, h1)[..., 0]  # (1|G, P)
+                reads = (p_band.view(G, -1, P) > 0) & bad[:, None, :]
+                o.masked_fill_(reads.any(-1)[..., None], math.nan)
     return out, row_max, row_sum.log_().add_(row_max)
 
 

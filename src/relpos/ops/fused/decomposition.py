@@ -102,8 +102,10 @@ def fused_forward(
     z_left, z_right = lam_left, lam_right
     if rel_keys is not None:
         c_far = far_key_terms(query, rel_keys, scale)  # (B, H, L, 2)
-        z_left = z_left + c_far[..., 0]
-        z_right = z_right + c_far[..., 1]
+        # A region with no visible key keeps log-mass -inf: a non-finite edge row of rel_keys
+        # reaches only the rows that see a key at its offset.
+        z_left = torch.where(lam_left == -_INF, lam_left, lam_left + c_far[..., 0])
+        z_right = torch.where(lam_right == -_INF, lam_right, lam_right + c_far[..., 1])
 
     layout = BandLayout.build(L, S, left, right, is_causal, query_start)
     if layout.num_offsets > 0:
@@ -125,7 +127,13 @@ def fused_forward(
     if o_right is not None:
         out = out.addcmul_(masses[..., 1, None], o_right)
     if rel_values is not None:
-        add_rows_times_table(out, masses, rel_values[:, [0, -1]].to(acc), 1.0)
+        rows = rel_values[:, [0, -1]].to(acc)  # (Hr, 2, Dv)
+        if bool(rows.isfinite().all()):
+            add_rows_times_table(out, masses, rows, 1.0)
+        else:  # a non-finite edge row reaches only the rows that see a key in its region
+            for side, lam in enumerate((lam_left, lam_right)):
+                term = masses[..., side, None] * rows[None, :, side, None, :]  # (B, H, L, Dv)
+                out += torch.where((lam != -_INF)[..., None], term, 0.0)
     return out.to(query.dtype).contiguous(), lse.contiguous(), o_left, masses.contiguous()
 
 

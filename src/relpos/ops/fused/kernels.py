@@ -23,6 +23,7 @@ Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "flash_backward",
     "flash_forward",
     "kernel_layout",
+    "kernel_scale",
     "lower_pieces",
     "restore_nan_rows",
 ]
@@ -173,6 +175,31 @@ def _cuda_lse_pad(lse_BHL: Tensor) -> Tensor:
     return F.pad(lse_BHL, (0, padded - L), value=math.inf).contiguous()
 
 
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32 (``+-inf`` past its range)."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def kernel_scale(q: Tensor, scale: float) -> tuple[Tensor, float, float]:
+    """``(q', scale', dq_factor)`` with ``scale' * q' . k == scale * q . k`` and ``scale' > 0``.
+
+    The CPU flash kernel applies its causal mask before the scale, so a scale that is zero or
+    negative in the kernel's accumulation type (float32 for every dtype but float64) turns the
+    masked ``-inf`` into NaN or ``+inf``. A negative scale runs as ``|scale|`` on ``-q``; a zero
+    one (``0.0``, ``-0.0``, or too small to be represented) as ``1`` on ``0 * q``, which keeps a
+    NaN query NaN. The kernel's query gradient is multiplied by ``dq_factor`` (1, -1 or 0).
+    """
+    seen = scale if q.dtype == torch.float64 else _as_float32(scale)
+    if seen > 0:
+        return q, scale, 1.0
+    if seen < 0:
+        return -q, -scale, -1.0
+    return q * 0.0, 1.0, 0.0
+
+
 def flash_forward(
     q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, bias: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -180,7 +207,9 @@ def flash_forward(
 
     ``bias`` is ``None`` or an additive ``(B, 1, 1, S)`` key bias (0 or -inf). Rows whose keys
     are all masked come back as zeros with a meaningless logsumexp: the caller guards them.
+    Every finite ``scale`` is served, zero and negative ones included (:func:`kernel_scale`).
     """
+    q, scale, _ = kernel_scale(q, scale)
     q, k, v = kernel_layout(q), kernel_layout(k), kernel_layout(v)
     if q.device.type == "cuda":
         if bias is not None:  # pragma: no cover - refused by unsupported_reason
@@ -212,8 +241,19 @@ def flash_backward(
 
     With ``P_ij = exp(scale * q_i . k_j - lse_i)`` and ``delta_i = grad_out_i . out_i`` it
     returns ``dq = scale * dS k``, ``dk = scale * dS^T q``, ``dv = P^T grad_out`` for
-    ``dS_ij = P_ij (grad_out_i . v_j - delta_i)``.
+    ``dS_ij = P_ij (grad_out_i . v_j - delta_i)``, for every finite ``scale``
+    (:func:`kernel_scale`).
     """
+    q, scale, dq_factor = kernel_scale(q, scale)
+    dq, dk, dv = _flash_backward(grad_out, q, k, v, out, lse, is_causal=is_causal, bias=bias,
+                                 scale=scale)
+    return (dq if dq_factor == 1.0 else dq * dq_factor), dk, dv
+
+
+def _flash_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+    is_causal: bool, bias: Tensor | None, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     grad_out, q, k, v, out = (kernel_layout(t) for t in (grad_out, q, k, v, out))
     if q.device.type == "cuda":
         if bias is not None:  # pragma: no cover - refused by unsupported_reason

@@ -133,6 +133,8 @@ def bracket_pairs(text: str) -> list[tuple[int, int]]:
 
 def _encode(text: str) -> torch.Tensor:
     ascii_text = re.sub(r"[^\x00-\x7e]", chr(OOV), text)
+    if not ascii_text:
+        return torch.zeros(0, dtype=torch.long)  # frombuffer refuses an empty buffer
     return torch.frombuffer(bytearray(ascii_text.encode("ascii")), dtype=torch.uint8).long()
 
 
@@ -162,15 +164,26 @@ class SourceCorpus:
         files = find_sources(self.root)
         texts: dict[str, list[str]] = {name: [] for name in SPLIT_NAMES}
         digest = hashlib.blake2b(digest_size=16)
+        unreadable = 0
         for path in files:
             rel = path.relative_to(self.root).as_posix()
             try:
                 text = path.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):
+                unreadable += 1
                 continue
             text = text.replace(SEPARATOR, " ")
             digest.update(rel.encode() + b"\x00" + text.encode("utf-8", "surrogatepass"))
             texts[split_of(rel)].append(text)
+        # the experiment trains on "train" and evaluates on "validation" ("test" may be empty)
+        empty = [name for name in ("train", "validation") if not "".join(texts[name])]
+        if empty:
+            raise ValueError(
+                f"corpus root {str(self.root)!r}: no text for the {' and '.join(empty)} "
+                f"split(s) ({len(files)} .py files, {unreadable} of them unreadable or not "
+                "UTF-8; files go to train / validation / test by a hash of their path); "
+                "allowed: a directory with enough UTF-8 .py files for every split"
+            )
         self.digest = digest.hexdigest()
         self.splits: dict[str, _Split] = {}
         oov = total = 0

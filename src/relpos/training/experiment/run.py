@@ -114,6 +114,13 @@ class ExperimentConfig:
                              f"{', '.join((*SYNTHETIC_TASKS, CODE_TASK))}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct and at least one, got {list(self.seeds)}")
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= 2**64 - 1
+               for s in self.seeds):
+            raise ValueError(f"seeds must be ints in 0..2**64 - 1, got {list(self.seeds)}")
+        for name in ("tasks", "ks", "depths", "baselines", "code_ks", "code_baselines"):
+            values = list(getattr(self, name))
+            if len(set(values)) != len(values):  # each would train and report twice
+                raise ValueError(f"{name} must be distinct, got {values}")
         for name in ("ks", "code_ks"):
             if any(isinstance(k, bool) or not isinstance(k, int) or k < 0
                    for k in getattr(self, name)):
