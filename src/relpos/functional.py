@@ -373,10 +373,10 @@ def relative_attention(call: AttentionCall) -> Tensor:
     product, and through hidden keys in the fused backend). A NaN or infinity in table row ``r``
     makes non-finite every row that sees a key at offset ``r`` and leaves the rows with no key
     at that offset unchanged, except in backends that multiply per-row value buckets by the
-    whole ``rel_values`` table (bucketed, decode): there a non-finite ``rel_values`` row reaches
-    every row. ``-inf`` in a float ``attn_mask``
-    means masked, exactly like ``False`` in a bool mask; ``+inf`` or NaN in it makes that row
-    NaN. Rows that see no key return zeros with zero gradients, never NaN.
+    whole ``rel_values`` table (bucketed, decode, native): there a non-finite ``rel_values`` row
+    reaches every row. ``-inf`` in a float ``attn_mask`` means masked, exactly like ``False`` in
+    a bool mask; ``+inf`` or NaN in it makes that row NaN. Rows that see no key return zeros
+    with zero gradients, never NaN.
 
     Half precision (``float16``/``bfloat16``, native or under ``torch.autocast``) keeps the
     softmax statistics in float32. Under autocast, float32 inputs and tables are cast to the
