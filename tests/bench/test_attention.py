@@ -53,4 +53,17 @@ def test_the_default_table_has_an_auto_row_naming_its_pick(capsys) -> None:  # t
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     auto = [r for r in rows if len(r) > 2 and r[2] == "auto"]
     assert [r[0] for r in auto] == ["40", "600"]
+    assert "picks native" in " ".join(auto[0]) and "picks native" in " ".join(auto[1])
+
+
+def test_the_auto_row_names_the_pytorch_backends_without_the_kernels(capsys, no_native) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    status = main([
+        "bench", "--lengths", "40,600", "--max-distances", "3", "--heads", "1", "--head-dim",
+        "8", "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "auto,sdpa",
+    ])
+    assert status == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    auto = [r for r in rows if len(r) > 2 and r[2] == "auto"]
     assert "picks reference" in " ".join(auto[0]) and "picks fused" in " ".join(auto[1])
