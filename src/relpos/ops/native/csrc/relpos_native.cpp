@@ -245,7 +245,12 @@ static int64_t query_block_size(int64_t L, int64_t S) {
   return 64;
 }
 
-static int64_t key_block_size(int64_t S) { return std::min<int64_t>(S, 512); }
+// Keys per block: 512 (torch's flash kernel's size); a few queries over many keys (a decode
+// step) take their whole rows in one block of at most 64K scores (no online rescaling).
+static int64_t key_block_size(int64_t L, int64_t S) {
+  if (L <= 8) return std::min<int64_t>(S, std::max<int64_t>(512, 65536 / std::max<int64_t>(L, 1)));
+  return std::min<int64_t>(S, 512);
+}
 
 // ------------------------------------------------------------------------------------------
 // Score rows of one tile. `s` holds scale * q . k for keys [j0, j1) of the row at position p.
@@ -333,7 +338,7 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
                          const T* av, const T* kbias, const T* mask, T scale, const Dropout& drop,
                          T* out, T* lse) {
   const int64_t B = g.B, H = g.H, L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L, S), BK = key_block_size(S);
+  const int64_t BQ = query_block_size(L, S), BK = key_block_size(L, S);
   const int64_t nqb = (L + BQ - 1) / BQ;
   const T ninf = -std::numeric_limits<T>::infinity();
   const T inv_keep = static_cast<T>(drop.inv_keep);
@@ -458,7 +463,7 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
                           T scale, const Dropout& drop, T* dq, T* dk, T* dv, T* dak_part,
                           T* dav_part) {
   const int64_t B = g.B, H = g.H, L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L, S), BK = key_block_size(S);
+  const int64_t BQ = query_block_size(L, S), BK = key_block_size(L, S);
   const T inv_keep = static_cast<T>(drop.inv_keep);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
