@@ -580,3 +580,43 @@ def test_generator_lm_greedy_equals_no_cache_greedy(left_pad, tmp_path, monkeypa
     got, logp, _ = _predict(_predictor(stock, tmp_path, monkeypatch, max_length=10), batch)
     tokens = torch.tensor([g[0] for g in got])
     assert (logp - _full_logprobs(stock, None, src, tokens)).abs().max() > 0.1
+
+
+def test_ctranslate2_serves_the_checkpoint_as_before(tmp_path, monkeypatch):
+    """A patched model's checkpoint is eole's own: CTranslate2's eole converter reads it, and
+    CTranslate2 gives the patched model's teacher-forced log-probabilities and greedy tokens."""
+    import json
+
+    import ctranslate2
+    from ctranslate2.converters.eole_ct2 import EoleConverter
+    from eole.config import recursive_model_fields_set
+    from eole.inputters.inputter import vocabs_to_dict
+    from safetensors.torch import save_file
+
+    _, patched = _pair("seq2seq", 2)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = TransformerModelConfig(
+        hidden_size=32, heads=4, transformer_ff=64, layers=2, max_position_embeddings=48,
+        embeddings={"word_vec_size": 32, "position_encoding_type": "Relative", "n_positions": 2})
+    (model_dir / "config.json").write_text(json.dumps(
+        {"model": recursive_model_fields_set(config), "data": {}, "src_vocab": "unused",
+         "share_vocab": True}))
+    (model_dir / "vocab.json").write_text(json.dumps(vocabs_to_dict(_vocabs())))
+    save_file({k: v.contiguous() for k, v in patched.state_dict().items()},
+              str(model_dir / "model.00.safetensors"))
+    monkeypatch.setenv("MODEL_PATH", str(model_dir))  # eole's loader sets it; restored after
+    EoleConverter(str(model_dir)).convert(str(tmp_path / "ct2"))
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"))
+
+    src = _batch(3, 9, seed=11)
+    words = [[TOKENS[i] for i in row if i != PAD] for row in src.tolist()]
+    tgt = torch.cat([_batch(3, 8, seed=21, lengths=(8, 8, 8)), torch.full((3, 1), EOS)], 1)
+    scored = translator.score_batch(words, [[TOKENS[i] for i in row[:-1]] for row in tgt.tolist()])
+    want = _full_logprobs(patched, src, _bos(3), tgt).gather(2, tgt[..., None])[..., 0]
+    torch.testing.assert_close(torch.tensor([r.log_probs for r in scored]), want,
+                               rtol=0, atol=1e-4)
+    greedy = translator.translate_batch(words, beam_size=1, max_decoding_length=12,
+                                        min_decoding_length=12)
+    got = [[TOKENS.index(t) for t in r.hypotheses[0]] for r in greedy]
+    assert got == _no_cache_greedy(patched, src, _bos(3), 12).tolist()
