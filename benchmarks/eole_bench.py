@@ -252,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
              f"vocabulary {vocab}, float32, dropout 0, eole's xavier_uniform initialization.", "",
              f"## Training step (forward + loss + backward), about {tokens} source and {tokens} "
              "target tokens a batch", "",
-             f"Median of {args.rounds} interleaved rounds (after one warm-up), the order rotating.",
-             ""]
+             f"Median of {args.rounds} interleaved rounds (after one warm-up), the order rotating; "
+             "on a busy machine absolute times swing, and the ratios, measured in the same "
+             "rounds, are the figures to read.", ""]
     rows = []
     csv_rows = []
     for n in lengths:
