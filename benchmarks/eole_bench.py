@@ -11,6 +11,8 @@ shared vocabulary of 8000, float32, dropout 0, random weights from eole's own
   the same for both and left out), on batches of about 4096 source and 4096 target tokens at
   sentence lengths 32-256 (B x n = 128 x 32 ... 16 x 256), stock and patched interleaved round
   by round (the order rotating), median of the measured rounds;
+- **one self-attention layer**: the module the patch replaces, forward + backward on its own
+  at the same shapes (encoder: padding mask; decoder: causal mask), interleaved likewise;
 - **translation**: eole's ``Translator`` (its KV cache, dynamic shapes), beam 4, a batch of
   16 sentences of 32 tokens, 32 target tokens each (``min_length`` keeps the batch whole);
 - **peak memory** of a 2048-token document (source and target 2048 tokens, batch 1), each case
@@ -28,7 +30,6 @@ shared vocabulary of 8000, float32, dropout 0, random weights from eole's own
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import os
 import sys
@@ -88,6 +89,11 @@ def _step_fn(model: Any, src: Any, tgt: Any):
         loss.backward()
 
     return step
+
+
+def _attention_step(attention: Any, x: Any, mask: Any) -> None:
+    out, _ = attention(x, attn_mask=mask)
+    out.sum().backward()
 
 
 def _tokens(B: int, n: int, vocab: int, seed: int) -> Any:
@@ -205,9 +211,25 @@ def main(argv: list[str] | None = None) -> int:
                                                rotate=True)
     assert not failed, failed
 
+    # One self-attention layer (the part relpos replaces), forward + backward, interleaved.
+    layer_cases: dict[tuple[int, str, str], list] = {}
+    for n in lengths:
+        B = tokens // n
+        x = torch.randn(B, n, 512, requires_grad=True)
+        masks = {"encoder": torch.ones(B, 1, 1, n, dtype=torch.bool),
+                 "decoder": torch.ones(n, n, dtype=torch.bool).tril().expand(B, 1, n, n)}
+        for variant, model in models.items():
+            for side, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
+                layer_cases[(n, side, variant)] = [functools.partial(
+                    _attention_step, stack.transformer_layers[0].self_attn, x, masks[side])]
+    layer, failed = common.interleaved_medians(layer_cases, warmup=1, repeats=args.rounds,
+                                               rotate=True)
+    assert not failed, failed
+
     # Translation (beam 4), interleaved.
     for model in models.values():
         model.eval()
+        model.zero_grad(set_to_none=True)
     src = _tokens(batch, length, vocab, seed=7)
     workdir = tempfile.mkdtemp(prefix="relpos-eole-bench-")
     translators = {v: _translator(m, workdir, beam, length, vocab) for v, m in models.items()}
@@ -264,6 +286,22 @@ def main(argv: list[str] | None = None) -> int:
         csv_rows.append(["train", f"{tokens // n}x{n}", f"{s:.1f}", f"{p:.1f}", f"{s / p:.3f}"])
     lines += common.markdown_table(["B x n", "stock eole (ms)", "patched (ms)",
                                     "speed-up (stock / patched)"], rows)
+    rows = []
+    for n in lengths:
+        cells = [f"{tokens // n} x {n}"]
+        for side in ("encoder", "decoder"):
+            s, p = layer[(n, side, "stock")][0], layer[(n, side, "patched")][0]
+            cells += [common.format_ms(s), common.format_ms(p), f"{s / p:.2f}x"]
+            csv_rows.append([f"self-attention {side}", f"{tokens // n}x{n}", f"{s:.1f}",
+                             f"{p:.1f}", f"{s / p:.3f}"])
+        rows.append(cells)
+    lines += ["", "### One self-attention layer, forward + backward (what the patch replaces)", "",
+              "The first encoder layer's (padding mask) and the first decoder layer's (causal "
+              "mask) self-attention module on its own, input (B, n, 512), same rounds scheme. "
+              "The rest of a training step (linears, feed-forward, cross-attention, the output "
+              "layer) is the same in both models.", ""]
+    lines += common.markdown_table(["B x n", "encoder stock (ms)", "patched (ms)", "speed-up",
+                                    "decoder stock (ms)", "patched (ms)", "speed-up"], rows)
     s, p = translation["stock"][0], translation["patched"][0]
     csv_rows.append(["translate", f"{batch}x{length} beam {beam}", f"{s:.1f}", f"{p:.1f}",
                      f"{s / p:.3f}"])

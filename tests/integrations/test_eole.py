@@ -543,22 +543,23 @@ def test_translator_greedy_equals_no_cache_greedy(static, tmp_path, monkeypatch)
     assert (logp - _full_logprobs(stock, src, _bos(3), tokens)).abs().max() > 0.5
 
 
-def test_translator_beam_search_is_consistent(tmp_path, monkeypatch):
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_translator_beam_search_is_consistent(static, tmp_path, monkeypatch):
     """Beam 4 through the patched cache: every hypothesis' score is its teacher-forced
     log-probability, and the best is at least the greedy translation's."""
-    _, patched = _pair("seq2seq", 2)
+    _, patched = _pair("seq2seq", 2, static=static)
     src = _batch(2, 9, seed=12, lengths=(9, 7))
     batch = {"src": src, "srclen": src.ne(PAD).sum(1)}
-    hyps, _, results = _predict(_predictor(patched, tmp_path, monkeypatch, beam=4, max_length=8),
-                                batch)
+    hyps, _, results = _predict(_predictor(patched, tmp_path, monkeypatch, beam=4, max_length=8,
+                                           static=static), batch)
     for b in range(2):
         assert len(hyps[b]) == 4
         for hyp, score in zip(hyps[b], results["scores"][b], strict=True):
             tokens = torch.tensor([hyp])
             full = _full_logprobs(patched, src[b : b + 1], _bos(1), tokens)
             assert abs(float(full.gather(2, tokens[..., None]).sum()) - float(score)) < 1e-3
-    greedy, _, _ = _predict(_predictor(patched, tmp_path, monkeypatch, beam=1,
-                                          max_length=8), batch)
+    greedy, _, _ = _predict(_predictor(patched, tmp_path, monkeypatch, beam=1, max_length=8,
+                                       static=static), batch)
     for b in range(2):
         tokens = torch.tensor([greedy[b][0]])
         full = _full_logprobs(patched, src[b : b + 1], _bos(1), tokens)
