@@ -28,6 +28,9 @@ from eole.utils.misc import sequence_mask
 
 import relpos.integrations.eole as rp_eole
 
+# eole's configs call pydantic's deprecated v1 methods on every update.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:eole")
+
 F64 = torch.float64
 PAD, BOS, EOS, V = 1, 2, 3, 40
 TOKENS = ["<unk>", "<blank>", "<s>", "</s>"] + [f"w{i}" for i in range(V - 4)]
