@@ -28,12 +28,14 @@ def test_python_blocks_run():
             exec(code, {})
 
 
-def test_only_the_hugging_face_block_is_not_run():
+def test_only_the_hugging_face_and_eole_blocks_are_not_run():
     skipped = [block for run, block in _python_blocks() if not run]
-    assert len(skipped) == 1
+    assert len(skipped) == 2
     assert "from relpos.integrations.transformers import patch" in skipped[0]
     assert "patch(model)" in skipped[0]
     assert "pip install 'relpos[transformers]'" in README
+    assert "relpos.integrations.eole.patch_on_build()" in skipped[1]  # it starts eole
+    assert "pip install 'relpos[eole]'" in README
 
 
 def test_ci_runs_the_readme_test_command():
