@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, reference
+from relpos.ops import triton as triton_backend
 from relpos.ops.call import AttentionCall, Reason
 from relpos.positions import check_window, resolve_query_start
 
@@ -37,6 +38,7 @@ __all__ = [
 
 _MODULES: dict[str, ModuleType] = {
     "reference": reference, "bucketed": bucketed, "fused": fused, "decode": decode,
+    "triton": triton_backend,
 }
 assert set(_MODULES) == set(BACKENDS)
 
@@ -395,8 +397,9 @@ def relative_attention(call: AttentionCall) -> Tensor:
         query_start: position of query 0, ``0 <= query_start <= S - L``; default ``S - L``.
         implementation: ``"reference"`` (the definition, O(L·S·D) memory), ``"bucketed"``
             (O(B·H·L·(2K+1)) extra), ``"fused"`` (exact region decomposition, O(n) extra
-            memory), ``"decode"`` (KV-cache steps) or None for the best backend that serves
-            the call (:func:`select_backend` names it).
+            memory), ``"decode"`` (KV-cache steps), ``"triton"`` (the fused kernel on CUDA
+            GPUs) or None for the best backend that serves the call (:func:`select_backend`
+            names it).
 
     Returns:
         ``(B, H, L, Dv)``. Query rows that see no key are zeros.
