@@ -68,7 +68,7 @@ def make_problem_like(problem, dtype):
 
 CASES = {
     # name: (make_problem kwargs, relative_attention kwargs)
-    "causal L<S": (dict(B=1, H=2, L=37, S=45, D=20, K=5, per_head=True), dict(is_causal=True)),
+    "causal L<S": (dict(B=1, H=2, L=29, S=35, D=20, K=5, per_head=True), dict(is_causal=True)),
     "non-causal": (dict(B=1, H=2, L=41, S=41, D=8, K=4), dict()),
     "K=0": (dict(B=1, H=2, L=33, S=33, D=8, K=0), dict(is_causal=True)),
     "K=1": (dict(B=1, H=2, L=30, S=33, D=8, K=1), dict(query_start=0)),
@@ -93,7 +93,7 @@ def test_float64_matches_the_reference(case):
 
 
 @pytest.mark.usefixtures("small_blocks")
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_key_mask_padding_and_empty_rows(causal):
     problem = make_problem(B=3, H=2, L=29, S=29, D=8, K=3, per_head=True, seed=3)
     key_mask = torch.ones(3, 29, dtype=torch.bool)
@@ -109,7 +109,8 @@ def test_key_mask_padding_and_empty_rows(causal):
 
 
 @pytest.mark.usefixtures("small_blocks")
-@pytest.mark.parametrize("window", [(5, 1), (0, 3), (2, 0), (9, 4)])
+@pytest.mark.parametrize("window", [(5, 1), (0, 3), (2, 0),
+                                    pytest.param((9, 4), marks=pytest.mark.slow)])
 def test_windows(window):
     left, right = window
     g = torch.Generator().manual_seed(left * 10 + right)
@@ -154,7 +155,7 @@ def test_half_precision_error_at_most_twice_the_reference(dtype):
 
 @pytest.mark.usefixtures("small_blocks")
 def test_table_gradients_are_deterministic():
-    problem = make_problem(B=2, H=2, L=40, S=40, D=8, K=3, seed=4)
+    problem = make_problem(B=1, H=2, L=33, S=33, D=8, K=3, seed=4)
     runs = [forward_backward(problem, "triton", is_causal=True)[1] for _ in range(2)]
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
@@ -179,9 +180,7 @@ def test_opcheck():
     key_mask = torch.tensor([[True] * 9 + [False] * 2])
     args = (q, k, v, ak[None], av[None], key_mask)
     options = dict(left=2, right=2, is_causal=True, scale=0.5, query_start=2)
-    torch.library.opcheck(torch.ops.relpos.triton_attention.default, args, options,
-                          test_utils=("test_schema", "test_autograd_registration",
-                                      "test_faketensor"))
+    torch.library.opcheck(torch.ops.relpos.triton_attention.default, args, options)
 
 
 def test_auto_selection_never_picks_triton_for_cpu_tensors():
