@@ -58,8 +58,9 @@ def backends() -> tuple[str, ...]:
 
 def default_backends() -> tuple[str, ...]:
     """What runs without ``--backends``: every backend but ``decode``, which serves KV-cache
-    steps (``relpos bench --decode``), not whole-sequence attention."""
-    return tuple(b for b in backends() if b != "decode")
+    steps (``relpos bench --decode``), not whole-sequence attention, and ``triton``, a GPU
+    backend (``benchmarks/cuda_check.py --triton`` times it)."""
+    return tuple(b for b in backends() if b not in ("decode", "triton"))
 
 
 # ----------------------------------------------------------------------------------------------
