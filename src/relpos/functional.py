@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, native, reference
+from relpos.ops import triton as triton_backend
 from relpos.ops.call import AttentionCall, Reason
 from relpos.positions import check_window, resolve_query_start
 
@@ -37,7 +38,7 @@ __all__ = [
 
 _MODULES: dict[str, ModuleType] = {
     "reference": reference, "bucketed": bucketed, "fused": fused, "decode": decode,
-    "native": native,
+    "native": native, "triton": triton_backend,
 }
 assert set(_MODULES) == set(BACKENDS)
 
@@ -401,8 +402,9 @@ def relative_attention(call: AttentionCall) -> Tensor:
         implementation: ``"reference"`` (the definition, O(L·S·D) memory), ``"bucketed"``
             (O(B·H·L·(2K+1)) extra), ``"fused"`` (exact region decomposition, O(n) extra
             memory), ``"decode"`` (KV-cache steps), ``"native"`` (the C++ CPU kernels, one
-            fused pass per direction, O(L·R) extra; compiled on first use) or None for the best
-            backend that serves the call (:func:`select_backend` names it).
+            fused pass per direction, O(L·R) extra; compiled on first use), ``"triton"`` (the
+            fused kernel on CUDA GPUs) or None for the best backend that serves the call
+            (:func:`select_backend` names it).
 
     Returns:
         ``(B, H, L, Dv)``. Query rows that see no key are zeros.

@@ -99,10 +99,11 @@ def token_shapes(tokens: int, lengths: Sequence[int] | None = None) -> list[tupl
 
 def training_backends() -> tuple[str, ...]:
     """What ``--backends`` may name with ``--preset training``: ``auto`` and every
-    whole-sequence backend (``decode`` serves KV-cache steps). SDPA always runs."""
+    whole-sequence CPU backend (``decode`` serves KV-cache steps; ``triton`` is for GPUs).
+    SDPA always runs."""
     from relpos.functional import available_backends
 
-    return ("auto", *(b for b in available_backends() if b != "decode"))
+    return ("auto", *(b for b in available_backends() if b not in ("decode", "triton")))
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Literal, get_args
 
 __all__ = ["BACKENDS", "Implementation"]
 
-Implementation = Literal["native", "decode", "fused", "bucketed", "reference"]
+Implementation = Literal["triton", "native", "decode", "fused", "bucketed", "reference"]
 """Backend names, in the order auto-selection tries them: the first that serves a call wins."""
 
 BACKENDS: tuple[str, ...] = get_args(Implementation)

@@ -1,0 +1,351 @@
+"""The Triton kernels: flash attention with Toeplitz buckets (DESIGN.md §6).
+
+One program handles one (batch·head, query block) in the forward and in the ``dq`` pass, one
+(batch·head, key block) in the ``dk, dv`` pass. Every tile ``(query block I, key block J)``:
+
+    s_ij = scale * q_i . k_j + QA[i, r_ij]        QA = scale * q @ aK^T   (B, H, L, R)
+    r_ij = clamp(j - p_i + left, 0, R - 1)       p_i = query_start + i
+
+Tiles beyond the band read only the first or last column of ``QA`` (held per row); inside
+the band the interior columns are gathered (predicated loads: far tiles issue none). The
+value term is carried by per-row bucket masses: the two edge buckets (every far key) are
+accumulated like the softmax denominator; an interior bucket ``0 < r < R - 1`` holds exactly
+one key (``j = p_i + r - left``), so its score is stored once into the ``(L, R)`` buffer and
+turned into a probability after the last tile, and ``out += Pb @ aV`` closes the row.
+
+The backward recomputes ``p_ij = exp(s_ij - lse_i)``, ``dp_ij = dO_i . v_j + dOA[i, r_ij]``
+(``dOA = dO @ aV^T``) and ``ds_ij = p_ij (dp_ij - delta_i)``; the ``dq`` pass also writes the
+bucket sums ``dSb`` of ``ds`` (edges accumulated, interior stored), from which the caller gets
+``dq += scale dSb @ aK``, ``daK = scale dSb^T @ q`` and ``daV = Pb^T @ dO`` as GEMMs: every sum
+in a fixed order, no atomics.
+
+Float32 inputs multiply in IEEE float32 (``input_precision="ieee"``, never TF32), so the
+interpreter's numbers are the GPU's; half-precision inputs multiply in their dtype with float32
+accumulation; float64 (interpreter only) stays float64 throughout.
+
+Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim, R table rows.
+All tensors are contiguous; ``BLOCK_D`` / ``BLOCK_DV`` are the head dims rounded up to a power
+of two (at least 16, what ``tl.dot`` takes), the rest masked.
+"""
+# mypy: ignore-errors
+# (Triton's language is typed by its own compiler, not by mypy.)
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, ACC: tl.constexpr, BF16_EMULATED: tl.constexpr):
+    """``a @ b`` accumulated in ``ACC``. With ``BF16_EMULATED`` (bfloat16 under the interpreter,
+    whose ``tl.dot`` reads bfloat16 storage as integers) the product runs in float32: the same
+    numbers, as a product of two bfloat16 values is exact in float32."""
+    if BF16_EMULATED:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee", out_dtype=ACC)
+
+
+@triton.jit
+def _narrow(x, dtype: tl.constexpr, BF16_EMULATED: tl.constexpr):
+    """``x`` (accumulation dtype) in ``dtype``, rounded to nearest even as on the GPU. With
+    ``BF16_EMULATED`` the rounding is done on the bits first: the interpreter's own cast to
+    bfloat16 truncates."""
+    if BF16_EMULATED:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _bucket_gather(table_ptr, offs_m, idx, first, last, R, row_ok):
+    """``table[i, idx_ij]`` for a (BLOCK_M, BLOCK_N) tile of bucket indices: the edge columns
+    from the per-row values ``first`` / ``last``, the interior ones gathered."""
+    interior = (idx > 0) & (idx < R - 1) & row_ok[:, None]
+    inner = tl.load(table_ptr + offs_m[:, None] * R + idx, mask=interior, other=0.0)
+    return tl.where(idx == 0, first[:, None], tl.where(idx == R - 1, last[:, None], inner))
+
+
+@triton.jit
+def _tile_scores(
+    q, k, offs_m, offs_n, pos, row_ok, col_ok, qa_ptr, qa_first, qa_last, km_ptr,
+    R, left, scale,
+    HAS_QA: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+    BF16_EMULATED: tl.constexpr,
+):
+    """Scores of one tile (BLOCK_M, BLOCK_N) from ``q (BLOCK_M, BLOCK_D)`` and
+    ``k (BLOCK_D, BLOCK_N)``, ``-inf`` where key j is hidden from query i; also the bucket
+    index of every entry and the visibility mask."""
+    s = _dot(q, k, ACC, BF16_EMULATED) * scale
+    idx = tl.minimum(tl.maximum(offs_n[None, :] - pos[:, None] + left, 0), R - 1)
+    if HAS_QA:
+        s += _bucket_gather(qa_ptr, offs_m, idx, qa_first, qa_last, R, row_ok)
+    visible = col_ok[None, :] & row_ok[:, None]
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= pos[:, None])
+    if HAS_KM:
+        real = tl.load(km_ptr + offs_n, mask=col_ok, other=0)
+        visible = visible & (real != 0)[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    return s, idx, visible
+
+
+@triton.jit
+def forward_kernel(
+    Q, K, V, QA, AV, KM, Out, Lse, Pb,
+    H, L, S, D: tl.constexpr, Dv: tl.constexpr, R, left, query_start, scale, av_head_stride,
+    HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Grid ``(cdiv(L, BLOCK_M), B * H)``. Writes ``Out (B, H, L, Dv)``, ``Lse (B, H, L)`` (+inf
+    for a row that sees no key) and, with a values table, the bucket masses ``Pb (B, H, L, R)``
+    (which must arrive filled with ``-inf``)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < Dv
+    pos = query_start + offs_m
+
+    q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    qa_ptr = QA + bh * L * R
+    qa_first = tl.zeros([BLOCK_M], dtype=ACC)
+    qa_last = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS_QA:
+        qa_first = tl.load(qa_ptr + offs_m * R, mask=row_ok, other=0.0)
+        qa_last = tl.load(qa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+    pb_ptr = Pb + bh * L * R
+    km_ptr = KM + b * S
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    edge_left = tl.zeros([BLOCK_M], dtype=ACC)
+    edge_right = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=ACC)
+
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, query_start + tl.minimum(L, m0 + BLOCK_M))
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < S
+        k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
+                    mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        s, idx, visible = _tile_scores(
+            q, k, offs_m, offs_n, pos, row_ok, col_ok, qa_ptr, qa_first, qa_last, km_ptr,
+            R, left, scale, HAS_QA, HAS_KM, CAUSAL, ACC, BF16_EMULATED,
+        )
+        # online softmax; a row with no visible key so far keeps m = -inf, l = 0
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+        acc = acc * alpha[:, None] + _dot(_narrow(p, v.dtype, BF16_EMULATED), v, ACC, BF16_EMULATED)
+        if HAS_AV:
+            at_left = idx == 0
+            at_right = (idx == R - 1) & (idx != 0)
+            edge_left = edge_left * alpha + tl.sum(tl.where(at_left, p, 0.0), 1)
+            edge_right = edge_right * alpha + tl.sum(tl.where(at_right, p, 0.0), 1)
+            interior = (idx > 0) & (idx < R - 1) & visible
+            tl.store(pb_ptr + offs_m[:, None] * R + idx, s, mask=interior)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("inf"), m_i + tl.log(l_safe))
+    out = acc / l_safe[:, None]
+    if HAS_AV:
+        tl.debug_barrier()  # the interior scores stored above, by other threads of this program
+        edge_left = edge_left / l_safe
+        edge_right = edge_right / l_safe
+        av_ptr = AV + h * av_head_stride
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            cell = row_ok[:, None] & r_ok[None, :]
+            scores = tl.load(pb_ptr + offs_m[:, None] * R + offs_r[None, :], mask=cell,
+                             other=float("-inf"))
+            mass = tl.exp(scores - lse[:, None])
+            mass = tl.where((offs_r == R - 1)[None, :], edge_right[:, None], mass)
+            mass = tl.where((offs_r == 0)[None, :], edge_left[:, None], mass)
+            mass = tl.where(cell, mass, 0.0)
+            tl.store(pb_ptr + offs_m[:, None] * R + offs_r[None, :], mass, mask=cell)
+            av = tl.load(av_ptr + offs_r[:, None] * Dv + offs_dv[None, :],
+                         mask=r_ok[:, None] & dv_ok[None, :], other=0.0)
+            # in the input dtype, as p @ v above (masses in [0, 1], rounded like p)
+            out += _dot(_narrow(mass, av.dtype, BF16_EMULATED), av, ACC, BF16_EMULATED)
+    tl.store(Out + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
+             _narrow(out, Out.dtype.element_ty, BF16_EMULATED),
+             mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(Lse + bh * L + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _tile_grads(
+    q, k, v, do, offs_m, offs_n, pos, row_ok, col_ok, lse, delta,
+    qa_ptr, qa_first, qa_last, doa_ptr, doa_first, doa_last, km_ptr, R, left, scale,
+    HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+):
+    """``p``, ``ds`` and the bucket indices of one tile (BLOCK_M, BLOCK_N), from ``q``, ``dO``
+    (query rows), ``k (BLOCK_D, BLOCK_N)`` and ``v (BLOCK_N, BLOCK_DV)``."""
+    s, idx, visible = _tile_scores(
+        q, k, offs_m, offs_n, pos, row_ok, col_ok, qa_ptr, qa_first, qa_last, km_ptr,
+        R, left, scale, HAS_QA, HAS_KM, CAUSAL, ACC, BF16_EMULATED,
+    )
+    p = tl.exp(s - lse[:, None])  # lse = +inf for a row that sees no key: p = 0
+    dp = _dot(do, tl.trans(v), ACC, BF16_EMULATED)
+    if HAS_AV:
+        dp += _bucket_gather(doa_ptr, offs_m, idx, doa_first, doa_last, R, row_ok)
+    ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
+    return p, ds, idx, visible
+
+
+@triton.jit
+def backward_dkdv_kernel(
+    Q, K, V, QA, DOA, KM, DO, Lse, Delta, DK, DV,
+    H, L, S, D: tl.constexpr, Dv: tl.constexpr, R, left, query_start, scale,
+    HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Grid ``(cdiv(S, BLOCK_N), B * H)``: ``dk = scale dS^T @ q``, ``dv = P^T @ dO`` for one key
+    block, over every query block that can see it."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    col_ok, d_ok, dv_ok = offs_n < S, offs_d < D, offs_dv < Dv
+    k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
+                mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+    v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+    km_ptr = KM + b * S
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
+
+    lo = 0
+    if CAUSAL:  # query i sees key j only if j <= query_start + i
+        lo = (tl.maximum(n0 - query_start, 0) // BLOCK_M) * BLOCK_M
+    for m0 in range(lo, L, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < L
+        pos = query_start + offs_m
+        q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        do = tl.load(DO + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
+                     mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+        lse = tl.load(Lse + bh * L + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+        qa_ptr = QA + bh * L * R
+        doa_ptr = DOA + bh * L * R
+        qa_first = tl.zeros([BLOCK_M], dtype=ACC)
+        qa_last = tl.zeros([BLOCK_M], dtype=ACC)
+        doa_first = tl.zeros([BLOCK_M], dtype=ACC)
+        doa_last = tl.zeros([BLOCK_M], dtype=ACC)
+        if HAS_QA:
+            qa_first = tl.load(qa_ptr + offs_m * R, mask=row_ok, other=0.0)
+            qa_last = tl.load(qa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+        if HAS_AV:
+            doa_first = tl.load(doa_ptr + offs_m * R, mask=row_ok, other=0.0)
+            doa_last = tl.load(doa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+        p, ds, _idx, _visible = _tile_grads(
+            q, k, v, do, offs_m, offs_n, pos, row_ok, col_ok, lse, delta,
+            qa_ptr, qa_first, qa_last, doa_ptr, doa_first, doa_last, km_ptr, R, left, scale,
+            HAS_QA, HAS_AV, HAS_KM, CAUSAL, ACC, BF16_EMULATED,
+        )
+        dv += _dot(tl.trans(_narrow(p, do.dtype, BF16_EMULATED)), do, ACC, BF16_EMULATED)
+        dk += _dot(tl.trans(_narrow(ds, q.dtype, BF16_EMULATED)), q, ACC, BF16_EMULATED)
+    tl.store(DK + bh * S * D + offs_n[:, None] * D + offs_d[None, :],
+             _narrow(dk * scale, DK.dtype.element_ty, BF16_EMULATED),
+             mask=col_ok[:, None] & d_ok[None, :])
+    tl.store(DV + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+             _narrow(dv, DV.dtype.element_ty, BF16_EMULATED),
+             mask=col_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def backward_dq_kernel(
+    Q, K, V, QA, DOA, KM, DO, Lse, Delta, DQ, DSb,
+    H, L, S, D: tl.constexpr, Dv: tl.constexpr, R, left, query_start, scale,
+    HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Grid ``(cdiv(L, BLOCK_M), B * H)``: ``DQ = dS @ k`` (unscaled, in the accumulation dtype)
+    and, with a keys table, the bucket sums ``DSb (B, H, L, R)`` of ``dS`` (which must arrive
+    filled with zeros)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < Dv
+    pos = query_start + offs_m
+    q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse = tl.load(Lse + bh * L + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+    qa_ptr = QA + bh * L * R
+    doa_ptr = DOA + bh * L * R
+    dsb_ptr = DSb + bh * L * R
+    km_ptr = KM + b * S
+    qa_first = tl.zeros([BLOCK_M], dtype=ACC)
+    qa_last = tl.zeros([BLOCK_M], dtype=ACC)
+    doa_first = tl.zeros([BLOCK_M], dtype=ACC)
+    doa_last = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS_QA:
+        qa_first = tl.load(qa_ptr + offs_m * R, mask=row_ok, other=0.0)
+        qa_last = tl.load(qa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+    if HAS_AV:
+        doa_first = tl.load(doa_ptr + offs_m * R, mask=row_ok, other=0.0)
+        doa_last = tl.load(doa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    ds_left = tl.zeros([BLOCK_M], dtype=ACC)
+    ds_right = tl.zeros([BLOCK_M], dtype=ACC)
+
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, query_start + tl.minimum(L, m0 + BLOCK_M))
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < S
+        k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
+                    mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
+        v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+        _p, ds, idx, visible = _tile_grads(
+            q, k, v, do, offs_m, offs_n, pos, row_ok, col_ok, lse, delta,
+            qa_ptr, qa_first, qa_last, doa_ptr, doa_first, doa_last, km_ptr, R, left, scale,
+            HAS_QA, HAS_AV, HAS_KM, CAUSAL, ACC, BF16_EMULATED,
+        )
+        dq += _dot(_narrow(ds, k.dtype, BF16_EMULATED), tl.trans(k), ACC, BF16_EMULATED)
+        if HAS_QA:
+            ds_left += tl.sum(tl.where(idx == 0, ds, 0.0), 1)
+            ds_right += tl.sum(tl.where((idx == R - 1) & (idx != 0), ds, 0.0), 1)
+            interior = (idx > 0) & (idx < R - 1) & visible
+            tl.store(dsb_ptr + offs_m[:, None] * R + idx, ds, mask=interior)
+    tl.store(DQ + bh * L * D + offs_m[:, None] * D + offs_d[None, :], dq,
+             mask=row_ok[:, None] & d_ok[None, :])
+    if HAS_QA:
+        several = tl.zeros([BLOCK_M], dtype=tl.int32) + R > 1  # R = 1: one bucket, column 0
+        tl.store(dsb_ptr + offs_m * R + R - 1, ds_right, mask=row_ok & several)
+        tl.store(dsb_ptr + offs_m * R, ds_left, mask=row_ok)
