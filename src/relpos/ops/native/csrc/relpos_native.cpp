@@ -277,6 +277,16 @@ static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, c
   }
 }
 
+// x[j] = exp(x[j] - offset) over n entries; returns their sum.
+template <typename T>
+static inline T exp_sum(T* x, int64_t n, T offset);
+
+// max(a, b), NaN if either is.
+template <typename T>
+static inline T nan_max(T a, T b) {
+  return (std::isnan(a) || a > b) ? a : b;
+}
+
 // Bucket sums of one row of `x` (keys [j0, end)) into pb (R entries).
 template <typename T>
 static inline void bucket_row(const T* x, const Geometry& g, int64_t p, int64_t j0, int64_t fl,
@@ -292,41 +302,32 @@ static inline void bucket_row(const T* x, const Geometry& g, int64_t p, int64_t 
   pb[g.R - 1] += sum_r;
 }
 
-// One row's segments in a single vectorized loop each (short rows would otherwise spend their
-// time in three scalar loop tails): entry j of the row gets the constant c0 before nl (far
-// left), nothing in the band [nl, nlb) (its relative term is already in s), c1 from nlb on.
-
-// max_j (s[j] + constant(j)) over n entries (-inf for n = 0; NaN entries are skipped).
+// The largest of x[0..n) (-inf for n = 0; NaN entries are skipped), in 16 independent lanes so
+// that the compiler vectorizes it (a plain running max is one long dependency chain).
 template <typename T>
-static inline T row_max_segments(const T* x, int64_t n, int64_t nl, int64_t nlb, T c0, T c1) {
+static inline T row_max(const T* x, int64_t n) {
+  constexpr int W = 16;
+  T lane[W];
+  for (int u = 0; u < W; ++u) lane[u] = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  for (; j + W <= n; j += W)
+    for (int u = 0; u < W; ++u) lane[u] = x[j + u] > lane[u] ? x[j + u] : lane[u];
   T mx = -std::numeric_limits<T>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int64_t j = 0; j < n; ++j) {
-    const T y = x[j] + (j < nl ? c0 : (j < nlb ? T(0) : c1));
-    mx = y > mx ? y : mx;
-  }
+  for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  for (int u = 0; u < W; ++u) mx = lane[u] > mx ? lane[u] : mx;
   return mx;
 }
 
-// x[j] = exp(x[j] + constant(j) - offset) over n entries; the sums of the far-left, band and
-// far-right entries.
 template <typename T>
-static inline void exp_segments(T* x, int64_t n, int64_t nl, int64_t nlb, T c0, T c1, T offset,
-                                T& sum_l, T& sum_b, T& sum_r) {
-  T sl = 0, sb = 0, sr = 0;
-#pragma omp simd reduction(+ : sl, sb, sr)
+static inline T exp_sum(T* x, int64_t n, T offset) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
-    const bool left = j < nl, right = j >= nlb;
-    const T c = left ? c0 : (right ? c1 : T(0));
-    const T e = exp_<T>(x[j] + c - offset);
+    const T e = exp_<T>(x[j] - offset);
     x[j] = e;
-    sl += left ? e : T(0);
-    sr += right ? e : T(0);
-    sb += (left || right) ? T(0) : e;
+    sum += e;
   }
-  sum_l = sl;
-  sum_b = sb;
-  sum_r = sr;
+  return sum;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -379,11 +380,11 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
             const T* band = qar + (g.left - p + fl);  // band[x] = QA[i, (fl + x) - p + left]
             for (int64_t x = 0; x < nb; ++x) sb[x] += band[x];
           }
-          T mx = row_max_segments<T>(s, nv, nl, nl + nb, c0, c1);
-          // A NaN far constant (a NaN query row or table row) is skipped by the max: keep it.
-          if (nl > 0 && std::isnan(c0)) mx = c0;
-          if (nr > 0 && std::isnan(c1)) mx = c1;
-          // The max skips NaN; a row whose visible scores are all NaN must stay NaN, not look
+          T mx = ninf;
+          if (nl > 0) mx = nan_max<T>(mx, row_max<T>(s, nl) + c0);
+          if (nb > 0) mx = nan_max<T>(mx, row_max<T>(sb, nb));
+          if (nr > 0) mx = nan_max<T>(mx, row_max<T>(sb + nb, nr) + c1);
+          // row_max skips NaN; a row whose visible scores are all NaN must stay NaN, not look
           // empty (other NaNs reach the row through exp and its sum).
           if (mx == ninf) {
             for (int64_t j = 0; j < nv; ++j)
@@ -406,8 +407,9 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
             }
           }
           m[r] = m_new;
-          T sum_l, sum_b, sum_r;
-          exp_segments<T>(s, nv, nl, nl + nb, c0, c1, m_new, sum_l, sum_b, sum_r);
+          const T sum_l = exp_sum<T>(s, nl, m_new - c0);
+          const T sum_b = exp_sum<T>(sb, nb, m_new);
+          const T sum_r = exp_sum<T>(sb + nb, nr, m_new - c1);
           for (int64_t j = nv; j < nk; ++j) s[j] = T(0);
           l[r] += sum_l + sum_b + sum_r;
           if (drop.on) {
@@ -532,24 +534,29 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
             }
             const T lr = lp[r], dl = delta[r];
             // P, segment by segment (the far constants folded into the offsets)
-            T p_l, p_b, p_r;
-            exp_segments<T>(s, nv, nl, nl + nb, c0, c1, lr, p_l, p_b, p_r);
+            const T p_l = exp_sum<T>(s, nl, lr - c0);
+            exp_sum<T>(sb, nb, lr);
+            const T p_r = exp_sum<T>(sb + nb, nr, lr - c1);
             if (!drop.on) {
               // dS = P (dO . (v_j + aV[r]) - delta): the far segments' dO . aV is a constant
-              if (doar != nullptr) {
-                const T* doab = doar + (g.left - p + fl);
-                for (int64_t x = 0; x < nb; ++x) dpb[x] += doab[x];
-              }
               T ds_l = 0, ds_r = 0;
-              const int64_t nlb = nl + nb;
-#pragma omp simd reduction(+ : ds_l, ds_r)
-              for (int64_t j = 0; j < nv; ++j) {
-                const bool left = j < nl, right = j >= nlb;
-                const T e = left ? e0 : (right ? e1 : T(0));
-                const T x = s[j] * (dp[j] + e - dl);
+              const T dl_l = dl - e0, dl_r = dl - e1;
+#pragma omp simd reduction(+ : ds_l)
+              for (int64_t j = 0; j < nl; ++j) {
+                const T x = s[j] * (dp[j] - dl_l);
                 dp[j] = x;
-                ds_l += left ? x : T(0);
-                ds_r += right ? x : T(0);
+                ds_l += x;
+              }
+              const T* doab = doar ? doar + (g.left - p + fl) : nullptr;
+              for (int64_t x = 0; x < nb; ++x)
+                dpb[x] = sb[x] * (dpb[x] + (doab ? doab[x] : T(0)) - dl);
+              T* dpr = dpb + nb;
+              const T* sr = sb + nb;
+#pragma omp simd reduction(+ : ds_r)
+              for (int64_t j = 0; j < nr; ++j) {
+                const T x = sr[j] * (dpr[j] - dl_r);
+                dpr[j] = x;
+                ds_r += x;
               }
               if (avp) {
                 T* pr = pb.data() + r * R;
