@@ -2,9 +2,9 @@
 inference in eval mode (torch's fast path on), a padded batch (the padding mask given the way
 ``nn.TransformerEncoder`` hands it over), and training with torch's default ``dropout=0.1``.
 
-The models are those of ``relpos bench --preset encoder`` (:func:`relpos.bench.encoder.
-build_models`: E=512, H=8, FF=2048, pre-norm, K=16, the same weights), timed in interleaved
-rounds (medians), ratios to the torch model in the same run:
+The models are those of ``relpos bench --preset encoder`` (``relpos.bench.encoder.build_models``:
+6 layers, E=512, H=8, FF=2048, pre-norm, K=16, the same weights), timed in interleaved rounds
+(medians), ratios to the torch model in the same run:
 
 - ``eval``: both models in eval mode under ``torch.inference_mode()``; torch's encoder takes
   its fast path (``enable_nested_tensor=True`` is torch's default, so padded rows become a
@@ -110,7 +110,7 @@ def main() -> int:
     text = "\n".join([
         "# relpos encoder: inference, padded batches, dropout",
         "",
-        (__doc__ or "").split("\n\n")[1].replace("\n", " "),
+        " ".join((__doc__ or "").split("\n\n")[1].split()),
         "",
         *common.markdown_meta(meta),
         "",

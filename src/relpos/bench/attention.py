@@ -156,6 +156,8 @@ def estimate_bytes(backend: str, n: int, K: int, cfg: Config) -> int:
         return 6 * bhnd
     if backend in ("fused", "decode"):
         return 12 * bhnd
+    if backend in ("native", "triton"):  # out, lse, the gradients, O(n·R) per head
+        return 8 * bhnd + 4 * B * H * n * (2 * K + 1) * e
     bhnn = B * H * n * n * e
     if backend == "bucketed":
         return 7 * bhnn + 8 * B * H * n * (2 * K + 1) * e

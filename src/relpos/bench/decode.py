@@ -211,7 +211,8 @@ def settings(args: Any) -> _Settings:
     requested = getattr(args, "backends", None)
     available = available_backends()
     extra = (
-        [b for b in available if b != "reference"] if requested is None
+        # triton is a GPU backend (benchmarks/cuda_check.py --triton times it)
+        [b for b in available if b not in ("reference", "triton")] if requested is None
         else list(common.check_names("--backends", requested, available))
     )
     return _Settings(
