@@ -297,7 +297,7 @@ def test_training_batches_go_to_relpos_as_key_masks(monkeypatch):
     assert all(kw["key_mask"].shape == (3, 9 if not kw["is_causal"] else 7) for kw in seen)
 
 
-def test_long_document_runs_through_the_fused_backend():
+def test_long_document_runs_through_the_native_kernels():
     import relpos
 
     stock, patched = _pair("lm", 4)
@@ -308,7 +308,7 @@ def test_long_document_runs_through_the_fused_backend():
     q = torch.randn(1, 4, 600, 8)
     table = torch.randn(9, 8)
     assert relpos.select_backend(q, q, q, max_distance=4, rel_keys=table, rel_values=table,
-                                 is_causal=True) == "fused"
+                                 is_causal=True) == "native"
 
 
 def test_attention_weights_when_asked():
