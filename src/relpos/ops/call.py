@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionCall", "Reason", "accumulation_dtype", "exp_", "needs_backward"]
+__all__ = [
+    "AttentionCall", "Reason", "accumulation_dtype", "empty_gradients", "exp_", "needs_backward",
+]
 
 _LOG2_E = 1.4426950408889634
 
@@ -140,4 +142,18 @@ def needs_backward(call: AttentionCall) -> bool:
     return torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
         for t in (call.query, call.key, call.value, call.rel_keys, call.rel_values)
+    )
+
+
+def empty_gradients(
+    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fresh contiguous gradients shaped like the inputs (``torch.empty(0)`` for an absent
+    table), whatever the inputs' strides: what the backward custom ops return, so their fake
+    implementations return this."""
+    return (
+        query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+        query.new_empty(0) if rel_keys is None else rel_keys.new_empty(rel_keys.shape),
+        query.new_empty(0) if rel_values is None else rel_values.new_empty(rel_values.shape),
     )

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
+from relpos.ops.call import accumulation_dtype, empty_gradients
 from relpos.ops.fused.decomposition import fused_backward, fused_forward
 
 __all__ = ["fused_attention"]
@@ -109,12 +109,7 @@ def _(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
     rel_values: Tensor | None, *_saved: object, **_options: object,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # The real op returns fresh contiguous gradients whatever the inputs' strides.
-    return (
-        query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
-        query.new_empty(0) if rel_keys is None else rel_keys.new_empty(rel_keys.shape),
-        query.new_empty(0) if rel_values is None else rel_values.new_empty(rel_values.shape),
-    )
+    return empty_gradients(query, key, value, rel_keys, rel_values)
 
 
 def _setup_context(
