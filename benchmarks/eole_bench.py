@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta["eole"] = eole.__version__ if hasattr(eole, "__version__") else "0.6.4"
     meta["wall time"] = f"{wall / 60:.1f} min"
+    meta["load"] = f"1-min load average {os.getloadavg()[0]:.2f} at the end"
     lines = ["# eole Transformer NMT with Shaw relative positions: stock eole against relpos", "",
              *common.markdown_meta(meta), "",
              f"Model: {layers} + {layers} layers, d_model 512, 8 heads, FFN 2048, K = 20, "
