@@ -71,10 +71,15 @@ def _state() -> str:
 _state._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _shape4(mask: Tensor) -> tuple[int, ...]:
+    """The shape of a mask broadcastable to ``(B, H, L, S)``, left-padded to 4-D."""
+    return (1,) * (4 - mask.dim()) + tuple(mask.shape)
+
+
 def _per_key(mask: Tensor) -> bool:
     """Whether a mask broadcastable to ``(B, H, L, S)`` depends on the batch row and the key
     only (its shape says so: size 1 along H and L)."""
-    shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    shape = _shape4(mask)
     return shape[1] == 1 and shape[2] == 1
 
 
@@ -112,8 +117,7 @@ def masks(call: AttentionCall) -> tuple[Tensor | None, Tensor | None]:
             mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
         mask = mask.to(dtype)
         if _per_key(mask):
-            shape = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-            add = mask.reshape(shape)[:, 0, 0, :].expand(B, S)  # (B, S)
+            add = mask.reshape(_shape4(mask))[:, 0, 0, :].expand(B, S)  # (B, S)
             bias = add.contiguous() if bias is None else bias + add
         else:
             dense = mask

@@ -20,6 +20,7 @@ Environment:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -64,6 +65,7 @@ def _cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "relpos"
 
 
+@functools.cache
 def _cpu_flags() -> str:
     """The CPU's feature flags (``-march=native`` compiles for exactly these)."""
     try:
@@ -94,6 +96,7 @@ def _libtorch_cpu() -> str | None:
     return None
 
 
+@functools.cache
 def have_blas() -> bool:
     """Whether libtorch exports MKL's ``sgemm_``/``dgemm_`` (x86 wheels do), which the
     kernels then call for their block GEMMs; without them they use plain C++ loops."""

@@ -239,10 +239,8 @@ struct Geometry {
   }
 };
 
-static int64_t query_block_size(int64_t L, int64_t S) {
-  if (L <= 32) return std::max<int64_t>(L, 1);
-  if (S <= 1024) return 64;
-  return 64;
+static int64_t query_block_size(int64_t L) {
+  return L <= 32 ? std::max<int64_t>(L, 1) : 64;
 }
 
 // Keys per block: 512 (torch's flash kernel's size); a few queries over many keys (a decode
@@ -276,10 +274,6 @@ static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, c
     }
   }
 }
-
-// x[j] = exp(x[j] - offset) over n entries; returns their sum.
-template <typename T>
-static inline T exp_sum(T* x, int64_t n, T offset);
 
 // max(a, b), NaN if either is.
 template <typename T>
@@ -318,6 +312,7 @@ static inline T row_max(const T* x, int64_t n) {
   return mx;
 }
 
+// x[j] = exp(x[j] - offset) over n entries; returns their sum.
 template <typename T>
 static inline T exp_sum(T* x, int64_t n, T offset) {
   T sum = 0;
@@ -338,7 +333,7 @@ static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, 
                          const T* av, const T* kbias, const T* mask, T scale, const Dropout& drop,
                          T* out, T* lse) {
   const int64_t B = g.B, H = g.H, L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L, S), BK = key_block_size(L, S);
+  const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
   const int64_t nqb = (L + BQ - 1) / BQ;
   const T ninf = -std::numeric_limits<T>::infinity();
   const T inv_keep = static_cast<T>(drop.inv_keep);
@@ -463,7 +458,7 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
                           T scale, const Dropout& drop, T* dq, T* dk, T* dv, T* dak_part,
                           T* dav_part) {
   const int64_t B = g.B, H = g.H, L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L, S), BK = key_block_size(L, S);
+  const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
   const T inv_keep = static_cast<T>(drop.inv_keep);
 
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
