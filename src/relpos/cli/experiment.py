@@ -7,6 +7,7 @@ Examples::
     relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
     relpos experiment --quick         # a small sweep (under 3 minutes)
     relpos experiment --full          # the whole study (about 50 minutes)
+    relpos experiment --long          # agreement and pysrc until learned (about 2 hours)
     relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
     relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
@@ -30,7 +31,7 @@ from relpos.cli import CLIError, _args
 TASKS = ("recall", "agree", "pysrc")
 # Options that replace the field of the same name of the preset's ExperimentConfig.
 _CONFIG_OPTIONS = ("seeds", "ks", "depths", "tasks", "steps", "threads", "code_ks",
-                   "code_steps", "corpus_root")
+                   "code_steps", "corpus_root", "jobs")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -50,6 +51,9 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--quick", action="store_true", help="a small sweep (under 3 minutes)")
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
+    size.add_argument("--long", action="store_true",
+                      help="agreement and pysrc trained until learned, 6 seeds, with "
+                           "learning curves (about 2 hours on 2 CPU cores, 2 jobs)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
@@ -67,7 +71,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--code-steps", type=_args.positive_int, help="training steps (pysrc)")
     p.add_argument("--corpus-root", metavar="DIR",
                    help="directory of .py files for pysrc (default: this Python's stdlib)")
-    _args.add_threads(p, "torch CPU threads (default 1; fixed so reruns give the same numbers)")
+    _args.add_threads(p, "torch CPU threads per job (default 1; fixed so reruns give the same "
+                         "numbers)")
+    p.add_argument("--jobs", type=_args.positive_int, metavar="N",
+                   help="runs trained at once, one process each (default 1; --long: 2); "
+                        "the numbers do not depend on it")
     used = p.add_mutually_exclusive_group()
     used.add_argument("--reuse", action="store_true",
                       help="keep finished runs already in --out (continue an interrupted or "
@@ -75,6 +83,23 @@ def add_parser(subparsers: Any) -> None:
     used.add_argument("--overwrite", action="store_true",
                       help="replace the experiment in --out (its files are removed first)")
     _args.add_no_progress(p)
+
+
+def _curves_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
+    """The preset's learning-curve settings cut to what the changed sweep still has (its
+    seeds and K, budgets below its steps)."""
+    seeds = changes.get("seeds", config.seeds)
+    steps = changes.get("steps", config.steps)
+    code_steps = changes.get("code_steps", config.code_steps)
+    ks = changes.get("ks", config.ks)
+    code_ks = changes.get("code_ks", config.code_ks)
+    return {
+        "curve_seeds": tuple(s for s in config.curve_seeds if s in seeds),
+        "curve_ks": tuple(k for k in config.curve_ks if k in ks),
+        "code_curve_ks": tuple(k for k in config.code_curve_ks if k in code_ks),
+        "curve_steps": tuple(n for n in config.curve_steps if n < steps),
+        "code_curve_steps": tuple(n for n in config.code_curve_steps if n < code_steps),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,13 +122,21 @@ def run(args: argparse.Namespace) -> int:
         config = ExperimentConfig.quick()
     elif args.full:
         config = ExperimentConfig.full()
+    elif args.long:
+        config = ExperimentConfig.long()
     else:
         config = ExperimentConfig()
     changes: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
     if changes:
-        config = replace(config, **changes, preset="custom")
+        # --jobs alone changes no number: the preset keeps its name.
+        preset = config.preset if set(changes) == {"jobs"} else "custom"
+        changes.update(_curves_within(config, changes))
+        try:
+            config = replace(config, **changes, preset=preset)
+        except ValueError as err:
+            raise CLIError(str(err)) from None
     import sys
 
     command = "relpos " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == [

@@ -20,9 +20,12 @@ __all__ = [
     "accuracy",
     "bpc_interval",
     "bracket_counts",
+    "budget_of",
     "by_distance",
     "configurations",
+    "curves",
     "eval_at",
+    "is_curve_run",
     "label_of",
     "overall_counts",
     "pooled_counts",
@@ -113,10 +116,44 @@ def bpc_interval(group: list[dict[str, Any]], length: int) -> Interval:
     return mean_interval(values, data_half=data_half)
 
 
+def budget_of(run: dict[str, Any]) -> int:
+    """The training steps of ``run``."""
+    return int(run["train"]["steps"])
+
+
+def is_curve_run(run: dict[str, Any]) -> bool:
+    """Whether ``run`` is a learning-curve run (trained at a shorter budget than the
+    sweep's)."""
+    return bool(run["spec"].get("steps", 0))
+
+
 def runs_of(runs: list[dict], task: str, depth: int | None = None) -> list[dict]:
-    """The runs of ``task`` (and ``depth``), in sweep order."""
-    return [r for r in runs if r["spec"]["task"] == task
+    """The sweep's runs of ``task`` (and ``depth``), in sweep order (learning-curve runs
+    left out: see :func:`curves`)."""
+    return [r for r in runs if r["spec"]["task"] == task and not is_curve_run(r)
             and (depth is None or r["spec"]["depth"] == depth)]
+
+
+def curves(runs: list[dict], task: str, depth: int) -> dict[str, dict[int, list[dict]]]:
+    """Model label -> step budget -> its runs (sorted by seed) for the learning curves of
+    ``task`` at ``depth``: the curve runs and, for the same models and seeds, the sweep's
+    own runs at the full budget. Empty when the sweep trained no curve."""
+    points = [r for r in runs if r["spec"]["task"] == task and r["spec"]["depth"] == depth]
+    curve = [r for r in points if is_curve_run(r)]
+    if not curve:
+        return {}
+    labels = {label_of(r) for r in curve}
+    seeds = {r["spec"].get("seed", 0) for r in curve}
+    out: dict[str, dict[int, list[dict]]] = {}
+    for r in points:
+        if label_of(r) in labels and r["spec"].get("seed", 0) in seeds:
+            out.setdefault(label_of(r), {}).setdefault(budget_of(r), []).append(r)
+    for by_budget in out.values():
+        for group in by_budget.values():
+            group.sort(key=lambda r: r["spec"].get("seed", 0))
+    ordered = sorted(out, key=lambda lab: (not lab.startswith("K="),
+                                           int(lab[2:]) if lab.startswith("K=") else 0))
+    return {lab: dict(sorted(out[lab].items())) for lab in ordered}
 
 
 def configurations(runs: list[dict]) -> dict[str, list[dict]]:

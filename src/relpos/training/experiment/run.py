@@ -25,7 +25,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ REPORT_FILE = "report.md"
 RUNS_DIR = "runs"
 FORMAT_VERSION = 2
 # The figures of figures.write_figures.
-FIGURE_PATTERNS = ("heatmap_*.png", "extrapolation_*.png", "bpc_*.png", "signal_*.png")
+FIGURE_PATTERNS = ("heatmap_*.png", "extrapolation_*.png", "bpc_*.png", "signal_*.png",
+                   "curves_*.png")
 #: The real-data task (a character-level LM on Python source).
 CODE_TASK = "pysrc"
 SYNTHETIC_TASKS = ("recall", "agree")
@@ -102,11 +103,24 @@ class ExperimentConfig:
     code_eval_tokens: int = 16384
     corpus_root: str | None = None
     threads: int = 1
+    #: Runs trained at once, each in its own process with ``threads`` threads (the numbers
+    #: do not depend on it).
+    jobs: int = 1
+    #: Learning curves: the synthetic tasks' ``curve_ks`` and ``pysrc``'s ``code_curve_ks``
+    #: are also trained, for ``curve_seeds``, at each shorter budget of ``curve_steps`` /
+    #: ``code_curve_steps`` (each a run of its own, with its own learning-rate schedule);
+    #: the sweep's own runs give the full budget's point.
+    curve_steps: tuple[int, ...] = ()
+    code_curve_steps: tuple[int, ...] = ()
+    curve_ks: tuple[int, ...] = ()
+    code_curve_ks: tuple[int, ...] = ()
+    curve_seeds: tuple[int, ...] = ()
     preset: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("tasks", "ks", "depths", "baselines", "seeds", "eval_lengths", "code_ks",
-                     "code_baselines", "code_eval_factors"):
+                     "code_baselines", "code_eval_factors", "curve_steps", "code_curve_steps",
+                     "curve_ks", "code_curve_ks", "curve_seeds"):
             setattr(self, name, tuple(getattr(self, name)))
         unknown = [t for t in self.tasks if t not in (*SYNTHETIC_TASKS, CODE_TASK)]
         if unknown or not self.tasks:
@@ -125,9 +139,25 @@ class ExperimentConfig:
             if any(isinstance(k, bool) or not isinstance(k, int) or k < 0
                    for k in getattr(self, name)):
                 raise ValueError(f"{name} must be ints >= 0, got {list(getattr(self, name))}")
+        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
+            raise ValueError(f"jobs must be an int >= 1, got {self.jobs!r}")
         if any(f < 1 for f in self.code_eval_factors) or 1 not in self.code_eval_factors:
             raise ValueError("code_eval_factors must be ints >= 1 and include 1, got "
                              f"{list(self.code_eval_factors)}")
+        for name, limit in (("curve_steps", self.steps), ("code_curve_steps", self.code_steps)):
+            values = list(getattr(self, name))
+            if len(set(values)) != len(values) or any(
+                    isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < limit
+                    for v in values):
+                raise ValueError(f"{name} must be distinct ints in 1..{limit - 1} (shorter "
+                                 f"than the sweep's budget), got {values}")
+        for name, sweep in (("curve_ks", "ks"), ("code_curve_ks", "code_ks"),
+                            ("curve_seeds", "seeds")):
+            extra = [v for v in getattr(self, name) if v not in getattr(self, sweep)]
+            if extra or len(set(getattr(self, name))) != len(getattr(self, name)):
+                raise ValueError(f"{name} must be distinct values of {sweep} (the full "
+                                 f"budget's point is the sweep's own run), got "
+                                 f"{list(getattr(self, name))}")
 
     @classmethod
     def full(cls) -> ExperimentConfig:
@@ -141,6 +171,32 @@ class ExperimentConfig:
             code_steps=250,
             code_eval_tokens=32768,
             preset="full",
+        )
+
+    @classmethod
+    def long(cls) -> ExperimentConfig:
+        """The long study: agreement and ``pysrc`` trained until learned, 6 seeds, large
+        evaluations, and the learning curves the budget was chosen from (the curve K at
+        1/4 and 1/2 of it), two jobs; about 90 minutes on 2 CPU cores."""
+        return cls(
+            tasks=("agree", CODE_TASK),
+            ks=(4, 8, 16, 32, 64),
+            depths=(1, 2),
+            baselines=(),
+            seeds=(0, 1, 2, 3, 4, 5),
+            steps=2000,
+            eval_tokens=65536,
+            code_ks=(4, 8, 16, 32, 64, 128),
+            code_baselines=(),
+            code_steps=2000,
+            code_eval_tokens=131072,
+            curve_steps=(500, 1000),
+            code_curve_steps=(500, 1000),
+            curve_ks=(4, 16, 64),
+            code_curve_ks=(4, 16, 128),
+            curve_seeds=(0, 1),
+            jobs=2,
+            preset="long",
         )
 
     @classmethod
@@ -191,6 +247,8 @@ class RunSpec:
     depth: int
     seed: int = 0
     unclipped: bool = False
+    #: A learning-curve run's step budget (0: the sweep's own budget).
+    steps: int = 0
 
     @property
     def model(self) -> str:
@@ -202,11 +260,13 @@ class RunSpec:
     @property
     def name(self) -> str:
         label = self.model.replace("=", "")
-        return f"{self.task}-{label}-depth{self.depth}-seed{self.seed}"
+        budget = f"-steps{self.steps}" if self.steps else ""
+        return f"{self.task}-{label}-depth{self.depth}-seed{self.seed}{budget}"
 
 
 def plan(config: ExperimentConfig) -> list[RunSpec]:
-    """The runs of the sweep, seed by seed (an interrupted sweep has whole seeds)."""
+    """The runs of the sweep, seed by seed (an interrupted sweep has whole seeds), then the
+    learning-curve runs at the shorter budgets."""
     runs = []
     for seed in config.seeds:
         for task in config.tasks:
@@ -220,7 +280,22 @@ def plan(config: ExperimentConfig) -> list[RunSpec]:
             for depth in config.depths:
                 runs += [RunSpec(task, "relative", k, depth, seed) for k in config.ks]
                 runs += [RunSpec(task, b, 0, depth, seed) for b in config.baselines]
+    for task in config.tasks:
+        code = task == CODE_TASK
+        budgets = config.code_curve_steps if code else config.curve_steps
+        ks = config.code_curve_ks if code else config.curve_ks
+        depths = (config.code_depth,) if code else config.depths
+        runs += [RunSpec(task, "relative", k, depth, seed, steps=steps)
+                 for steps in budgets for depth in depths for k in ks
+                 for seed in config.curve_seeds]
     return runs
+
+
+def budget(spec: RunSpec, config: ExperimentConfig) -> int:
+    """The training steps of ``spec``: its learning-curve budget or the sweep's."""
+    if spec.steps:
+        return spec.steps
+    return config.code_steps if spec.task == CODE_TASK else config.steps
 
 
 def _model_config(spec: RunSpec, task: Task, config: ExperimentConfig) -> Any:
@@ -247,12 +322,12 @@ def _train_config(spec: RunSpec, config: ExperimentConfig) -> TrainConfig:
     if spec.task == CODE_TASK:
         # The code model's evaluation is evaluate_code's; train() evaluates one sequence.
         return TrainConfig(
-            steps=config.code_steps, batch_size=config.code_batch_size,
+            steps=budget(spec, config), batch_size=config.code_batch_size,
             length=config.code_train_length, lr=config.code_lr, warmup=config.warmup,
             seed=spec.seed, eval_lengths=(config.code_train_length,), eval_tokens=1,
         )
     return TrainConfig(
-        steps=config.steps, batch_size=config.batch_size, length=config.train_length,
+        steps=budget(spec, config), batch_size=config.batch_size, length=config.train_length,
         lr=config.lr, warmup=config.warmup, seed=spec.seed,
         eval_lengths=config.eval_lengths, eval_tokens=config.eval_tokens,
     )
@@ -409,12 +484,13 @@ def describe(files: list[Path], out: Path) -> str:
 def _cost(spec: RunSpec, config: ExperimentConfig) -> float:
     if spec.task == CODE_TASK:
         n = config.code_train_length
-        train_tokens = config.code_steps * config.code_batch_size * n * (1 + n / 256)
+        train_tokens = budget(spec, config) * config.code_batch_size * n * (1 + n / 256)
         evals = sum(config.code_eval_tokens * (1 + m / 256) for m in config.code_eval_lengths)
-        extra = 1.5 if spec.unclipped else 1.0
+        # The unclipped table: a wider band at the longer evaluation lengths.
+        extra = 1.1 if spec.unclipped else 1.0
     else:
         n = config.train_length
-        train_tokens = config.steps * config.batch_size * n * (1 + n / 256)
+        train_tokens = budget(spec, config) * config.batch_size * n * (1 + n / 256)
         evals = sum(config.eval_tokens * (1 + m / 256) for m in config.eval_lengths)
         extra = 1.0
     return spec.depth * (train_tokens + evals / 3) * extra
@@ -434,7 +510,7 @@ def _calibrate(config: ExperimentConfig, tasks: dict[str, Task]) -> float:
     batch = task.batch(seed=0, step=0, batch_size=tc.batch_size, length=tc.length,
                        split="train")
     times = []
-    for _ in range(3):
+    for _ in range(5):
         tick = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(batch.ids).flatten(0, 1),
                                                  batch.targets.flatten())
@@ -442,7 +518,7 @@ def _calibrate(config: ExperimentConfig, tasks: dict[str, Task]) -> float:
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - tick)
-    per_step = min(times[1:])
+    per_step = sorted(times[2:])[1]  # the median once warm
     n = tc.length
     unit = spec.depth * tc.batch_size * n * (1 + n / 256)
     # Data generation, evaluation bookkeeping and Python overheads: measured ~1.3x.
@@ -537,8 +613,6 @@ def run_experiment(
 
 def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progress: bool,
            reuse: bool, say: Callable[[str], None], command: str | None) -> dict[str, Any]:
-    from relpos.training.experiment.signal import RowSignal
-
     specs = plan(config)
     costs = [_cost(s, config) for s in specs]
     bar = None
@@ -546,65 +620,62 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     if progress:
         from tqdm.auto import tqdm
 
-        estimate = _calibrate(config, tasks) * sum(costs)
+        unit = _calibrate(config, tasks)
+        jobs = max(1, min(config.jobs, len(specs), (os.cpu_count() or 1) // config.threads))
+        # Runs share out over the jobs; none finishes before its own longest run.
+        estimate = unit * max(sum(costs) / jobs, max(costs))
+        curves = sum(1 for s in specs if s.steps)
         say(f"relpos experiment ({config.preset}): {len(specs)} runs "
-            f"({len(config.seeds)} seeds), estimated {estimate / 60:.0f} min with "
-            f"{config.threads} thread(s) on this machine")
+            f"({len(config.seeds)} seeds" + (f", {curves} of them learning-curve runs"
+                                             if curves else "")
+            + f"), estimated {estimate / 60:.0f} min with "
+            + (f"{config.jobs} jobs of " if config.jobs > 1 else "")
+            + f"{config.threads} thread(s) on this machine")
         # The bar counts estimated work (the runs' costs), so its ETA weighs long runs.
         bar = tqdm(total=sum(costs), desc="experiment",
                    dynamic_ncols=True, file=sys.stderr,
                    bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
     started = time.perf_counter()
-    runs: list[dict[str, Any]] = []
     reused = retrained = 0
-    for number, (spec, cost) in enumerate(zip(specs, costs, strict=True)):
+    records: list[dict[str, Any] | None] = [None] * len(specs)
+    todo = []
+    for number, spec in enumerate(specs):
         task = tasks[spec.task]
-        model_config = _model_config(spec, task, config)
-        train_config = _train_config(spec, config)
         path = out / RUNS_DIR / f"{spec.name}.json"
-        record = None
         if reuse and path.is_file():
             try:
                 old = json.loads(path.read_text())
             except (OSError, ValueError):
                 old = None
-            if (
-                isinstance(old, dict)
-                and old.get("model") == model_config.to_dict()
-                and old.get("train") == train_config.to_dict()
-                and old.get("task") == task.config()
-                and old.get("eval_settings") == _eval_settings(spec, config)
-            ):
-                record = old
+            if isinstance(old, dict) and _same_settings(old, spec, task, config):
+                records[number] = old
                 reused += 1
-            else:
-                retrained += 1
-        if record is None:
-            if bar is not None:
-                bar.set_postfix_str(f"run {number + 1}/{len(specs)} {spec.name}")
-            code = spec.task == CODE_TASK
-            recorder = (RowSignal(spec.k, config.code_train_length, config.code_batch_size)
-                        if code and spec.positions == "relative" else None)
-            model, metrics = train(
-                model_config, task, train_config, progress=False,
-                on_backward=recorder.on_backward if recorder else None,
-            )
-            if code:
-                evals = [evaluate_code(model, task, seed=EVAL_SEED, length=n,
-                                       eval_tokens=config.code_eval_tokens)
-                         for n in config.code_eval_lengths]
-            else:
-                evals = metrics["eval"]
-            record = _record(spec, metrics, evals,
-                             recorder.finish(model) if recorder else None)
-            record["eval_settings"] = _eval_settings(spec, config)
-            atomic_write_json(out / RUNS_DIR / f"{spec.name}.json", record)
-        runs.append(record)
+                if bar is not None:
+                    bar.update(costs[number])
+                continue
+            retrained += 1
+        todo.append(number)
+
+    def finished(number: int, record: dict[str, Any]) -> None:
+        atomic_write_json(out / RUNS_DIR / f"{specs[number].name}.json", record)
+        records[number] = record
         if bar is not None:
-            bar.update(cost)
-    if bar is not None:
-        bar.close()
+            bar.update(costs[number])
+
+    try:
+        if config.jobs > 1 and len(todo) > 1:
+            _train_parallel(config, specs, todo, finished, bar)
+        else:
+            for number in todo:
+                if bar is not None:
+                    bar.set_postfix_str(f"run {number + 1}/{len(specs)} {specs[number].name}")
+                finished(number, train_run(specs[number], config, tasks[specs[number].task]))
+    finally:
+        if bar is not None:
+            bar.close()
+    runs = [r for r in records if r is not None]
     elapsed = time.perf_counter() - started
+    earlier = _earlier_seconds(out) if reused else 0.0
     results: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "config": config.to_dict(),
@@ -613,6 +684,9 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         "runs": runs,
         "sweep_seconds": elapsed,
         "estimated_seconds": estimate,
+        "trained_runs": len(todo),
+        "reused_runs": reused,
+        "earlier_seconds": earlier,
         "environment": environment(config.threads),
     }
     if CODE_TASK in tasks:
@@ -640,6 +714,97 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     return results
 
 
+def _earlier_seconds(out: Path) -> float:
+    """The wall time of the invocations whose runs this one reuses (from the
+    ``results.json`` they left; 0 if there is none)."""
+    try:
+        old = json.loads((out / RESULTS_FILE).read_text())
+        return float(old.get("sweep_seconds", 0.0)) + float(old.get("earlier_seconds", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
+
+
+def _same_settings(old: dict[str, Any], spec: RunSpec, task: Task,
+                   config: ExperimentConfig) -> bool:
+    """Whether a saved run record was trained and evaluated as ``spec`` would be."""
+    return (old.get("model") == _model_config(spec, task, config).to_dict()
+            and old.get("train") == _train_config(spec, config).to_dict()
+            and old.get("task") == task.config()
+            and old.get("eval_settings") == _eval_settings(spec, config))
+
+
+def train_run(spec: RunSpec, config: ExperimentConfig, task: Task) -> dict[str, Any]:
+    """Train and evaluate one run of the sweep; returns its record (``runs/<name>.json``)."""
+    from relpos.training.experiment.signal import RowSignal
+
+    code = spec.task == CODE_TASK
+    recorder = (RowSignal(spec.k, config.code_train_length, config.code_batch_size)
+                if code and spec.positions == "relative" else None)
+    model, metrics = train(
+        _model_config(spec, task, config), task, _train_config(spec, config), progress=False,
+        on_backward=recorder.on_backward if recorder else None,
+    )
+    if code:
+        evals = [evaluate_code(model, task, seed=EVAL_SEED, length=n,
+                               eval_tokens=config.code_eval_tokens)
+                 for n in config.code_eval_lengths]
+    else:
+        evals = metrics["eval"]
+    record = _record(spec, metrics, evals, recorder.finish(model) if recorder else None)
+    record["eval_settings"] = _eval_settings(spec, config)
+    return record
+
+
+# --- parallel runs: one process per job, each with config.threads torch threads ----------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_start(config: dict[str, Any]) -> None:
+    cfg = ExperimentConfig.from_dict(config)
+    torch.set_num_threads(cfg.threads)
+    _WORKER["config"] = cfg
+    _WORKER["tasks"] = {}
+
+
+def _worker_run(spec: dict[str, Any]) -> dict[str, Any]:
+    cfg: ExperimentConfig = _WORKER["config"]
+    run_spec = RunSpec(**spec)
+    tasks = _WORKER["tasks"]
+    if run_spec.task not in tasks:
+        tasks.update(_build_tasks(replace(cfg, tasks=(run_spec.task,))))
+    return train_run(run_spec, cfg, tasks[run_spec.task])
+
+
+def _train_parallel(config: ExperimentConfig, specs: list[RunSpec], todo: list[int],
+                    finished: Callable[[int, dict[str, Any]], None], bar: Any) -> None:
+    """Train the runs ``todo`` (indices of ``specs``) in ``config.jobs`` processes; each
+    result goes to ``finished`` as it arrives. A run trains the same in a worker as in
+    this process (its own seed, ``config.threads`` threads), so the numbers do not depend
+    on ``jobs``. The first failure stops the sweep (runs already finished are kept)."""
+    import multiprocessing
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    # Spawned, not forked: a fork of a process whose OpenMP pool is running can hang.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=min(config.jobs, len(todo)), mp_context=context,
+                               initializer=_worker_start, initargs=(config.to_dict(),))
+    try:
+        # The longest runs first, so the last ones to finish are short.
+        order = sorted(todo, key=lambda i: -_cost(specs[i], config))
+        futures = {pool.submit(_worker_run, asdict(specs[i])): i for i in order}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished(futures[future], future.result())
+            if bar is not None:
+                bar.set_postfix_str(f"{len(futures) - len(pending)}/{len(futures)} runs "
+                                    f"trained, {config.jobs} jobs")
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _eval_settings(spec: RunSpec, config: ExperimentConfig) -> dict[str, Any]:
     if spec.task == CODE_TASK:
         return {"lengths": list(config.code_eval_lengths), "tokens": config.code_eval_tokens,
@@ -649,7 +814,7 @@ def _eval_settings(spec: RunSpec, config: ExperimentConfig) -> dict[str, Any]:
 
 def default_command(config: ExperimentConfig) -> str:
     """The ``relpos experiment`` command of a preset (custom sweeps: the preset's name)."""
-    flag = {"full": " --full", "quick": " --quick"}.get(config.preset, "")
+    flag = {"full": " --full", "quick": " --quick", "long": " --long"}.get(config.preset, "")
     seeds = "" if config.seeds == (0, 1, 2) else f" --seeds {','.join(map(str, config.seeds))}"
     return f"relpos experiment{flag}{seeds}"
 
