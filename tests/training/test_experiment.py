@@ -74,6 +74,98 @@ def test_plan_covers_the_presets():
         ExperimentConfig(seeds=(1, 1))
 
 
+def test_the_long_preset_trains_curves_at_shorter_budgets():
+    long = ExperimentConfig.long()
+    runs = plan(long)
+    assert len({r.name for r in runs}) == len(runs)
+    assert {r.task for r in runs} == {"agree", "pysrc"} and long.jobs == 2
+    sweep = [r for r in runs if not r.steps]
+    assert {r.seed for r in sweep} == set(range(6))
+    curve = [r for r in runs if r.steps]
+    # Every curve point below the budget, for the curve K and seeds, both agree depths.
+    assert {(r.task, r.depth, r.k, r.seed, r.steps) for r in curve} == {
+        *(("agree", d, k, s, b) for d in (1, 2) for k in (4, 16, 64) for s in (0, 1)
+          for b in (500, 1000)),
+        *(("pysrc", 2, k, s, b) for k in (4, 16, 128) for s in (0, 1) for b in (500, 1000))}
+    # The full budget's point of each curve is a run of the sweep itself.
+    assert {(r.task, r.depth, r.k, r.seed) for r in curve} <= {
+        (r.task, r.depth, r.k, r.seed) for r in sweep}
+    assert curve[0].name.endswith("-steps500")
+    from relpos.training.experiment.run import _train_config, budget
+
+    assert budget(curve[0], long) == 500 == _train_config(curve[0], long).steps
+    assert budget(sweep[0], long) == 2000
+    # Sweep runs first, seed by seed (an interrupted sweep has whole seeds).
+    assert runs.index(curve[0]) == len(sweep)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"curve_steps": (500, 2000)}, "shorter than the sweep's budget"),
+    ({"curve_steps": (500, 500)}, "distinct"),
+    ({"curve_ks": (4, 5)}, "curve_ks must be distinct values of ks"),
+    ({"curve_seeds": (9,)}, "curve_seeds must be distinct values of seeds"),
+    ({"jobs": 0}, "jobs must be an int >= 1"),
+])
+def test_bad_curve_settings_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        replace(ExperimentConfig.long(), **change)
+
+
+def test_cli_long_overrides_keep_the_curves_that_fit(monkeypatch, tmp_path):
+    import relpos.training.experiment as experiment
+
+    seen = {}
+
+    def fake_run(config, out, **kwargs):
+        seen["config"] = config
+        return {}
+
+    monkeypatch.setattr(experiment, "run_experiment", fake_run)
+    assert main(["experiment", "--long", "--seeds", "1,2", "--steps", "800", "--ks", "4,8",
+                 "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    cfg = seen["config"]
+    assert cfg.preset == "custom" and cfg.curve_seeds == (1,) and cfg.curve_ks == (4,)
+    assert cfg.curve_steps == (500,) and cfg.code_curve_steps == (500, 1000)
+    assert main(["experiment", "--long", "--jobs", "1", "--out", str(tmp_path / "p"),
+                 "--no-progress"]) == 0
+    assert seen["config"].preset == "long" and seen["config"].jobs == 1
+
+
+def _curved(tiny: ExperimentConfig, jobs: int) -> ExperimentConfig:
+    return replace(tiny, ks=(4,), baselines=(), steps=6, code_steps=4, curve_steps=(3,),
+                   code_curve_steps=(2,), curve_ks=(4,), code_curve_ks=(2,), curve_seeds=(1,),
+                   jobs=jobs)
+
+
+def test_parallel_jobs_give_the_same_runs_and_curves(tmp_path, tiny):
+    one = run_experiment(_curved(tiny, 1), tmp_path / "one", progress=False, log=_quiet)
+    two = run_experiment(_curved(tiny, 2), tmp_path / "two", progress=True, log=_quiet)
+
+    def numbers(results):
+        return [(r["spec"], r["eval"], r.get("signal")) for r in results["runs"]]
+
+    assert numbers(one) == numbers(two)
+    curve = [r for r in one["runs"] if r["spec"]["steps"]]
+    assert {(r["spec"]["task"], r["train"]["steps"]) for r in curve} == {
+        ("recall", 3), ("pysrc", 2)}
+    report = (tmp_path / "two" / "report.md").read_text()
+    assert "## Step budget: learning curves" in report
+    assert "| 3 steps | 6 steps | last doubling, per seed | plateau |" in report
+    assert (tmp_path / "two" / "curves_recall.png").is_file()
+    assert (tmp_path / "two" / "curves_pysrc.png").is_file()
+    # The sweep's tables count the sweep's runs only: one run per seed and model.
+    from relpos.training.experiment.results import configurations, runs_of
+
+    for group in configurations(runs_of(one["runs"], "recall", 1)).values():
+        assert [r["spec"]["seed"] for r in group] == [0, 1]
+    # Reusing every run trains nothing and keeps the earlier invocation's wall time.
+    again = run_experiment(_curved(tiny, 2), tmp_path / "two", progress=False, reuse=True,
+                           log=_quiet)
+    assert again["trained_runs"] == 0 and again["reused_runs"] == len(one["runs"])
+    assert again["earlier_seconds"] == pytest.approx(two["sweep_seconds"])
+    assert "reused" in (tmp_path / "two" / "report.md").read_text().split("\n")[2]
+
+
 def test_sweep_writes_everything_and_reproduces(tmp_path, tiny):
     a = run_experiment(tiny, tmp_path / "a", progress=False, log=_quiet)
     b = run_experiment(tiny, tmp_path / "b", progress=False, log=_quiet)
@@ -99,7 +191,8 @@ def test_sweep_writes_everything_and_reproduces(tmp_path, tiny):
     assert unclipped["signal"]["k"] == 63
     assert all(g == 0 for g in unclipped["signal"]["mean_grad_norm"][16:])
     report = (tmp_path / "a" / "report.md").read_text()
-    assert env["cpu"] in report and "## The seed's claims, measured" in report
+    assert env["cpu"] in report and "## The seed's claims, answered" in report
+    assert report.index("## The seed's claims, answered") < report.index("Which K to choose")
     assert "Which K to choose" in report and "overall" in report and "subset" in report
 
 
@@ -118,7 +211,7 @@ def _synthetic(accs: dict[int, tuple[float, float]], count: int = 400) -> dict:
                   "count": 4 * count, "by": {"distance": by}}
             runs.append({"spec": {"task": "recall", "positions": "relative", "k": k,
                                   "depth": 1, "seed": seed},
-                         "model_label": f"K={k}", "eval": [ev]})
+                         "model_label": f"K={k}", "eval": [ev], "train": {"steps": 120}})
     cfg = ExperimentConfig(tasks=("recall",), ks=tuple(accs), depths=(1,), baselines=(),
                            eval_lengths=(64,)).to_dict()
     return {"config": cfg, "chance": {"recall": 0.0625}, "sweep_seconds": 1.0, "runs": runs,
@@ -185,3 +278,60 @@ def test_a_used_out_is_refused_reused_or_replaced(tmp_path, tiny):
     assert [r["eval"] for r in again["runs"]] == [r["eval"] for r in first["runs"]]
     with pytest.raises(ValueError, match="exclude each other"):
         run_experiment(config, out, progress=False, overwrite=True, reuse=True)
+
+
+def test_what_would_settle_an_inconclusive_claim():
+    from relpos.training.experiment.report import NOT_LEARNED, _to_settle
+    from relpos.training.experiment.stats import Interval, t_quantile
+
+    def row(iv, kind="above", unit="pp", thr=0.02, verdict="inconclusive"):
+        return {"verdict": verdict, "interval": iv, "kind": kind, "unit": unit,
+                "threshold": thr}
+
+    # Seeds set the interval: sd = half * sqrt(n) / t(n - 1); the advice is the fewest
+    # seeds whose interval at that sd no longer reaches the threshold.
+    n, half = 6, 0.04
+    sd = half * n ** 0.5 / t_quantile(n - 1)
+    said = _to_settle(row(Interval(0.05, 0.05 - half, 0.05 + half, n, "seeds")))
+    need = next(m for m in range(2, 200) if t_quantile(m - 1) * sd / m ** 0.5 < 0.03)
+    assert f"about {need} seeds" in said and "within ±5.0 pp" in said
+    wide = _to_settle(row(Interval(0.05, -0.05, 0.15, n, "seeds")))
+    assert "wider than ±5.0 pp" in wide
+    # Positions set it: (half / distance to the threshold)^2 as many.
+    said = _to_settle(row(Interval(0.04, 0.0, 0.08, n, "positions")))
+    assert "about 4.0x as many" in said
+    # A mean on the threshold cannot be decided; "within" measures |mean| against it.
+    assert "no number of runs" in _to_settle(row(Interval(0.02, 0.0, 0.04, n)))
+    assert "no number of runs" in _to_settle(
+        row(Interval(-0.02, -0.04, 0.0, n), kind="within"))
+    bits = _to_settle(row(Interval(0.01, -0.02, 0.04, n), kind="within", unit="bits"))
+    assert "half-width 0.030 (wider than ±0.020)" in bits
+    assert "until the subset is learned" in _to_settle(row(None, verdict=NOT_LEARNED))
+    assert "K=8 or a larger K" in _to_settle(
+        {"verdict": "inconclusive", "reference": "K=64", "enough": 16, "short": 4})
+
+
+def test_learning_curves_say_whether_the_budget_plateaued():
+    results = _synthetic({4: (1.0, 0.2), 16: (1.0, 0.9), 64: (1.0, 0.9)})
+    earlier = {4: (0.2, 0.2, 0.2), 16: (0.895, 0.9, 0.905), 64: (0.5, 0.88, 0.9)}
+    for run in list(results["runs"]):
+        k, seed = run["spec"]["k"], run["spec"]["seed"]
+        ev = json.loads(json.dumps(run["eval"][0]))
+        far = earlier[k][seed]
+        for d, cell in ev["by"]["distance"].items():
+            if int(d) > 4:
+                cell["accuracy"] = far
+        ev["accuracy"] = (1.0 + 3 * far) / 4
+        results["runs"].append({**run, "spec": {**run["spec"], "steps": 60},
+                                "eval": [ev], "train": {"steps": 60}})
+    report = make_report(results)
+    section = report.split("## Step budget: learning curves")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0][2:] + "/" + line.split(" | ")[1]: line
+            for line in section.splitlines() if line.startswith("| K=")}
+    far = "accuracy, d>=5 (subset)"
+    assert rows[f"K=4/{far}"].endswith("| plateaued |")  # 0.2 at both budgets
+    assert rows[f"K=16/{far}"].endswith("| plateaued |")  # seeds moved 0.5 pp
+    assert rows[f"K=64/{far}"].endswith("| mixed |")  # one seed still rose 40 pp
+    assert "| 60 steps | 120 steps |" in section
+    # The sweep's own tables and claims ignore the curve runs.
+    assert claims(results) == claims({**results, "runs": results["runs"][:9]})

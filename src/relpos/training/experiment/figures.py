@@ -13,6 +13,7 @@ from relpos.training.experiment.results import (
     bracket_counts,
     by_distance,
     configurations,
+    curves,
     overall_counts,
     runs_of,
 )
@@ -71,6 +72,7 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
     cfg = results["config"]
     paths = []
     for task in cfg["tasks"]:
+        paths += _curve_figure(results, task, out, Figure, save_figure)
         if task == CODE:
             paths += _code_figures(results, out, Figure, save_figure)
             continue
@@ -116,6 +118,48 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
         axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         paths.append(save_figure(fig, out / f"extrapolation_{task}.png", dpi=100))
     return paths
+
+
+def _curve_figure(results: dict[str, Any], task: str, out: Path, Figure: Any, save: Any
+                  ) -> list[Path]:
+    """Learning curves of ``task``: each metric against the step budget, a thin line per
+    seed and a thick one for the mean, per curve model (and depth)."""
+    from relpos.training.experiment.report import _depths, curve_metrics
+
+    blocks = [(depth, points) for depth in _depths(results, task)
+              if (points := curves(results["runs"], task, depth))]
+    if not blocks:
+        return []
+    metrics = curve_metrics(results, task)
+    panels = [(depth, points, metric) for depth, points in blocks for metric in metrics]
+    fig = Figure(figsize=(3.6 * len(panels) + 1.2, 3.4), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (depth, points, (name, value, _, unit)) in zip(axes, panels, strict=True):
+        scale = 100.0 if unit == "pp" else 1.0
+        budgets = sorted({b for by in points.values() for b in by})
+        for label, by in points.items():
+            steps = sorted(by)
+            seeds = sorted({r["spec"].get("seed", 0) for g in by.values() for r in g})
+            means = []
+            for b in steps:
+                vals = [value(r) for r in by[b] if not math.isnan(value(r))]
+                means.append(scale * sum(vals) / len(vals) if vals else math.nan)
+            (line,) = ax.plot(steps, means, "-o", linewidth=1.8, markersize=3, label=label)
+            for seed in seeds:
+                xs = [b for b in steps if any(r["spec"].get("seed", 0) == seed for r in by[b])]
+                ys = [scale * value(next(r for r in by[b] if r["spec"].get("seed", 0) == seed))
+                      for b in xs]
+                ax.plot(xs, ys, "-", color=line.get_color(), linewidth=0.6, alpha=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets], fontsize=7)
+        ax.set_xlabel("training steps (each budget a run of its own)")
+        ax.set_ylabel(name if unit != "pp" else f"{name}, %", fontsize=7)
+        where = f"{task}, depth {depth}"
+        ax.set_title(where, fontsize=9)
+    axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(f"{task}: learning curves (thick: mean over seeds; thin: each seed)",
+                 fontsize=9)
+    return [save(fig, out / f"curves_{task}.png", dpi=100)]
 
 
 def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) -> list[Path]:

@@ -23,6 +23,8 @@ from relpos.training.experiment.results import (
     bracket_counts,
     by_distance,
     configurations,
+    curves,
+    eval_at,
     overall_counts,
     pooled_counts,
     runs_of,
@@ -32,6 +34,7 @@ from relpos.training.experiment.stats import (
     accuracy_interval,
     difference_interval,
     mean_interval,
+    t_quantile,
     verdict_above,
     verdict_below,
     verdict_within,
@@ -205,9 +208,9 @@ def _kstr(k: int | None, none: str) -> str:
     return none if k is None else f"K={k}"
 
 
-def claims(results: dict[str, Any]) -> list[dict[str, str]]:
+def claims(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The claim rows: ``claim``, ``where``, ``measured`` (labelled), ``verdict``."""
-    rows: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
     cfg = results["config"]
     for task in cfg["tasks"]:
         for depth in _depths(results, task):
@@ -223,11 +226,14 @@ def claims(results: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code: bool
-               ) -> list[dict[str, str]]:
+               ) -> list[dict[str, Any]]:
     rows = []
 
-    def row(claim: str, measured: str, verdict: str) -> None:
-        rows.append({"claim": claim, "where": where, "measured": measured, "verdict": verdict})
+    def row(claim: str, measured: str, verdict: str, interval: Interval | None = None,
+            threshold: float = math.nan, kind: str = "", unit: str = "pp") -> None:
+        rows.append({"claim": claim, "where": where, "measured": measured, "verdict": verdict,
+                     "interval": interval, "threshold": threshold, "kind": kind,
+                     "unit": unit})
 
     def subset(low: int, high: int) -> Counts:
         if code:
@@ -248,6 +254,7 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
     row("typical K is 16-128 (the K needed lies there)",
         f"{basis}: smallest K shown enough {_kstr(enough, 'none')}, largest K shown not "
         f"enough {_kstr(short, 'none')}", _range_verdict(enough, short))
+    rows[-1].update(enough=enough, short=short, reference=ref)
     # 2. K=16 suffices for 10-20 token dependencies.
     if "K=16" in groups and ref != "K=16":
         counts = subset(10, 20)
@@ -256,25 +263,27 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
         row("K=16 suffices for 10-20 token dependencies",
             f"subset d=10-20, {what}: K=16 {_pct(a)}; {ref} minus K=16 {_pp(gap)}",
             verdict_below(gap, SMALL_PP / 100) if _learned(groups, ("K=16", ref), counts)
-            else NOT_LEARNED)
+            else NOT_LEARNED, gap, SMALL_PP / 100, "below")
     # 3. K=32 vs K=64 differ little.
     if "K=32" in groups and "K=64" in groups:
         if code:
             gap = _bpc_diff(groups, "K=32", "K=64", n)
             row("K=32 vs K=64 differ little",
                 f"overall bits/char at length {n}: K=64 minus K=32 {_bits(gap, True)} "
-                f"(small: within ±{BPC_SMALL:g})", verdict_within(gap, BPC_SMALL))
+                f"(small: within ±{BPC_SMALL:g})", verdict_within(gap, BPC_SMALL), gap,
+                BPC_SMALL, "within", "bits")
             counts = subset(33, 128)
             gap = _diff(groups, "K=32", "K=64", counts)
             row("K=32 vs K=64 differ little (brackets)",
                 f"subset d=33-128, {what}: K=64 minus K=32 {_pp(gap)}",
                 verdict_within(gap, SMALL_PP / 100)
-                if _learned(groups, ("K=32", "K=64"), counts) else NOT_LEARNED)
+                if _learned(groups, ("K=32", "K=64"), counts) else NOT_LEARNED, gap,
+                SMALL_PP / 100, "within")
         else:
             gap = _diff(groups, "K=32", "K=64", lambda r: overall_counts(r, n))
             row("K=32 vs K=64 differ little",
                 f"overall accuracy at length {n}: K=64 minus K=32 {_pp(gap)}",
-                verdict_within(gap, SMALL_PP / 100))
+                verdict_within(gap, SMALL_PP / 100), gap, SMALL_PP / 100, "within")
     # 4. K=4 vs K=16 differ significantly on long-range dependencies.
     if "K=4" in groups and "K=16" in groups:
         low = CODE_LONG if code else 5
@@ -283,7 +292,7 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
         row("K=4 vs K=16 differ significantly on long-range dependencies",
             f"subset d={low}-{n}, {what}: K=16 minus K=4 {_pp(gap)}",
             verdict_above(gap, SMALL_PP / 100) if _learned(groups, ("K=4", "K=16"), counts)
-            else NOT_LEARNED)
+            else NOT_LEARNED, gap, SMALL_PP / 100, "above")
     return rows
 
 
@@ -349,7 +358,7 @@ def _guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
     return lines
 
 
-def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, str]]]:
+def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
     """Lines on the per-row training signal and the undertraining claim rows."""
     runs = [r for r in runs_of(results["runs"], CODE) if "signal" in r]
     if not runs:
@@ -377,7 +386,7 @@ def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, 
             moved = sum(s["moved"][d] for s in sig) / len(sig)
             lines.append(f"| {label} | {d}{' (= K)' if d == k else ''} | {pairs:,} | "
                          f"{grad:.3g} | {moved:.3g} |")
-    rows: list[dict[str, str]] = []
+    rows: list[dict[str, Any]] = []
     far = "unclipped" if "unclipped" in groups else None
     if far is None:
         return lines, rows
@@ -399,11 +408,12 @@ def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, 
             iv = ratio(key, far_rows)
             rows.append({
                 "claim": "distant offsets are undertrained (>= 10x less signal)",
-                "where": f"{CODE}, unclipped, {what}",
+                "where": f"{CODE}, unclipped, {what}, rows {rows_label}",
                 "measured": (f"log10(rows {rows_label} / rows d=1-8) = {iv.mean:+.2f} "
                              f"[{iv.low:+.2f}, {iv.high:+.2f}] (pairs: "
                              f"{math.log10(pairs):+.2f})"),
                 "verdict": verdict_below(iv, -1.0),
+                "interval": iv, "threshold": -1.0, "kind": "below", "unit": "log10",
             })
     all_groups = configurations(runs_of(results["runs"], CODE))
     longest = max(_eval_lengths(results, CODE))
@@ -415,8 +425,252 @@ def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, 
             "where": f"{CODE}, length {longest} ({longest // n}x)",
             "measured": f"bits/char, unclipped minus {ref}: {_bits(gap, True)}",
             "verdict": verdict_above(gap, BPC_SMALL),
+            "interval": gap, "threshold": BPC_SMALL, "kind": "above", "unit": "bits",
         })
+        # The reference's own clip row (d >= K = L) never meets a training pair, so it is
+        # as untrained as the unclipped table's far rows; the largest K below the training
+        # length is the clipped model whose clip row is trained.
+        trained = [lab for k, lab in _rel_labels(all_groups) if k < n]
+        if trained and trained[-1] != ref:
+            gap = _bpc_diff(all_groups, trained[-1], far, longest)
+            rows.append({
+                "claim": "clipping beats the unclipped table beyond the training length",
+                "where": (f"{CODE}, length {longest} ({longest // n}x), against {trained[-1]} "
+                          f"(the largest K < L: its clip row is trained)"),
+                "measured": f"bits/char, unclipped minus {trained[-1]}: {_bits(gap, True)}",
+                "verdict": verdict_above(gap, BPC_SMALL),
+                "interval": gap, "threshold": BPC_SMALL, "kind": "above", "unit": "bits",
+            })
     return lines, rows
+
+
+# --- the claims, answered -------------------------------------------------------------------
+
+#: The seed's words behind each claim row (by the row's ``claim``).
+SEED_WORDS = {
+    "typical K is 16-128 (the K needed lies there)":
+        "Typical values range from 16 to 128",
+    "K=16 suffices for 10-20 token dependencies":
+        "For sentence-level tasks where the longest dependencies span 10-20 tokens, k = 16 "
+        "often suffices",
+    "K=32 vs K=64 differ little":
+        "the performance difference between k = 32 and k = 64 is often small",
+    "K=32 vs K=64 differ little (brackets)":
+        "the performance difference between k = 32 and k = 64 is often small (on the "
+        "brackets whose opener is 33-128 back)",
+    "K=4 vs K=16 differ significantly on long-range dependencies":
+        "the difference between k = 4 and k = 16 can be significant for tasks involving "
+        "long-range grammatical dependencies",
+    "distant offsets are undertrained (>= 10x less signal)":
+        "The embedding for offset +127 would be severely undertrained",
+    "clipping beats the unclipped table beyond the training length":
+        "distant-position embeddings never become reliable (so clipping them should help "
+        "beyond the training length)",
+}
+#: An inconclusive claim is "shown within" this half-width (pp of accuracy; bits per
+#: character: BPC_SMALL).
+NARROW_PP = 5.0
+_MAX_SEEDS = 200
+
+
+def _seeds_for(spread: float, half: float) -> int | None:
+    """The fewest seeds whose t interval at the seeds' standard deviation ``spread`` is
+    narrower than ``half`` (None beyond :data:`_MAX_SEEDS`)."""
+    for m in range(2, _MAX_SEEDS + 1):
+        if t_quantile(m - 1) * spread / math.sqrt(m) < half:
+            return m
+    return None
+
+
+def _to_settle(row: dict[str, Any]) -> str:
+    """What an inconclusive row would take to decide (and whether it is already narrow)."""
+    iv: Interval | None = row.get("interval")
+    if row["verdict"].startswith("inconclusive (not learned"):
+        return ("training until the subset is learned: no compared model reaches "
+                f"{100 * FLOOR:g}% on it")
+    if "reference" in row:  # the range claim: which K are shown enough and short
+        missing: list[str] = []
+        if row.get("enough") is None:
+            missing.append(f"a K below {row['reference']} shown within the margin of it")
+        if row.get("short") is None or row["short"] < 8:
+            missing.append("K=8 or a larger K shown short of it")
+        return ("the gaps to the reference narrowed until there is " + " and ".join(missing)
+                if missing else "the gaps to the reference narrowed")
+    if iv is None or math.isnan(iv.mean) or not row.get("kind"):
+        return "a narrower interval"
+    unit = row.get("unit", "pp")
+    scale, fmt = (100.0, "{:.1f} pp") if unit == "pp" else (1.0, "{:.3f}")
+    thr = row["threshold"]
+    dist = abs(abs(iv.mean) - thr) if row["kind"] == "within" else abs(iv.mean - thr)
+    narrow = NARROW_PP / 100 if unit == "pp" else BPC_SMALL
+    said = f"half-width {fmt.format(iv.half * scale)}"
+    if unit in ("pp", "bits"):
+        said += (" (within ±" + fmt.format(narrow * scale) + ")" if iv.half <= narrow
+                 else " (wider than ±" + fmt.format(narrow * scale) + ")")
+    if dist * scale < (0.05 if unit == "pp" else 0.0005):
+        return f"{said}; the mean sits on the threshold: no number of runs decides it"
+    if iv.source == "positions":
+        more = (iv.half / dist) ** 2
+        return (f"{said}, set by the scored positions: about {more:.1f}x as many (more "
+                "evaluation tokens or seeds) would decide it")
+    spread = iv.half * math.sqrt(iv.n) / t_quantile(max(iv.n - 1, 1))
+    need = _seeds_for(spread, dist)
+    if need is None:
+        return (f"{said}, set by the seeds; the mean is {fmt.format(dist * scale)} from the "
+                f"threshold: over {_MAX_SEEDS} seeds at this spread")
+    return (f"{said}, set by the seeds (sd {fmt.format(spread * scale)}): about {need} "
+            f"seeds at this spread would decide it")
+
+
+def _claims_section(rows: list[dict[str, Any]], seeds: int) -> list[str]:
+    lines = [
+        "## The seed's claims, answered",
+        "",
+        f"Each claim of the handbook section, per task, with the evidence ({seeds} seeds, "
+        f"95% intervals) and the verdict: YES or NO when the interval lies on one side of "
+        f"the claim's threshold ({SMALL_PP:g} pp of accuracy, {BPC_SMALL:g} bits per "
+        f"character, 10x for the training signal), otherwise inconclusive, with what would "
+        f"settle it and whether the interval is already within ±{NARROW_PP:g} pp "
+        f"(±{BPC_SMALL:g} bits per character).",
+        "",
+    ]
+    order: list[str] = []
+    for r in rows:
+        if r["claim"] not in order:
+            order.append(r["claim"])
+    for number, claim in enumerate(order, 1):
+        mine = [r for r in rows if r["claim"] == claim]
+        tally = []
+        for word in ("yes", "no"):
+            wheres = [r["where"] for r in mine if r["verdict"] == word]
+            if wheres:
+                tally.append(f"**{word.upper()}** on {'; '.join(wheres)}.")
+        undecided = [r["where"] for r in mine if r["verdict"].startswith("inconclusive")]
+        if undecided:
+            tally.append(f"Inconclusive on {'; '.join(undecided)}.")
+        lines += [
+            f"### {number}. {claim}",
+            "",
+            f"The seed: \"{SEED_WORDS.get(claim, claim)}.\" {' '.join(tally)}",
+            "",
+            "| task, depth | evidence (labelled: overall or subset) | verdict | to settle it |",
+            "|---|---|---|---|",
+        ]
+        for r in mine:
+            verdict = r["verdict"]
+            shown = verdict.upper() if verdict in ("yes", "no") else verdict
+            settle = _to_settle(r) if verdict.startswith("inconclusive") else "-"
+            lines.append(f"| {r['where']} | {r['measured']} | {shown} | {settle} |")
+        lines.append("")
+    return lines
+
+
+# --- learning curves -----------------------------------------------------------------------
+
+#: A metric "plateaued" when every curve seed moved less than this over the last doubling
+#: of the budget (accuracy; bits per character: BPC_SMALL).
+PLATEAU_PP = 2.0
+
+
+def curve_metrics(results: dict[str, Any], task: str
+                  ) -> list[tuple[str, Callable[[dict], float], float, str]]:
+    """The learning-curve metrics of ``task``: (name, value of a run, plateau threshold,
+    unit)."""
+    n = _train_length(results, task)
+    if task == CODE:
+        counts = _code_counts(n, CODE_LONG, n)
+
+        def bpc(r: dict) -> float:
+            ev = eval_at(r, n)
+            return math.nan if ev is None else float(ev["bpc"])
+
+        def brackets(r: dict) -> float:
+            h, c = counts(r)
+            return h / c if c else math.nan
+
+        return [(f"bits/char at length {n} (overall)", bpc, BPC_SMALL, "bits"),
+                (f"closing-bracket accuracy, d={CODE_LONG}-{n} (subset)", brackets,
+                 PLATEAU_PP / 100, "pp")]
+
+    def overall(r: dict) -> float:
+        h, c = overall_counts(r, n)
+        return h / c if c else math.nan
+
+    def far(r: dict) -> float:
+        h, c = pooled_counts(r, n, lambda d: d >= 5)
+        return h / c if c else math.nan
+
+    return [(f"accuracy at length {n} (overall)", overall, PLATEAU_PP / 100, "pp"),
+            ("accuracy, d>=5 (subset)", far, PLATEAU_PP / 100, "pp")]
+
+
+def _curves_section(results: dict[str, Any]) -> list[str]:
+    cfg = results["config"]
+    blocks = []
+    for task in cfg["tasks"]:
+        for depth in _depths(results, task):
+            points = curves(results["runs"], task, depth)
+            if points:
+                blocks.append((task, depth, points))
+    if not blocks:
+        return []
+    lines = [
+        "## Step budget: learning curves",
+        "",
+        "Before the sweep's budget is trusted, the curve models are trained again at shorter "
+        "budgets (each a run of its own, with its own warmup and cosine schedule); the "
+        "sweep's own runs give the full budget's point. Means over the curve seeds, with "
+        "every seed's change over the last doubling of the budget. A metric has "
+        f"**plateaued** when every seed moved less than {PLATEAU_PP:g} pp "
+        f"({BPC_SMALL:g} bits per character) over the last doubling, is **still changing** "
+        "when every seed moved more, and is mixed otherwise.",
+        "",
+    ]
+    for task, depth, points in blocks:
+        budgets = sorted({b for by in points.values() for b in by})
+        seeds = sorted({r["spec"].get("seed", 0) for by in points.values()
+                        for g in by.values() for r in g})
+        lines += [
+            f"### `{task}`, depth {depth} (seeds {', '.join(map(str, seeds))})",
+            "",
+            "| model | metric | " + " | ".join(f"{b} steps" for b in budgets)
+            + " | last doubling, per seed | plateau |",
+            "|---|---|" + "---|" * len(budgets) + "---|---|",
+        ]
+        for label, by in points.items():
+            for name, value, thr, unit in curve_metrics(results, task):
+                scale, fmt = (100.0, "{:.1f}") if unit == "pp" else (1.0, "{:.3f}")
+                cells = []
+                for b in budgets:
+                    vals = [value(r) for r in by.get(b, []) if not math.isnan(value(r))]
+                    cells.append(fmt.format(scale * sum(vals) / len(vals)) if vals else "")
+                changes = _last_changes(by, value)
+                if changes:
+                    sign = "{:+.1f}" if unit == "pp" else "{:+.3f}"
+                    shown = ", ".join(sign.format(scale * c) for c in changes)
+                    if all(abs(c) < thr for c in changes):
+                        plateau = "plateaued"
+                    elif all(abs(c) >= thr for c in changes):
+                        plateau = "still changing"
+                    else:
+                        plateau = "mixed"
+                else:
+                    shown, plateau = "", ""
+                lines.append(f"| {label} | {name} | " + " | ".join(cells)
+                             + f" | {shown} | {plateau} |")
+        lines.append("")
+    return lines
+
+
+def _last_changes(by: dict[int, list[dict]], value: Callable[[dict], float]) -> list[float]:
+    """Per seed: the metric at the largest budget minus the metric at the next one."""
+    budgets = sorted(by)
+    if len(budgets) < 2:
+        return []
+    last = {r["spec"].get("seed", 0): value(r) for r in by[budgets[-1]]}
+    before = {r["spec"].get("seed", 0): value(r) for r in by[budgets[-2]]}
+    return [last[s] - before[s] for s in sorted(set(last) & set(before))
+            if not (math.isnan(last[s]) or math.isnan(before[s]))]
 
 
 # --- tables --------------------------------------------------------------------------------
@@ -504,7 +758,11 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
         f"Command: `{results.get('command', 'relpos experiment')}`. Machine: "
         f"{_machine(results)}. Wall time of the sweep: {wall / 60:.1f} min"
         + (f" (estimated up front: {results['estimated_seconds'] / 60:.1f} min)"
-           if not math.isnan(results.get("estimated_seconds", math.nan)) else "") + ".",
+           if not math.isnan(results.get("estimated_seconds", math.nan)) else "")
+        + (f"; it trained {results.get('trained_runs', 0)} runs and reused "
+           f"{results['reused_runs']} finished ones from earlier invocations of the same "
+           f"sweep, which took {results.get('earlier_seconds', 0.0) / 60:.1f} min"
+           if results.get("reused_runs") else "") + ".",
         "",
         f"Every number is a mean over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}) with "
         "a 95% interval: the wider of a Student-t interval over the seeds and an interval over "
@@ -518,7 +776,10 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
         "offset seen in training has its own table row.",
         "",
     ]
-    # Guidance first.
+    signal_lines, signal_rows = _signal_summary(results)
+    rows = claims(results) + signal_rows
+    lines += _claims_section(rows, len(seeds))
+    lines += _curves_section(results)
     guide = [line for task in cfg["tasks"] for depth in _depths(results, task)
              for line in _guidance(results, task, depth)]
     if guide:
@@ -535,16 +796,6 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
             *guide,
             "",
         ]
-    signal_lines, signal_rows = _signal_summary(results)
-    rows = claims(results) + signal_rows
-    lines += [
-        "## The seed's claims, measured",
-        "",
-        "| claim | task, depth | measured (labelled: overall or subset) | verdict |",
-        "|---|---|---|---|",
-        *[f"| {r['claim']} | {r['where']} | {r['measured']} | {r['verdict']} |" for r in rows],
-        "",
-    ]
     for task in cfg["tasks"]:
         n = _train_length(results, task)
         if task == CODE:
