@@ -335,3 +335,34 @@ def test_learning_curves_say_whether_the_budget_plateaued():
     assert "| 60 steps | 120 steps |" in section
     # The sweep's own tables and claims ignore the curve runs.
     assert claims(results) == claims({**results, "runs": results["runs"][:9]})
+
+
+def test_pysrc_can_have_seeds_of_its_own(monkeypatch, tmp_path):
+    cfg = replace(ExperimentConfig(), seeds=(0, 1, 2, 3), code_seeds=(0, 5))
+    runs = plan(cfg)
+    assert {r.seed for r in runs if r.task == "pysrc"} == {0, 5}
+    assert {r.seed for r in runs if r.task != "pysrc"} == {0, 1, 2, 3}
+    assert cfg.all_seeds == (0, 1, 2, 3, 5) and runs[-1].seed == 5
+    with pytest.raises(ValueError, match="code_seeds must be distinct"):
+        replace(cfg, code_seeds=(1, 1))
+    with pytest.raises(ValueError, match="curve_seeds must be distinct values of code_seeds"):
+        replace(cfg, curve_seeds=(1,))
+    from relpos.training.experiment.report import _seed_text
+    from relpos.training.experiment.run import default_command
+
+    assert _seed_text(cfg.to_dict()) == "4 seeds (0-3) for recall, agree and 2 (0, 5) for pysrc"
+    assert default_command(cfg) == "relpos experiment --seeds 0,1,2,3 --code-seeds 0,5"
+    assert default_command(ExperimentConfig.long()) == "relpos experiment --long"
+    import relpos.training.experiment as experiment
+
+    seen = {}
+    monkeypatch.setattr(experiment, "run_experiment",
+                        lambda config, out, **kw: seen.setdefault("config", config))
+    # --seeds alone sets every task's seeds, --code-seeds pysrc's.
+    assert main(["experiment", "--long", "--seeds", "0,1", "--out", str(tmp_path / "a"),
+                 "--no-progress"]) == 0
+    assert seen.pop("config").seeds_of("pysrc") == (0, 1)
+    assert main(["experiment", "--long", "--code-seeds", "0,1,2", "--out",
+                 str(tmp_path / "b"), "--no-progress"]) == 0
+    assert seen["config"].seeds_of("pysrc") == (0, 1, 2)
+    assert seen["config"].seeds_of("agree") == ExperimentConfig.long().seeds

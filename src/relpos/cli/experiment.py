@@ -31,7 +31,7 @@ from relpos.cli import CLIError, _args
 TASKS = ("recall", "agree", "pysrc")
 # Options that replace the field of the same name of the preset's ExperimentConfig.
 _CONFIG_OPTIONS = ("seeds", "ks", "depths", "tasks", "steps", "threads", "code_ks",
-                   "code_steps", "corpus_root", "jobs")
+                   "code_steps", "corpus_root", "jobs", "code_seeds")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -57,7 +57,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
-                   help="seeds (default 0,1,2)")
+                   help="seeds (default 0,1,2; --long: 0-9)")
+    p.add_argument("--code-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
+                   metavar="S,S,...",
+                   help="seeds of pysrc (default: --seeds; --long: 0-5)")
     p.add_argument("--ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the synthetic tasks")
     p.add_argument("--code-ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
@@ -88,7 +91,10 @@ def add_parser(subparsers: Any) -> None:
 def _curves_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
     """The preset's learning-curve settings cut to what the changed sweep still has (its
     seeds and K, budgets below its steps)."""
-    seeds = changes.get("seeds", config.seeds)
+    seeds = set(changes.get("seeds", config.seeds))
+    code_seeds = changes.get("code_seeds", config.code_seeds)
+    if code_seeds is not None:
+        seeds &= set(code_seeds)
     steps = changes.get("steps", config.steps)
     code_steps = changes.get("code_steps", config.code_steps)
     ks = changes.get("ks", config.ks)
@@ -129,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     changes: dict[str, Any] = {
         name: getattr(args, name) for name in _CONFIG_OPTIONS if getattr(args, name) is not None
     }
+    if "seeds" in changes and "code_seeds" not in changes:
+        changes["code_seeds"] = None  # --seeds alone: every task
     if changes:
         # --jobs alone changes no number: the preset keeps its name.
         preset = config.preset if set(changes) == {"jobs"} else "custom"

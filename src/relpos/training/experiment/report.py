@@ -522,11 +522,31 @@ def _to_settle(row: dict[str, Any]) -> str:
             f"seeds at this spread would decide it")
 
 
-def _claims_section(rows: list[dict[str, Any]], seeds: int) -> list[str]:
+def _span(seeds: Sequence[int]) -> str:
+    """``0-9`` for consecutive seeds, else the list."""
+    xs = list(seeds)
+    if len(xs) > 2 and xs == list(range(xs[0], xs[0] + len(xs))):
+        return f"{xs[0]}-{xs[-1]}"
+    return ", ".join(map(str, xs))
+
+
+def _seed_text(cfg: dict[str, Any]) -> str:
+    """``3 seeds (0, 1, 2)``, or per task when ``pysrc`` has seeds of its own."""
+    seeds = list(cfg.get("seeds", [cfg.get("seed", 0)]))
+    code = cfg.get("code_seeds")
+    tasks = list(cfg.get("tasks", []))
+    if code is None or list(code) == seeds or CODE not in tasks:
+        return f"{len(seeds)} seed(s) ({_span(seeds)})"
+    others = [t for t in tasks if t != CODE]
+    return (f"{len(seeds)} seeds ({_span(seeds)}) for {', '.join(others)} and {len(code)} "
+            f"({_span(code)}) for {CODE}")
+
+
+def _claims_section(rows: list[dict[str, Any]], seeds: str) -> list[str]:
     lines = [
         "## The seed's claims, answered",
         "",
-        f"Each claim of the handbook section, per task, with the evidence ({seeds} seeds, "
+        f"Each claim of the handbook section, per task, with the evidence ({seeds}, "
         f"95% intervals) and the verdict: YES or NO when the interval lies on one side of "
         f"the claim's threshold ({SMALL_PP:g} pp of accuracy, {BPC_SMALL:g} bits per "
         f"character, 10x for the training signal), otherwise inconclusive, with what would "
@@ -750,7 +770,6 @@ def _machine(results: dict[str, Any]) -> str:
 def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
     """The markdown report; every number and verdict is computed from ``results``."""
     cfg = results["config"]
-    seeds = cfg.get("seeds", [cfg.get("seed", 0)])
     wall = results.get("sweep_seconds", math.nan)
     lines = [
         "# Where does the clip distance K matter?",
@@ -764,7 +783,7 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
            f"sweep, which took {results.get('earlier_seconds', 0.0) / 60:.1f} min"
            if results.get("reused_runs") else "") + ".",
         "",
-        f"Every number is a mean over {len(seeds)} seed(s) ({', '.join(map(str, seeds))}) with "
+        f"Every number is a mean over {_seed_text(cfg)} with "
         "a 95% interval: the wider of a Student-t interval over the seeds and an interval over "
         "the scored positions (Wilson's for an accuracy; a normal one for a difference, paired "
         "by seed, or a mean bits-per-character). A claim gets 'yes' or 'no' only when its "
@@ -778,7 +797,7 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
     ]
     signal_lines, signal_rows = _signal_summary(results)
     rows = claims(results) + signal_rows
-    lines += _claims_section(rows, len(seeds))
+    lines += _claims_section(rows, _seed_text(cfg))
     lines += _curves_section(results)
     guide = [line for task in cfg["tasks"] for depth in _depths(results, task)
              for line in _guidance(results, task, depth)]

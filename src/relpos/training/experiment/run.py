@@ -101,6 +101,9 @@ class ExperimentConfig:
     code_batch_size: int = 16
     code_lr: float = 3e-3
     code_eval_tokens: int = 16384
+    #: Seeds of ``pysrc`` (None: ``seeds``), so a task whose seeds disagree more can have
+    #: more of them.
+    code_seeds: tuple[int, ...] | None = None
     corpus_root: str | None = None
     threads: int = 1
     #: Runs trained at once, each in its own process with ``threads`` threads (the numbers
@@ -126,11 +129,17 @@ class ExperimentConfig:
         if unknown or not self.tasks:
             raise ValueError(f"unknown task(s) {unknown!r}; allowed: "
                              f"{', '.join((*SYNTHETIC_TASKS, CODE_TASK))}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds must be distinct and at least one, got {list(self.seeds)}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= 2**64 - 1
-               for s in self.seeds):
-            raise ValueError(f"seeds must be ints in 0..2**64 - 1, got {list(self.seeds)}")
+        if self.code_seeds is not None:
+            self.code_seeds = tuple(self.code_seeds)
+        for name in ("seeds", "code_seeds"):
+            seeds = getattr(self, name)
+            if seeds is None:
+                continue
+            if not seeds or len(set(seeds)) != len(seeds):
+                raise ValueError(f"{name} must be distinct and at least one, got {list(seeds)}")
+            if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= 2**64 - 1
+                   for s in seeds):
+                raise ValueError(f"{name} must be ints in 0..2**64 - 1, got {list(seeds)}")
         for name in ("tasks", "ks", "depths", "baselines", "code_ks", "code_baselines"):
             values = list(getattr(self, name))
             if len(set(values)) != len(values):  # each would train and report twice
@@ -152,8 +161,9 @@ class ExperimentConfig:
                 raise ValueError(f"{name} must be distinct ints in 1..{limit - 1} (shorter "
                                  f"than the sweep's budget), got {values}")
         for name, sweep in (("curve_ks", "ks"), ("code_curve_ks", "code_ks"),
-                            ("curve_seeds", "seeds")):
-            extra = [v for v in getattr(self, name) if v not in getattr(self, sweep)]
+                            ("curve_seeds", "seeds"), ("curve_seeds", "code_seeds")):
+            extra = [v for v in getattr(self, name) if v not in (getattr(self, sweep)
+                                                                  or self.seeds)]
             if extra or len(set(getattr(self, name))) != len(getattr(self, name)):
                 raise ValueError(f"{name} must be distinct values of {sweep} (the full "
                                  f"budget's point is the sweep's own run), got "
@@ -227,6 +237,15 @@ class ExperimentConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    def seeds_of(self, task: str) -> tuple[int, ...]:
+        """The seeds ``task`` is trained with."""
+        return (self.code_seeds or self.seeds) if task == CODE_TASK else self.seeds
+
+    @property
+    def all_seeds(self) -> tuple[int, ...]:
+        """Every seed of the sweep, in order (``seeds``, then the other ``code_seeds``)."""
+        return (*self.seeds, *(s for s in self.code_seeds or () if s not in self.seeds))
+
     @property
     def code_eval_lengths(self) -> tuple[int, ...]:
         return tuple(self.code_train_length * f for f in self.code_eval_factors)
@@ -268,8 +287,10 @@ def plan(config: ExperimentConfig) -> list[RunSpec]:
     """The runs of the sweep, seed by seed (an interrupted sweep has whole seeds), then the
     learning-curve runs at the shorter budgets."""
     runs = []
-    for seed in config.seeds:
+    for seed in config.all_seeds:
         for task in config.tasks:
+            if seed not in config.seeds_of(task):
+                continue
             if task == CODE_TASK:
                 d = config.code_depth
                 runs += [RunSpec(task, "relative", k, d, seed) for k in config.code_ks]
@@ -614,7 +635,8 @@ def run_experiment(
 def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progress: bool,
            reuse: bool, say: Callable[[str], None], command: str | None) -> dict[str, Any]:
     specs = plan(config)
-    costs = [_cost(s, config) for s in specs]
+    # Whole numbers, so the bar sums them exactly in any order (parallel runs finish in any).
+    costs = [max(1, round(_cost(s, config))) for s in specs]
     bar = None
     estimate = math.nan
     if progress:
@@ -626,7 +648,7 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         estimate = unit * max(sum(costs) / jobs, max(costs))
         curves = sum(1 for s in specs if s.steps)
         say(f"relpos experiment ({config.preset}): {len(specs)} runs "
-            f"({len(config.seeds)} seeds" + (f", {curves} of them learning-curve runs"
+            f"({len(config.all_seeds)} seeds" + (f", {curves} of them learning-curve runs"
                                              if curves else "")
             + f"), estimated {estimate / 60:.0f} min with "
             + (f"{config.jobs} jobs of " if config.jobs > 1 else "")
@@ -815,7 +837,13 @@ def _eval_settings(spec: RunSpec, config: ExperimentConfig) -> dict[str, Any]:
 def default_command(config: ExperimentConfig) -> str:
     """The ``relpos experiment`` command of a preset (custom sweeps: the preset's name)."""
     flag = {"full": " --full", "quick": " --quick", "long": " --long"}.get(config.preset, "")
-    seeds = "" if config.seeds == (0, 1, 2) else f" --seeds {','.join(map(str, config.seeds))}"
+    preset = {"full": ExperimentConfig.full, "quick": ExperimentConfig.quick,
+              "long": ExperimentConfig.long}.get(config.preset, ExperimentConfig)()
+    seeds = ""
+    if config.seeds != preset.seeds:
+        seeds = f" --seeds {','.join(map(str, config.seeds))}"
+    if config.code_seeds is not None and config.code_seeds != preset.code_seeds:
+        seeds += f" --code-seeds {','.join(map(str, config.code_seeds))}"
     return f"relpos experiment{flag}{seeds}"
 
 
