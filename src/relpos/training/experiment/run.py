@@ -187,7 +187,7 @@ class ExperimentConfig:
     def long(cls) -> ExperimentConfig:
         """The long study: agreement and ``pysrc`` trained until learned, 6 seeds, large
         evaluations, and the learning curves the budget was chosen from (the curve K at
-        1/4 and 1/2 of it), two jobs; about 90 minutes on 2 CPU cores."""
+        1/4 and 1/2 of it), two jobs; about 2 hours on 2 CPU cores."""
         return cls(
             tasks=("agree", CODE_TASK),
             ks=(4, 8, 16, 32, 64),
