@@ -124,9 +124,9 @@ def _curve_figure(results: dict[str, Any], task: str, out: Path, Figure: Any, sa
                   ) -> list[Path]:
     """Learning curves of ``task``: each metric against the step budget, a thin line per
     seed and a thick one for the mean, per curve model (and depth)."""
-    from relpos.training.experiment.report import _depths, curve_metrics
+    from relpos.training.experiment.results import curve_metrics, depths
 
-    blocks = [(depth, points) for depth in _depths(results, task)
+    blocks = [(depth, points) for depth in depths(results, task)
               if (points := curves(results["runs"], task, depth))]
     if not blocks:
         return []

@@ -19,15 +19,21 @@ from typing import Any
 
 from relpos._io import atomic_write_text
 from relpos.training.experiment.results import (
+    BPC_SMALL,
+    CODE_LONG,
+    PLATEAU_PP,
     bpc_interval,
     bracket_counts,
     by_distance,
+    code_counts,
     configurations,
+    curve_metrics,
     curves,
-    eval_at,
+    depths,
     overall_counts,
     pooled_counts,
     runs_of,
+    train_length,
 )
 from relpos.training.experiment.stats import (
     Interval,
@@ -47,11 +53,7 @@ __all__ = ["BPC_SMALL", "LARGE_PP", "SMALL_PP", "claims", "make_report", "write_
 SMALL_PP = 2.0
 #: Kept for callers of the first report; no verdict uses it any more.
 LARGE_PP = 5.0
-#: A difference in bits per character below this is "small".
-BPC_SMALL = 0.02
 CODE = "pysrc"
-#: Code closers with the opener this far back or more are "long-range" (claim 4 on code).
-CODE_LONG = 17
 #: A subset on which no compared model's interval reaches this accuracy was not learned:
 #: its comparisons say nothing about K.
 FLOOR = 0.10
@@ -103,9 +105,7 @@ def _rel_labels(groups: dict[str, list[dict]]) -> list[tuple[int, str]]:
     return sorted((k, lab) for lab in groups if (k := _k_of(lab)) is not None)
 
 
-def _train_length(results: dict[str, Any], task: str) -> int:
-    cfg = results["config"]
-    return int(cfg["code_train_length"] if task == CODE else cfg["train_length"])
+_train_length = train_length
 
 
 def _eval_lengths(results: dict[str, Any], task: str) -> list[int]:
@@ -115,9 +115,8 @@ def _eval_lengths(results: dict[str, Any], task: str) -> list[int]:
     return list(cfg["eval_lengths"])
 
 
-def _depths(results: dict[str, Any], task: str) -> list[int]:
-    cfg = results["config"]
-    return [cfg["code_depth"]] if task == CODE else list(cfg["depths"])
+_depths = depths
+_code_counts = code_counts
 
 
 def _reference(groups: dict[str, list[dict]], limit: int) -> str | None:
@@ -300,23 +299,6 @@ def _gap(groups: dict[str, list[dict]], ref: str, counts: Counts
          ) -> Callable[[str], Interval]:
     """``label -> ref's accuracy minus label's`` on ``counts``."""
     return lambda label: _diff(groups, label, ref, counts)
-
-
-def _code_counts(n: int, low: int, high: int) -> Counts:
-    """Closing brackets with the opener ``low..high`` back, at length ``n``: the seed's
-    ``10-20`` range, or the buckets of :data:`run.BUCKETS` that lie inside it (pooled)."""
-    from relpos.training.experiment.results import BUCKETS, SEED_RANGE
-
-    if (low, high) == SEED_RANGE:
-        labels = [f"{low}-{high}"]
-    else:
-        labels = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo >= low and hi <= high and lo < n]
-
-    def counts(r: dict) -> tuple[int, int]:
-        cells = [bracket_counts(r, n, label) for label in labels]
-        return sum(c[0] for c in cells), sum(c[1] for c in cells)
-
-    return counts
 
 
 def _range_counts(code: bool, n: int, lo: int, hi: int) -> Counts:
@@ -586,43 +568,6 @@ def _claims_section(rows: list[dict[str, Any]], seeds: str) -> list[str]:
 
 
 # --- learning curves -----------------------------------------------------------------------
-
-#: A metric "plateaued" when every curve seed moved less than this over the last doubling
-#: of the budget (accuracy; bits per character: BPC_SMALL).
-PLATEAU_PP = 2.0
-
-
-def curve_metrics(results: dict[str, Any], task: str
-                  ) -> list[tuple[str, Callable[[dict], float], float, str]]:
-    """The learning-curve metrics of ``task``: (name, value of a run, plateau threshold,
-    unit)."""
-    n = _train_length(results, task)
-    if task == CODE:
-        counts = _code_counts(n, CODE_LONG, n)
-
-        def bpc(r: dict) -> float:
-            ev = eval_at(r, n)
-            return math.nan if ev is None else float(ev["bpc"])
-
-        def brackets(r: dict) -> float:
-            h, c = counts(r)
-            return h / c if c else math.nan
-
-        return [(f"bits/char at length {n} (overall)", bpc, BPC_SMALL, "bits"),
-                (f"closing-bracket accuracy, d={CODE_LONG}-{n} (subset)", brackets,
-                 PLATEAU_PP / 100, "pp")]
-
-    def overall(r: dict) -> float:
-        h, c = overall_counts(r, n)
-        return h / c if c else math.nan
-
-    def far(r: dict) -> float:
-        h, c = pooled_counts(r, n, lambda d: d >= 5)
-        return h / c if c else math.nan
-
-    return [(f"accuracy at length {n} (overall)", overall, PLATEAU_PP / 100, "pp"),
-            ("accuracy, d>=5 (subset)", far, PLATEAU_PP / 100, "pp")]
-
 
 def _curves_section(results: dict[str, Any]) -> list[str]:
     cfg = results["config"]

@@ -15,7 +15,10 @@ from typing import Any
 from relpos.training.experiment.stats import Interval, accuracy_interval, mean_interval
 
 __all__ = [
+    "BPC_SMALL",
     "BUCKETS",
+    "CODE_LONG",
+    "PLATEAU_PP",
     "SEED_RANGE",
     "accuracy",
     "bpc_interval",
@@ -30,6 +33,7 @@ __all__ = [
     "overall_counts",
     "pooled_counts",
     "runs_of",
+    "train_length",
 ]
 
 #: Opener-distance buckets of the closing-bracket targets of ``pysrc``, and the seed's
@@ -37,6 +41,14 @@ __all__ = [
 BUCKETS: tuple[tuple[int, int], ...] = (
     (1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, 2048))
 SEED_RANGE = (10, 20)
+CODE = "pysrc"
+#: A difference in bits per character below this is "small".
+BPC_SMALL = 0.02
+#: Code closers with the opener this far back or more are "long-range" (claim 4 on code).
+CODE_LONG = 17
+#: A metric "plateaued" when every curve seed moved less than this over the last doubling
+#: of the budget (pp of accuracy; bits per character: BPC_SMALL).
+PLATEAU_PP = 2.0
 
 
 def label_of(run: dict[str, Any]) -> str:
@@ -170,3 +182,62 @@ def configurations(runs: list[dict]) -> dict[str, list[dict]]:
 def seed_accuracy(group: list[dict], counts: Callable[[dict], tuple[int, int]]) -> Interval:
     """The accuracy interval of one configuration, ``counts(run)`` per seed."""
     return accuracy_interval([counts(r) for r in group])
+
+
+def train_length(results: dict[str, Any], task: str) -> int:
+    """The training length of ``task`` in the sweep of ``results``."""
+    cfg = results["config"]
+    return int(cfg["code_train_length"] if task == CODE else cfg["train_length"])
+
+
+def depths(results: dict[str, Any], task: str) -> list[int]:
+    """The depths ``task`` was trained at."""
+    cfg = results["config"]
+    return [cfg["code_depth"]] if task == CODE else list(cfg["depths"])
+
+
+def code_counts(n: int, low: int, high: int) -> Callable[[dict], tuple[int, int]]:
+    """Closing brackets with the opener ``low..high`` back, at length ``n``: the seed's
+    ``10-20`` range, or the buckets of :data:`BUCKETS` that lie inside it (pooled)."""
+    if (low, high) == SEED_RANGE:
+        labels = [f"{low}-{high}"]
+    else:
+        labels = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo >= low and hi <= high and lo < n]
+
+    def counts(r: dict) -> tuple[int, int]:
+        cells = [bracket_counts(r, n, label) for label in labels]
+        return sum(c[0] for c in cells), sum(c[1] for c in cells)
+
+    return counts
+
+
+def curve_metrics(results: dict[str, Any], task: str
+                  ) -> list[tuple[str, Callable[[dict], float], float, str]]:
+    """The learning-curve metrics of ``task``: (name, value of a run, plateau threshold,
+    unit)."""
+    n = train_length(results, task)
+    if task == CODE:
+        counts = code_counts(n, CODE_LONG, n)
+
+        def bpc(r: dict) -> float:
+            ev = eval_at(r, n)
+            return math.nan if ev is None else float(ev["bpc"])
+
+        def brackets(r: dict) -> float:
+            h, c = counts(r)
+            return h / c if c else math.nan
+
+        return [(f"bits/char at length {n} (overall)", bpc, BPC_SMALL, "bits"),
+                (f"closing-bracket accuracy, d={CODE_LONG}-{n} (subset)", brackets,
+                 PLATEAU_PP / 100, "pp")]
+
+    def overall(r: dict) -> float:
+        h, c = overall_counts(r, n)
+        return h / c if c else math.nan
+
+    def far(r: dict) -> float:
+        h, c = pooled_counts(r, n, lambda d: d >= 5)
+        return h / c if c else math.nan
+
+    return [(f"accuracy at length {n} (overall)", overall, PLATEAU_PP / 100, "pp"),
+            ("accuracy, d>=5 (subset)", far, PLATEAU_PP / 100, "pp")]
