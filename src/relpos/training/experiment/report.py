@@ -19,6 +19,7 @@ from typing import Any
 
 from relpos._io import atomic_write_text
 from relpos.training.experiment.results import (
+    AGREE_LONG,
     BPC_SMALL,
     CODE_LONG,
     PLATEAU_PP,
@@ -105,18 +106,11 @@ def _rel_labels(groups: dict[str, list[dict]]) -> list[tuple[int, str]]:
     return sorted((k, lab) for lab in groups if (k := _k_of(lab)) is not None)
 
 
-_train_length = train_length
-
-
 def _eval_lengths(results: dict[str, Any], task: str) -> list[int]:
     cfg = results["config"]
     if task == CODE:
         return [cfg["code_train_length"] * f for f in cfg["code_eval_factors"]]
     return list(cfg["eval_lengths"])
-
-
-_depths = depths
-_code_counts = code_counts
 
 
 def _reference(groups: dict[str, list[dict]], limit: int) -> str | None:
@@ -212,10 +206,10 @@ def claims(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     cfg = results["config"]
     for task in cfg["tasks"]:
-        for depth in _depths(results, task):
+        for depth in depths(results, task):
             groups = configurations(runs_of(results["runs"], task, depth))
             where = f"{task}, depth {depth}"
-            n = _train_length(results, task)
+            n = train_length(results, task)
             ref = _reference(groups, n)
             if ref is None:
                 continue
@@ -236,7 +230,7 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
 
     def subset(low: int, high: int) -> Counts:
         if code:
-            return _code_counts(n, low, high)
+            return code_counts(n, low, high)
         return lambda r: pooled_counts(r, n, lambda d: low <= d <= high)
 
     what = "closing-bracket accuracy" if code else "accuracy"
@@ -285,7 +279,7 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
                 verdict_within(gap, SMALL_PP / 100), gap, SMALL_PP / 100, "within")
     # 4. K=4 vs K=16 differ significantly on long-range dependencies.
     if "K=4" in groups and "K=16" in groups:
-        low = CODE_LONG if code else 5
+        low = CODE_LONG if code else AGREE_LONG
         counts = subset(low, n)
         gap = _diff(groups, "K=4", "K=16", counts)
         row("K=4 vs K=16 differ significantly on long-range dependencies",
@@ -311,7 +305,7 @@ def _range_counts(code: bool, n: int, lo: int, hi: int) -> Counts:
 
 def _guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
     """Per dependency range: the smallest K shown enough and the largest shown not."""
-    n = _train_length(results, task)
+    n = train_length(results, task)
     groups = configurations(runs_of(results["runs"], task, depth))
     ref = _reference(groups, n)
     if ref is None:
@@ -573,7 +567,7 @@ def _curves_section(results: dict[str, Any]) -> list[str]:
     cfg = results["config"]
     blocks = []
     for task in cfg["tasks"]:
-        for depth in _depths(results, task):
+        for depth in depths(results, task):
             points = curves(results["runs"], task, depth)
             if points:
                 blocks.append((task, depth, points))
@@ -744,7 +738,7 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
     rows = claims(results) + signal_rows
     lines += _claims_section(rows, _seed_text(cfg))
     lines += _curves_section(results)
-    guide = [line for task in cfg["tasks"] for depth in _depths(results, task)
+    guide = [line for task in cfg["tasks"] for depth in depths(results, task)
              for line in _guidance(results, task, depth)]
     if guide:
         lines += [
@@ -761,7 +755,7 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
             "",
         ]
     for task in cfg["tasks"]:
-        n = _train_length(results, task)
+        n = train_length(results, task)
         if task == CODE:
             corpus = results.get("corpus", {})
             groups = configurations(runs_of(results["runs"], task))
@@ -810,7 +804,7 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
                 lines += ["### Training signal per table row", "", *signal_lines, ""]
             continue
         chance = results["chance"][task]
-        for depth in _depths(results, task):
+        for depth in depths(results, task):
             groups = configurations(runs_of(results["runs"], task, depth))
             lines += [
                 f"## Synthetic: `{task}`, depth {depth} (chance {100 * chance:.1f}%)",

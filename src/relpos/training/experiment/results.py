@@ -15,6 +15,7 @@ from typing import Any
 from relpos.training.experiment.stats import Interval, accuracy_interval, mean_interval
 
 __all__ = [
+    "AGREE_LONG",
     "BPC_SMALL",
     "BUCKETS",
     "CODE_LONG",
@@ -46,6 +47,8 @@ CODE = "pysrc"
 BPC_SMALL = 0.02
 #: Code closers with the opener this far back or more are "long-range" (claim 4 on code).
 CODE_LONG = 17
+#: Synthetic dependencies this far back or more are "long-range" (claim 4, and the curves).
+AGREE_LONG = 5
 #: A metric "plateaued" when every curve seed moved less than this over the last doubling
 #: of the budget (pp of accuracy; bits per character: BPC_SMALL).
 PLATEAU_PP = 2.0
@@ -236,8 +239,8 @@ def curve_metrics(results: dict[str, Any], task: str
         return h / c if c else math.nan
 
     def far(r: dict) -> float:
-        h, c = pooled_counts(r, n, lambda d: d >= 5)
+        h, c = pooled_counts(r, n, lambda d: d >= AGREE_LONG)
         return h / c if c else math.nan
 
     return [(f"accuracy at length {n} (overall)", overall, PLATEAU_PP / 100, "pp"),
-            ("accuracy, d>=5 (subset)", far, PLATEAU_PP / 100, "pp")]
+            (f"accuracy, d>={AGREE_LONG} (subset)", far, PLATEAU_PP / 100, "pp")]
