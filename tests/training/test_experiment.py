@@ -80,7 +80,8 @@ def test_the_long_preset_trains_curves_at_shorter_budgets():
     assert len({r.name for r in runs}) == len(runs)
     assert {r.task for r in runs} == {"agree", "pysrc"} and long.jobs == 2
     sweep = [r for r in runs if not r.steps]
-    assert {r.seed for r in sweep} == set(range(6))
+    assert {r.seed for r in sweep if r.task == "agree"} == set(range(18))
+    assert {r.seed for r in sweep if r.task == "pysrc"} == set(range(12))
     curve = [r for r in runs if r.steps]
     # Every curve point below the budget, for the curve K and seeds, both agree depths.
     assert {(r.task, r.depth, r.k, r.seed, r.steps) for r in curve} == {
@@ -103,7 +104,7 @@ def test_the_long_preset_trains_curves_at_shorter_budgets():
     ({"curve_steps": (500, 2000)}, "shorter than the sweep's budget"),
     ({"curve_steps": (500, 500)}, "distinct"),
     ({"curve_ks": (4, 5)}, "curve_ks must be distinct values of ks"),
-    ({"curve_seeds": (9,)}, "curve_seeds must be distinct values of seeds"),
+    ({"curve_seeds": (50,)}, "curve_seeds must be distinct values of seeds"),
     ({"jobs": 0}, "jobs must be an int >= 1"),
 ])
 def test_bad_curve_settings_are_refused(change, match):
@@ -164,6 +165,41 @@ def test_parallel_jobs_give_the_same_runs_and_curves(tmp_path, tiny):
     assert again["trained_runs"] == 0 and again["reused_runs"] == len(one["runs"])
     assert again["earlier_seconds"] == pytest.approx(two["sweep_seconds"])
     assert "reused" in (tmp_path / "two" / "report.md").read_text().split("\n")[2]
+
+
+def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
+    import shutil
+
+    config = replace(tiny, tasks=("recall",), seeds=(0,))
+    out = tmp_path / "e"
+    first = run_experiment(config, out, progress=False, log=_quiet)
+    n = len(first["runs"])
+    shutil.rmtree(out / "runs")  # runs/ is not committed; results.json is
+    said: list[str] = []
+    more = run_experiment(replace(config, seeds=(0, 1)), out, progress=True, reuse=True,
+                          log=said.append)
+    assert more["reused_runs"] == n and more["trained_runs"] == n
+    assert [r["eval"] for r in more["runs"][:n]] == [r["eval"] for r in first["runs"]]
+    assert [r["spec"]["seed"] for r in more["runs"][n:]] == [1] * n
+    assert f"{2 * n} runs (2 seeds), {n} of them reused; {n} to train, estimated " in said[0]
+    assert len(list((out / "runs").glob("*-seed0.json"))) == n
+    assert len(list((out / "runs").glob("*-seed1.json"))) == n
+    assert more["earlier_seconds"] == pytest.approx(first["sweep_seconds"])
+    total = (more["sweep_seconds"] + more["earlier_seconds"]) / 60
+    header = (out / "report.md").read_text().split("\n")[2]
+    assert f"Wall time of the sweep: {total:.1f} min in all. This invocation trained {n} " \
+           in header and f"reused {n} finished one(s)" in header
+    # Nothing left: no calibration, a zero estimate, every run reused.
+    said.clear()
+    same = run_experiment(replace(config, seeds=(0, 1)), out, progress=True, reuse=True,
+                          log=said.append)
+    assert same["trained_runs"] == 0 and same["estimated_seconds"] == 0.0
+    assert f"{2 * n} of them reused; 0 to train" in said[0]
+    # A saved record trained with other settings is retrained, not reused.
+    shutil.rmtree(out / "runs")
+    other = run_experiment(replace(config, steps=config.steps + 1), out, progress=False,
+                           reuse=True, log=_quiet)
+    assert other["trained_runs"] == n and other["reused_runs"] == 0
 
 
 def test_sweep_writes_everything_and_reproduces(tmp_path, tiny):

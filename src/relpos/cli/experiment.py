@@ -7,7 +7,7 @@ Examples::
     relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
     relpos experiment --quick         # a small sweep (under 3 minutes)
     relpos experiment --full          # the whole study (about 50 minutes)
-    relpos experiment --long          # agreement and pysrc until learned (about 2 hours)
+    relpos experiment --long          # agreement and pysrc until learned (about 4 hours)
     relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
     relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
@@ -52,15 +52,16 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     size.add_argument("--long", action="store_true",
-                      help="agreement and pysrc trained until learned, 6 seeds, with "
-                           "learning curves (about 2 hours on 2 CPU cores, 2 jobs)")
+                      help="agreement (18 seeds) and pysrc (12 seeds) trained until learned, "
+                           "with learning curves (about 4 hours on 2 CPU cores, 2 jobs; "
+                           "--reuse trains only the runs not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
-                   help="seeds (default 0,1,2; --long: 0-9)")
+                   help="seeds (default 0,1,2; --long: 0-17)")
     p.add_argument("--code-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
-                   help="seeds of pysrc (default: --seeds; --long: 0-5)")
+                   help="seeds of pysrc (default: --seeds; --long: 0-11)")
     p.add_argument("--ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the synthetic tasks")
     p.add_argument("--code-ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",

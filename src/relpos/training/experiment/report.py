@@ -706,21 +706,33 @@ def _machine(results: dict[str, Any]) -> str:
             f"{env.get('threads', '?')} torch thread(s)")
 
 
+def _wall_time(results: dict[str, Any]) -> str:
+    """The sweep's wall time: this invocation's, with its estimate where it trained runs,
+    and the earlier invocations' whose finished runs it reused."""
+    wall = results.get("sweep_seconds", math.nan) / 60
+    estimate = results.get("estimated_seconds", math.nan)
+    # Documents from before reuse was recorded trained every run they hold.
+    trained = results.get("trained_runs", len(results.get("runs", ())))
+    guess = (f" (estimated up front: {estimate / 60:.1f} min)"
+             if trained and not math.isnan(estimate) else "")
+    reused = results.get("reused_runs", 0)
+    if not reused:
+        return f"Wall time of the sweep: {wall:.1f} min{guess}."
+    earlier = results.get("earlier_seconds", 0.0) / 60
+    return (f"Wall time of the sweep: {wall + earlier:.1f} min in all. This invocation "
+            f"trained {trained} run(s) in {wall:.1f} min{guess} and reused {reused} "
+            f"finished one(s) of earlier invocations of the same sweep, which took "
+            f"{earlier:.1f} min.")
+
+
 def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
     """The markdown report; every number and verdict is computed from ``results``."""
     cfg = results["config"]
-    wall = results.get("sweep_seconds", math.nan)
     lines = [
         "# Where does the clip distance K matter?",
         "",
         f"Command: `{results.get('command', 'relpos experiment')}`. Machine: "
-        f"{_machine(results)}. Wall time of the sweep: {wall / 60:.1f} min"
-        + (f" (estimated up front: {results['estimated_seconds'] / 60:.1f} min)"
-           if not math.isnan(results.get("estimated_seconds", math.nan)) else "")
-        + (f"; it trained {results.get('trained_runs', 0)} runs and reused "
-           f"{results['reused_runs']} finished ones from earlier invocations of the same "
-           f"sweep, which took {results.get('earlier_seconds', 0.0) / 60:.1f} min"
-           if results.get("reused_runs") else "") + ".",
+        f"{_machine(results)}. {_wall_time(results)}",
         "",
         f"Every number is a mean over {_seed_text(cfg)} with "
         "a 95% interval: the wider of a Student-t interval over the seeds and an interval over "

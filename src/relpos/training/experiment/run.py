@@ -185,21 +185,23 @@ class ExperimentConfig:
 
     @classmethod
     def long(cls) -> ExperimentConfig:
-        """The long study: agreement and ``pysrc`` trained until learned, 6 seeds, large
-        evaluations, and the learning curves the budget was chosen from (the curve K at
-        1/4 and 1/2 of it), two jobs; about 2 hours on 2 CPU cores."""
+        """The long study: agreement (18 seeds) and ``pysrc`` (12 seeds) trained until
+        learned, large evaluations, and the learning curves the budget was chosen from
+        (the curve K at 1/4 and 1/2 of it), two jobs; about 4 hours on 2 CPU cores
+        (``reuse`` extends a finished sweep by its new seeds alone)."""
         return cls(
             tasks=("agree", CODE_TASK),
             ks=(4, 8, 16, 32, 64),
             depths=(1, 2),
             baselines=(),
-            seeds=(0, 1, 2, 3, 4, 5),
+            seeds=tuple(range(18)),
             steps=2000,
             eval_tokens=65536,
             code_ks=(4, 8, 16, 32, 64, 128),
             code_baselines=(),
             code_steps=2000,
             code_eval_tokens=131072,
+            code_seeds=tuple(range(12)),
             curve_steps=(500, 1000),
             code_curve_steps=(500, 1000),
             curve_ks=(4, 16, 64),
@@ -593,8 +595,9 @@ def run_experiment(
         config: the sweep.
         out_dir: output directory (``results.json``, ``report.md``, ``*.png``, ``runs/``).
         progress: show a progress bar over the sweep (and print the time estimate).
-        reuse: keep finished runs found in ``out_dir/runs`` with the same settings
-            (others are retrained); after the sweep, remove the run files and figures of
+        reuse: keep finished runs with the same settings found in ``out_dir/runs`` or,
+            where a run's file is missing, in ``out_dir/results.json`` (others are
+            retrained); after the sweep, remove the run files and figures of
             ``out_dir`` that are not part of it.
         overwrite: remove the files of an experiment already in ``out_dir`` first.
         log: where to print the estimate, the report and what was removed (None = stdout).
@@ -637,46 +640,58 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     specs = plan(config)
     # Whole numbers, so the bar sums them exactly in any order (parallel runs finish in any).
     costs = [max(1, round(_cost(s, config))) for s in specs]
+    started = time.perf_counter()
+    reused = retrained = 0
+    records: list[dict[str, Any] | None] = [None] * len(specs)
+    todo = []
+    # ``runs/`` is not committed: a sweep cloned with its results.json alone is extended
+    # from the run records in that file (each written back to ``runs/``).
+    saved = _saved_runs(out) if reuse else {}
+    for number, spec in enumerate(specs):
+        task = tasks[spec.task]
+        path = out / RUNS_DIR / f"{spec.name}.json"
+        if reuse and (path.is_file() or spec.name in saved):
+            old: Any = None
+            if path.is_file():
+                try:
+                    old = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    old = None
+            if not isinstance(old, dict) or not _same_settings(old, spec, task, config):
+                old = saved.get(spec.name)
+                if isinstance(old, dict) and _same_settings(old, spec, task, config):
+                    atomic_write_json(path, old)
+            if isinstance(old, dict) and _same_settings(old, spec, task, config):
+                records[number] = old
+                reused += 1
+                continue
+            retrained += 1
+        todo.append(number)
     bar = None
     estimate = math.nan
     if progress:
         from tqdm.auto import tqdm
 
-        unit = _calibrate(config, tasks)
-        jobs = max(1, min(config.jobs, len(specs), (os.cpu_count() or 1) // config.threads))
-        # Runs share out over the jobs; none finishes before its own longest run.
-        estimate = unit * max(sum(costs) / jobs, max(costs))
+        left = [costs[number] for number in todo]
+        estimate = 0.0
+        if left:
+            unit = _calibrate(config, tasks)
+            jobs = max(1, min(config.jobs, len(left),
+                              (os.cpu_count() or 1) // config.threads))
+            # Runs share out over the jobs; none finishes before its own longest run.
+            estimate = unit * max(sum(left) / jobs, max(left))
         curves = sum(1 for s in specs if s.steps)
         say(f"relpos experiment ({config.preset}): {len(specs)} runs "
             f"({len(config.all_seeds)} seeds" + (f", {curves} of them learning-curve runs"
-                                             if curves else "")
-            + f"), estimated {estimate / 60:.0f} min with "
+                                             if curves else "") + ")"
+            + (f", {reused} of them reused" if reused else "")
+            + f"; {len(todo)} to train, estimated {estimate / 60:.0f} min with "
             + (f"{config.jobs} jobs of " if config.jobs > 1 else "")
             + f"{config.threads} thread(s) on this machine")
         # The bar counts estimated work (the runs' costs), so its ETA weighs long runs.
-        bar = tqdm(total=sum(costs), desc="experiment",
+        bar = tqdm(total=sum(left), desc="experiment",
                    dynamic_ncols=True, file=sys.stderr,
                    bar_format="{l_bar}{bar}| {postfix} [{elapsed}<{remaining}]")
-    started = time.perf_counter()
-    reused = retrained = 0
-    records: list[dict[str, Any] | None] = [None] * len(specs)
-    todo = []
-    for number, spec in enumerate(specs):
-        task = tasks[spec.task]
-        path = out / RUNS_DIR / f"{spec.name}.json"
-        if reuse and path.is_file():
-            try:
-                old = json.loads(path.read_text())
-            except (OSError, ValueError):
-                old = None
-            if isinstance(old, dict) and _same_settings(old, spec, task, config):
-                records[number] = old
-                reused += 1
-                if bar is not None:
-                    bar.update(costs[number])
-                continue
-            retrained += 1
-        todo.append(number)
 
     def finished(number: int, record: dict[str, Any]) -> None:
         atomic_write_json(out / RUNS_DIR / f"{specs[number].name}.json", record)
@@ -734,6 +749,25 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
                 + ", ".join(str(p.relative_to(out)) for p in stale[:5])
                 + (", ..." if len(stale) > 5 else ""))
     return results
+
+
+def _saved_runs(out: Path) -> dict[str, dict[str, Any]]:
+    """The run records of ``out/results.json`` by run name (empty if there is none or it
+    cannot be read)."""
+    try:
+        old = json.loads((out / RESULTS_FILE).read_text())
+        runs = old["runs"] if isinstance(old, dict) else []
+    except (OSError, ValueError, KeyError):
+        return {}
+    known = {f.name for f in fields(RunSpec)}
+    saved = {}
+    for record in runs if isinstance(runs, list) else []:
+        try:
+            spec = RunSpec(**{k: v for k, v in record["spec"].items() if k in known})
+        except (KeyError, TypeError, AttributeError):
+            continue
+        saved[spec.name] = record
+    return saved
 
 
 def _earlier_seconds(out: Path) -> float:
