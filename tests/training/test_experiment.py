@@ -80,7 +80,7 @@ def test_the_long_preset_trains_curves_at_shorter_budgets():
     assert len({r.name for r in runs}) == len(runs)
     assert {r.task for r in runs} == {"agree", "pysrc"} and long.jobs == 2
     sweep = [r for r in runs if not r.steps]
-    assert {r.seed for r in sweep if r.task == "agree"} == set(range(18))
+    assert {r.seed for r in sweep if r.task == "agree"} == set(range(20))
     assert {r.seed for r in sweep if r.task == "pysrc"} == set(range(12))
     curve = [r for r in runs if r.steps]
     # Every curve point below the budget, for the curve K and seeds, both agree depths.

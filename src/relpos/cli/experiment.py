@@ -52,13 +52,13 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     size.add_argument("--long", action="store_true",
-                      help="agreement (18 seeds) and pysrc (12 seeds) trained until learned, "
+                      help="agreement (20 seeds) and pysrc (12 seeds) trained until learned, "
                            "with learning curves (about 4 hours on 2 CPU cores, 2 jobs; "
                            "--reuse trains only the runs not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
-                   help="seeds (default 0,1,2; --long: 0-17)")
+                   help="seeds (default 0,1,2; --long: 0-19)")
     p.add_argument("--code-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
                    help="seeds of pysrc (default: --seeds; --long: 0-11)")

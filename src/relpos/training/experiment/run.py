@@ -185,7 +185,7 @@ class ExperimentConfig:
 
     @classmethod
     def long(cls) -> ExperimentConfig:
-        """The long study: agreement (18 seeds) and ``pysrc`` (12 seeds) trained until
+        """The long study: agreement (20 seeds) and ``pysrc`` (12 seeds) trained until
         learned, large evaluations, and the learning curves the budget was chosen from
         (the curve K at 1/4 and 1/2 of it), two jobs; about 4 hours on 2 CPU cores
         (``reuse`` extends a finished sweep by its new seeds alone)."""
@@ -194,7 +194,7 @@ class ExperimentConfig:
             ks=(4, 8, 16, 32, 64),
             depths=(1, 2),
             baselines=(),
-            seeds=tuple(range(18)),
+            seeds=tuple(range(20)),
             steps=2000,
             eval_tokens=65536,
             code_ks=(4, 8, 16, 32, 64, 128),
