@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     size.add_argument("--long", action="store_true",
-                      help="agreement (20 seeds) and pysrc (12 seeds) trained until learned, "
+                      help="agreement (20 seeds) and pysrc (16 seeds) trained until learned, "
                            "with learning curves (about 4 hours on 2 CPU cores, 2 jobs; "
                            "--reuse trains only the runs not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> None:
                    help="seeds (default 0,1,2; --long: 0-19)")
     p.add_argument("--code-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
-                   help="seeds of pysrc (default: --seeds; --long: 0-11)")
+                   help="seeds of pysrc (default: --seeds; --long: 0-15)")
     p.add_argument("--ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the synthetic tasks")
     p.add_argument("--code-ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",

@@ -185,7 +185,7 @@ class ExperimentConfig:
 
     @classmethod
     def long(cls) -> ExperimentConfig:
-        """The long study: agreement (20 seeds) and ``pysrc`` (12 seeds) trained until
+        """The long study: agreement (20 seeds) and ``pysrc`` (16 seeds) trained until
         learned, large evaluations, and the learning curves the budget was chosen from
         (the curve K at 1/4 and 1/2 of it), two jobs; about 4 hours on 2 CPU cores
         (``reuse`` extends a finished sweep by its new seeds alone)."""
@@ -201,7 +201,7 @@ class ExperimentConfig:
             code_baselines=(),
             code_steps=2000,
             code_eval_tokens=131072,
-            code_seeds=tuple(range(12)),
+            code_seeds=tuple(range(16)),
             curve_steps=(500, 1000),
             code_curve_steps=(500, 1000),
             curve_ks=(4, 16, 64),
