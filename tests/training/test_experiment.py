@@ -74,21 +74,23 @@ def test_plan_covers_the_presets():
         ExperimentConfig(seeds=(1, 1))
 
 
-def test_the_long_preset_trains_curves_at_shorter_budgets():
+def test_the_long_preset_trains_curves_around_its_budget():
     long = ExperimentConfig.long()
     runs = plan(long)
     assert len({r.name for r in runs}) == len(runs)
     assert {r.task for r in runs} == {"agree", "pysrc"} and long.jobs == 2
     sweep = [r for r in runs if not r.steps]
     assert {r.seed for r in sweep if r.task == "agree"} == set(range(20))
-    assert {r.seed for r in sweep if r.task == "pysrc"} == set(range(16))
+    assert {r.seed for r in sweep if r.task == "pysrc"} == set(range(20))
     curve = [r for r in runs if r.steps]
-    # Every curve point below the budget, for the curve K and seeds, both agree depths.
+    # The curve points below the budget (and pysrc's above it), for the curve K and seeds,
+    # both agree depths.
     assert {(r.task, r.depth, r.k, r.seed, r.steps) for r in curve} == {
         *(("agree", d, k, s, b) for d in (1, 2) for k in (4, 16, 64) for s in (0, 1)
           for b in (500, 1000)),
-        *(("pysrc", 2, k, s, b) for k in (4, 16, 128) for s in (0, 1) for b in (500, 1000))}
-    # The full budget's point of each curve is a run of the sweep itself.
+        *(("pysrc", 2, k, s, b) for k in (4, 16, 128) for s in (0, 1)
+          for b in (500, 1000, 4000))}
+    # The budget's own point of each curve is a run of the sweep itself.
     assert {(r.task, r.depth, r.k, r.seed) for r in curve} <= {
         (r.task, r.depth, r.k, r.seed) for r in sweep}
     assert curve[0].name.endswith("-steps500")
@@ -101,7 +103,8 @@ def test_the_long_preset_trains_curves_at_shorter_budgets():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"curve_steps": (500, 2000)}, "shorter than the sweep's budget"),
+    ({"curve_steps": (500, 2000)}, "other than the sweep's budget 2000"),
+    ({"code_curve_steps": (0, 1000)}, "distinct ints >= 1"),
     ({"curve_steps": (500, 500)}, "distinct"),
     ({"curve_ks": (4, 5)}, "curve_ks must be distinct values of ks"),
     ({"curve_seeds": (50,)}, "curve_seeds must be distinct values of seeds"),
@@ -122,18 +125,22 @@ def test_cli_long_overrides_keep_the_curves_that_fit(monkeypatch, tmp_path):
         return {}
 
     monkeypatch.setattr(experiment, "run_experiment", fake_run)
-    assert main(["experiment", "--long", "--seeds", "1,2", "--steps", "800", "--ks", "4,8",
+    assert main(["experiment", "--long", "--seeds", "1,2", "--steps", "1000", "--ks", "4,8",
                  "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     cfg = seen["config"]
     assert cfg.preset == "custom" and cfg.curve_seeds == (1,) and cfg.curve_ks == (4,)
-    assert cfg.curve_steps == (500,) and cfg.code_curve_steps == (500, 1000)
+    # The budget that became the sweep's own is dropped; one above it is kept (a probe).
+    assert cfg.curve_steps == (500,) and cfg.code_curve_steps == (500, 1000, 4000)
+    assert main(["experiment", "--long", "--code-steps", "1000", "--out", str(tmp_path / "q"),
+                 "--no-progress"]) == 0
+    assert seen["config"].code_curve_steps == (500, 4000)
     assert main(["experiment", "--long", "--jobs", "1", "--out", str(tmp_path / "p"),
                  "--no-progress"]) == 0
     assert seen["config"].preset == "long" and seen["config"].jobs == 1
 
 
 def _curved(tiny: ExperimentConfig, jobs: int) -> ExperimentConfig:
-    return replace(tiny, ks=(4,), baselines=(), steps=6, code_steps=4, curve_steps=(3,),
+    return replace(tiny, ks=(4,), baselines=(), steps=6, code_steps=4, curve_steps=(3, 12),
                    code_curve_steps=(2,), curve_ks=(4,), code_curve_ks=(2,), curve_seeds=(1,),
                    jobs=jobs)
 
@@ -148,10 +155,12 @@ def test_parallel_jobs_give_the_same_runs_and_curves(tmp_path, tiny):
     assert numbers(one) == numbers(two)
     curve = [r for r in one["runs"] if r["spec"]["steps"]]
     assert {(r["spec"]["task"], r["train"]["steps"]) for r in curve} == {
-        ("recall", 3), ("pysrc", 2)}
+        ("recall", 3), ("recall", 12), ("pysrc", 2)}
     report = (tmp_path / "two" / "report.md").read_text()
     assert "## Step budget: learning curves" in report
-    assert "| 3 steps | 6 steps | last doubling, per seed | plateau |" in report
+    # The probe above the sweep's budget is the curve's last point: its last doubling.
+    assert "| 3 steps | 6 steps | 12 steps | last doubling, per seed | plateau |" in report
+    assert "| 2 steps | 4 steps | last doubling, per seed | plateau |" in report
     assert (tmp_path / "two" / "curves_recall.png").is_file()
     assert (tmp_path / "two" / "curves_pysrc.png").is_file()
     # The sweep's tables count the sweep's runs only: one run per seed and model.
@@ -189,12 +198,31 @@ def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
     header = (out / "report.md").read_text().split("\n")[2]
     assert f"Wall time of the sweep: {total:.1f} min in all. This invocation trained {n} " \
            in header and f"reused {n} finished one(s)" in header
+    # Each invocation's CPU, wall time and runs trained, in order.
+    cpu = more["environment"]["cpu"]
+    assert [(i["cpu"], i["trained_runs"]) for i in more["invocations"]] == [(cpu, n), (cpu, n)]
+    assert more["invocations"][0]["seconds"] == pytest.approx(first["sweep_seconds"])
+    assert (f"The invocations that trained runs, in order: {cpu} ({n} run(s), "
+            f"{first['sweep_seconds'] / 60:.1f} min); {cpu} ({n} run(s), ") in header
     # Nothing left: no calibration, a zero estimate, every run reused.
     said.clear()
     same = run_experiment(replace(config, seeds=(0, 1)), out, progress=True, reuse=True,
                           log=said.append)
     assert same["trained_runs"] == 0 and same["estimated_seconds"] == 0.0
     assert f"{2 * n} of them reused; 0 to train" in said[0]
+    assert [i["trained_runs"] for i in same["invocations"]] == [n, n, 0]
+    # A document from before invocations were recorded: its last invocation's CPU, and
+    # the earlier ones as one entry without a CPU.
+    from relpos.training.experiment.run import _earlier_invocations
+
+    legacy = json.loads((out / "results.json").read_text())
+    del legacy["invocations"]
+    legacy.update(sweep_seconds=60.0, earlier_seconds=120.0, trained_runs=3)
+    (out / "results.json").write_text(json.dumps(legacy))
+    assert _earlier_invocations(out) == [
+        {"cpu": None, "seconds": 120.0, "trained_runs": None},
+        {"cpu": legacy["environment"]["cpu"], "seconds": 60.0, "trained_runs": 3}]
+    (out / "results.json").write_text(json.dumps(same))
     # A saved record trained with other settings is retrained, not reused.
     shutil.rmtree(out / "runs")
     other = run_experiment(replace(config, steps=config.steps + 1), out, progress=False,

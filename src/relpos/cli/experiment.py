@@ -7,7 +7,7 @@ Examples::
     relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
     relpos experiment --quick         # a small sweep (under 3 minutes)
     relpos experiment --full          # the whole study (about 50 minutes)
-    relpos experiment --long          # agreement and pysrc until learned (about 4 hours)
+    relpos experiment --long          # agreement and pysrc until learned (about 5 hours)
     relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
     relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     size.add_argument("--long", action="store_true",
                       help="agreement (20 seeds) and pysrc (16 seeds) trained until learned, "
-                           "with learning curves (about 4 hours on 2 CPU cores, 2 jobs; "
+                           "with learning curves (about 5 hours on 2 CPU cores, 2 jobs; "
                            "--reuse trains only the runs not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> None:
                    help="seeds (default 0,1,2; --long: 0-19)")
     p.add_argument("--code-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
-                   help="seeds of pysrc (default: --seeds; --long: 0-15)")
+                   help="seeds of pysrc (default: --seeds; --long: 0-19)")
     p.add_argument("--ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the synthetic tasks")
     p.add_argument("--code-ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
@@ -91,7 +91,7 @@ def add_parser(subparsers: Any) -> None:
 
 def _curves_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
     """The preset's learning-curve settings cut to what the changed sweep still has (its
-    seeds and K, budgets below its steps)."""
+    seeds and K, budgets other than its steps)."""
     seeds = set(changes.get("seeds", config.seeds))
     code_seeds = changes.get("code_seeds", config.code_seeds)
     if code_seeds is not None:
@@ -104,8 +104,8 @@ def _curves_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
         "curve_seeds": tuple(s for s in config.curve_seeds if s in seeds),
         "curve_ks": tuple(k for k in config.curve_ks if k in ks),
         "code_curve_ks": tuple(k for k in config.code_curve_ks if k in code_ks),
-        "curve_steps": tuple(n for n in config.curve_steps if n < steps),
-        "code_curve_steps": tuple(n for n in config.code_curve_steps if n < code_steps),
+        "curve_steps": tuple(n for n in config.curve_steps if n != steps),
+        "code_curve_steps": tuple(n for n in config.code_curve_steps if n != code_steps),
     }
 
 

@@ -576,10 +576,12 @@ def _curves_section(results: dict[str, Any]) -> list[str]:
     lines = [
         "## Step budget: learning curves",
         "",
-        "Before the sweep's budget is trusted, the curve models are trained again at shorter "
-        "budgets (each a run of its own, with its own warmup and cosine schedule); the "
-        "sweep's own runs give the full budget's point. Means over the curve seeds, with "
-        "every seed's change over the last doubling of the budget. A metric has "
+        "Before the sweep's budget is trusted, the curve models are trained again at other "
+        "budgets (each a run of its own, with its own warmup and cosine schedule): shorter "
+        "ones, and any longer one probes whether the sweep's models have stopped learning. "
+        f"The sweep's own runs give its budget's point ({_sweep_budgets(cfg)}). Means over "
+        "the curve seeds, with every seed's change over the last doubling of the budget. "
+        "A metric has "
         f"**plateaued** when every seed moved less than {PLATEAU_PP:g} pp "
         f"({BPC_SMALL:g} bits per character) over the last doubling, is **still changing** "
         "when every seed moved more, and is mixed otherwise.",
@@ -619,6 +621,12 @@ def _curves_section(results: dict[str, Any]) -> list[str]:
                              + f" | {shown} | {plateau} |")
         lines.append("")
     return lines
+
+
+def _sweep_budgets(cfg: dict[str, Any]) -> str:
+    """The sweep's step budget per task, for the curve section's text."""
+    steps = {task: cfg["code_steps"] if task == CODE else cfg["steps"] for task in cfg["tasks"]}
+    return ", ".join(f"{n} steps for `{task}`" for task, n in steps.items())
 
 
 def _last_changes(by: dict[int, list[dict]], value: Callable[[dict], float]) -> list[float]:
@@ -722,7 +730,20 @@ def _wall_time(results: dict[str, Any]) -> str:
     return (f"Wall time of the sweep: {wall + earlier:.1f} min in all. This invocation "
             f"trained {trained} run(s) in {wall:.1f} min{guess} and reused {reused} "
             f"finished one(s) of earlier invocations of the same sweep, which took "
-            f"{earlier:.1f} min.")
+            f"{earlier:.1f} min.{_invocation_machines(results)}")
+
+
+def _invocation_machines(results: dict[str, Any]) -> str:
+    """Which CPU trained the runs, invocation by invocation (empty when one invocation
+    trained them all)."""
+    steps = [i for i in results.get("invocations", ()) if i.get("trained_runs") != 0]
+    if len(steps) < 2:
+        return ""
+    parts = []
+    for i in steps:
+        runs = "" if i.get("trained_runs") is None else f"{i['trained_runs']} run(s), "
+        parts.append(f"{i.get('cpu') or 'CPU not recorded'} ({runs}{i['seconds'] / 60:.1f} min)")
+    return " The invocations that trained runs, in order: " + "; ".join(parts) + "."
 
 
 def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:

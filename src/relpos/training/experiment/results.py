@@ -137,7 +137,7 @@ def budget_of(run: dict[str, Any]) -> int:
 
 
 def is_curve_run(run: dict[str, Any]) -> bool:
-    """Whether ``run`` is a learning-curve run (trained at a shorter budget than the
+    """Whether ``run`` is a learning-curve run (trained at a budget other than the
     sweep's)."""
     return bool(run["spec"].get("steps", 0))
 
@@ -152,7 +152,7 @@ def runs_of(runs: list[dict], task: str, depth: int | None = None) -> list[dict]
 def curves(runs: list[dict], task: str, depth: int) -> dict[str, dict[int, list[dict]]]:
     """Model label -> step budget -> its runs (sorted by seed) for the learning curves of
     ``task`` at ``depth``: the curve runs and, for the same models and seeds, the sweep's
-    own runs at the full budget. Empty when the sweep trained no curve."""
+    own runs at the sweep's budget. Empty when the sweep trained no curve."""
     points = [r for r in runs if r["spec"]["task"] == task and r["spec"]["depth"] == depth]
     curve = [r for r in points if is_curve_run(r)]
     if not curve:

@@ -110,9 +110,10 @@ class ExperimentConfig:
     #: do not depend on it).
     jobs: int = 1
     #: Learning curves: the synthetic tasks' ``curve_ks`` and ``pysrc``'s ``code_curve_ks``
-    #: are also trained, for ``curve_seeds``, at each shorter budget of ``curve_steps`` /
+    #: are also trained, for ``curve_seeds``, at each other budget of ``curve_steps`` /
     #: ``code_curve_steps`` (each a run of its own, with its own learning-rate schedule);
-    #: the sweep's own runs give the full budget's point.
+    #: the sweep's own runs give its budget's point. Budgets above the sweep's probe
+    #: whether its models have stopped learning.
     curve_steps: tuple[int, ...] = ()
     code_curve_steps: tuple[int, ...] = ()
     curve_ks: tuple[int, ...] = ()
@@ -153,13 +154,13 @@ class ExperimentConfig:
         if any(f < 1 for f in self.code_eval_factors) or 1 not in self.code_eval_factors:
             raise ValueError("code_eval_factors must be ints >= 1 and include 1, got "
                              f"{list(self.code_eval_factors)}")
-        for name, limit in (("curve_steps", self.steps), ("code_curve_steps", self.code_steps)):
+        for name, full in (("curve_steps", self.steps), ("code_curve_steps", self.code_steps)):
             values = list(getattr(self, name))
             if len(set(values)) != len(values) or any(
-                    isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < limit
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 or v == full
                     for v in values):
-                raise ValueError(f"{name} must be distinct ints in 1..{limit - 1} (shorter "
-                                 f"than the sweep's budget), got {values}")
+                raise ValueError(f"{name} must be distinct ints >= 1 other than the sweep's "
+                                 f"budget {full} (its own runs are that point), got {values}")
         for name, sweep in (("curve_ks", "ks"), ("code_curve_ks", "code_ks"),
                             ("curve_seeds", "seeds"), ("curve_seeds", "code_seeds")):
             extra = [v for v in getattr(self, name) if v not in (getattr(self, sweep)
@@ -185,10 +186,10 @@ class ExperimentConfig:
 
     @classmethod
     def long(cls) -> ExperimentConfig:
-        """The long study: agreement (20 seeds) and ``pysrc`` (16 seeds) trained until
-        learned, large evaluations, and the learning curves the budget was chosen from
-        (the curve K at 1/4 and 1/2 of it), two jobs; about 4 hours on 2 CPU cores
-        (``reuse`` extends a finished sweep by its new seeds alone)."""
+        """The long study: agreement and ``pysrc`` (20 seeds each) trained until learned,
+        large evaluations, and the learning curves the budget was chosen from (the curve K
+        at 1/4 and 1/2 of it, and ``pysrc`` at twice it), two jobs; about 5 hours on 2 CPU
+        cores (``reuse`` extends a finished sweep by its new runs alone)."""
         return cls(
             tasks=("agree", CODE_TASK),
             ks=(4, 8, 16, 32, 64),
@@ -201,9 +202,9 @@ class ExperimentConfig:
             code_baselines=(),
             code_steps=2000,
             code_eval_tokens=131072,
-            code_seeds=tuple(range(16)),
+            code_seeds=tuple(range(20)),
             curve_steps=(500, 1000),
-            code_curve_steps=(500, 1000),
+            code_curve_steps=(500, 1000, 4000),
             curve_ks=(4, 16, 64),
             code_curve_ks=(4, 16, 128),
             curve_seeds=(0, 1),
@@ -287,7 +288,7 @@ class RunSpec:
 
 def plan(config: ExperimentConfig) -> list[RunSpec]:
     """The runs of the sweep, seed by seed (an interrupted sweep has whole seeds), then the
-    learning-curve runs at the shorter budgets."""
+    learning-curve runs at the other budgets."""
     runs = []
     for seed in config.all_seeds:
         for task in config.tasks:
@@ -713,6 +714,9 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     runs = [r for r in records if r is not None]
     elapsed = time.perf_counter() - started
     earlier = _earlier_seconds(out) if reused else 0.0
+    env = environment(config.threads)
+    invocations = [*(_earlier_invocations(out) if reused else []),
+                   {"cpu": env["cpu"], "seconds": elapsed, "trained_runs": len(todo)}]
     results: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "config": config.to_dict(),
@@ -724,7 +728,8 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         "trained_runs": len(todo),
         "reused_runs": reused,
         "earlier_seconds": earlier,
-        "environment": environment(config.threads),
+        "environment": env,
+        "invocations": invocations,
     }
     if CODE_TASK in tasks:
         results["corpus"] = tasks[CODE_TASK].corpus.describe()  # type: ignore[attr-defined]
@@ -778,6 +783,23 @@ def _earlier_seconds(out: Path) -> float:
         return float(old.get("sweep_seconds", 0.0)) + float(old.get("earlier_seconds", 0.0))
     except (OSError, ValueError, TypeError, AttributeError):
         return 0.0
+
+
+def _earlier_invocations(out: Path) -> list[dict[str, Any]]:
+    """The CPU, wall time and runs trained of each invocation whose runs this one reuses
+    (from ``out/results.json``). A document from before they were recorded names the CPU
+    of its last invocation only; the earlier ones come back as one entry with no CPU."""
+    try:
+        old = json.loads((out / RESULTS_FILE).read_text())
+        if isinstance(old.get("invocations"), list):
+            return [dict(i) for i in old["invocations"] if isinstance(i, dict)]
+        before = float(old.get("earlier_seconds", 0.0))
+        last = {"cpu": old.get("environment", {}).get("cpu"),
+                "seconds": float(old.get("sweep_seconds", 0.0)),
+                "trained_runs": old.get("trained_runs", len(old.get("runs", ())))}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    return ([{"cpu": None, "seconds": before, "trained_runs": None}] if before else []) + [last]
 
 
 def _same_settings(old: dict[str, Any], spec: RunSpec, task: Task,
