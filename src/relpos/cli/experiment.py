@@ -52,7 +52,7 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     size.add_argument("--long", action="store_true",
-                      help="agreement (20 seeds) and pysrc (16 seeds) trained until learned, "
+                      help="agreement and pysrc (20 seeds each) trained until learned, "
                            "with learning curves (about 5 hours on 2 CPU cores, 2 jobs; "
                            "--reuse trains only the runs not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")

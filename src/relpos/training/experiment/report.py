@@ -736,11 +736,11 @@ def _wall_time(results: dict[str, Any]) -> str:
 def _invocation_machines(results: dict[str, Any]) -> str:
     """Which CPU trained the runs, invocation by invocation (empty when one invocation
     trained them all)."""
-    steps = [i for i in results.get("invocations", ()) if i.get("trained_runs") != 0]
-    if len(steps) < 2:
+    trained = [i for i in results.get("invocations", ()) if i.get("trained_runs") != 0]
+    if len(trained) < 2:
         return ""
     parts = []
-    for i in steps:
+    for i in trained:
         runs = "" if i.get("trained_runs") is None else f"{i['trained_runs']} run(s), "
         parts.append(f"{i.get('cpu') or 'CPU not recorded'} ({runs}{i['seconds'] / 60:.1f} min)")
     return " The invocations that trained runs, in order: " + "; ".join(parts) + "."
