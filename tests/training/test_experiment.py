@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from relpos.cli import main
-from relpos.training.experiment import ExperimentConfig, claims, make_report, plan, run_experiment
+from relpos.training.experiment import (
+    ExperimentConfig,
+    claims,
+    load_results,
+    make_report,
+    plan,
+    run_experiment,
+)
 
 
 def _tiny(root) -> ExperimentConfig:
@@ -81,7 +88,8 @@ def test_the_long_preset_trains_curves_around_its_budget():
     assert {r.task for r in runs} == {"agree", "pysrc"} and long.jobs == 2
     sweep = [r for r in runs if not r.steps]
     assert {r.seed for r in sweep if r.task == "agree"} == set(range(20))
-    assert {r.seed for r in sweep if r.task == "pysrc"} == set(range(20))
+    assert {r.seed for r in sweep if r.task == "pysrc" and r.model not in (
+        "K=128", "unclipped")} == set(range(20))
     curve = [r for r in runs if r.steps]
     # The curve points below the budget (and pysrc's above it), for the curve K and seeds,
     # both agree depths.
@@ -98,8 +106,13 @@ def test_the_long_preset_trains_curves_around_its_budget():
 
     assert budget(curve[0], long) == 500 == _train_config(curve[0], long).steps
     assert budget(sweep[0], long) == 2000
-    # Sweep runs first, seed by seed (an interrupted sweep has whole seeds).
+    # Sweep runs first, seed by seed (an interrupted sweep has whole seeds), then the
+    # extra seeds of K=128 and unclipped.
     assert runs.index(curve[0]) == len(sweep)
+    extra = [r for r in sweep if r.seed >= 20]
+    assert {(r.model, r.seed) for r in extra} == {
+        (m, s) for m in ("K=128", "unclipped") for s in range(20, 61)}
+    assert sweep[-len(extra):] == extra and long.all_seeds == tuple(range(61))
 
 
 @pytest.mark.parametrize("change, match", [
@@ -109,13 +122,19 @@ def test_the_long_preset_trains_curves_around_its_budget():
     ({"curve_ks": (4, 5)}, "curve_ks must be distinct values of ks"),
     ({"curve_seeds": (50,)}, "curve_seeds must be distinct values of seeds"),
     ({"jobs": 0}, "jobs must be an int >= 1"),
+    ({"code_extra_seeds": (19, 20)}, r"must not repeat the seeds of pysrc, got \[19\]"),
+    ({"code_extra_models": ("K=128", "K=5")},
+     r"distinct models of the pysrc sweep \(K=4, K=8, .*, K=128, unclipped\), got"),
+    ({"code_extra_models": ("learned",)}, "distinct models of the pysrc sweep"),
+    ({"code_extra_models": ()}, "code_extra_seeds and code_extra_models go together"),
+    ({"code_extra_seeds": (70, 70)}, "code_extra_seeds must be distinct"),
 ])
 def test_bad_curve_settings_are_refused(change, match):
     with pytest.raises(ValueError, match=match):
         replace(ExperimentConfig.long(), **change)
 
 
-def test_cli_long_overrides_keep_the_curves_that_fit(monkeypatch, tmp_path):
+def test_cli_long_overrides_keep_the_curves_that_fit(monkeypatch, tmp_path, capsys):
     import relpos.training.experiment as experiment
 
     seen = {}
@@ -137,6 +156,27 @@ def test_cli_long_overrides_keep_the_curves_that_fit(monkeypatch, tmp_path):
     assert main(["experiment", "--long", "--jobs", "1", "--out", str(tmp_path / "p"),
                  "--no-progress"]) == 0
     assert seen["config"].preset == "long" and seen["config"].jobs == 1
+    # The extra seeds keep to the models and seeds the changed sweep has.
+    long = ExperimentConfig.long()
+    for argv, seeds, models in (
+            (["--code-ks", "4,16"], long.code_extra_seeds, ("unclipped",)),
+            (["--code-ks", "4,128"], long.code_extra_seeds, ("K=128", "unclipped")),
+            (["--code-seeds", ",".join(map(str, range(30)))], tuple(range(30, 61)),
+             ("K=128", "unclipped")),
+            (["--code-extra-models", "none"], (), ()),
+            (["--code-extra-models", "unclipped"], long.code_extra_seeds, ("unclipped",)),
+            (["--code-extra-seeds", "90,91"], (90, 91), ("K=128", "unclipped"))):
+        assert main(["experiment", "--long", *argv, "--out", str(tmp_path / "x"),
+                     "--no-progress"]) == 0, argv
+        assert (seen["config"].code_extra_seeds, seen["config"].code_extra_models) == (
+            seeds, models), argv
+    for argv, said in ((["--code-extra-models", "K=5"], "distinct models of the pysrc sweep"),
+                       (["--code-extra-models", "K=x"], "must be comma-separated models"),
+                       (["--code-extra-seeds", "3"], "must not repeat the seeds of pysrc")):
+        capsys.readouterr()
+        assert main(["experiment", "--long", *argv, "--out", str(tmp_path / "y")]) == 2
+        err = capsys.readouterr().err
+        assert said in err and err.strip().count("\n") == 0, err
 
 
 def _curved(tiny: ExperimentConfig, jobs: int) -> ExperimentConfig:
@@ -183,7 +223,7 @@ def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
     out = tmp_path / "e"
     first = run_experiment(config, out, progress=False, log=_quiet)
     n = len(first["runs"])
-    shutil.rmtree(out / "runs")  # runs/ is not committed; results.json is
+    shutil.rmtree(out / "runs")  # runs/ is not committed; results.json.gz is
     said: list[str] = []
     more = run_experiment(replace(config, seeds=(0, 1)), out, progress=True, reuse=True,
                           log=said.append)
@@ -213,16 +253,26 @@ def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
     assert [i["trained_runs"] for i in same["invocations"]] == [n, n, 0]
     # A document from before invocations were recorded: its last invocation's CPU, and
     # the earlier ones as one entry without a CPU.
-    from relpos.training.experiment.run import _earlier_invocations
+    from relpos.training.experiment.run import _earlier_document, _earlier_invocations
 
-    legacy = json.loads((out / "results.json").read_text())
+    legacy = load_results(out)
     del legacy["invocations"]
     legacy.update(sweep_seconds=60.0, earlier_seconds=120.0, trained_runs=3)
-    (out / "results.json").write_text(json.dumps(legacy))
-    assert _earlier_invocations(out) == [
+    (out / "results.json.gz").unlink()
+    (out / "results.json").write_text(json.dumps(legacy))  # as sweeps wrote it before
+    assert _earlier_invocations(_earlier_document(out)) == [
         {"cpu": None, "seconds": 120.0, "trained_runs": None},
         {"cpu": legacy["environment"]["cpu"], "seconds": 60.0, "trained_runs": 3}]
-    (out / "results.json").write_text(json.dumps(same))
+    # A plain results.json of an earlier sweep is extended and replaced by results.json.gz.
+    shutil.rmtree(out / "runs")
+    said.clear()
+    kept = run_experiment(replace(config, seeds=(0, 1)), out, progress=False, reuse=True,
+                          log=said.append)
+    assert kept["trained_runs"] == 0 and kept["reused_runs"] == 2 * n
+    assert not (out / "results.json").exists() and load_results(out) == json.loads(
+        json.dumps(kept))
+    assert f"replaced {out / 'results.json'} of an earlier sweep by " \
+           f"{out / 'results.json.gz'}" in said
     # A saved record trained with other settings is retrained, not reused.
     shutil.rmtree(out / "runs")
     other = run_experiment(replace(config, steps=config.steps + 1), out, progress=False,
@@ -236,10 +286,10 @@ def test_sweep_writes_everything_and_reproduces(tmp_path, tiny):
     assert [r["eval"] for r in a["runs"]] == [r["eval"] for r in b["runs"]]
     assert [r.get("signal") for r in a["runs"]] == [r.get("signal") for r in b["runs"]]
     names = {p.name for p in (tmp_path / "a").iterdir()}
-    assert {"results.json", "report.md", "heatmap_recall.png", "extrapolation_recall.png",
+    assert {"results.json.gz", "report.md", "heatmap_recall.png", "extrapolation_recall.png",
             "heatmap_pysrc.png", "bpc_pysrc.png", "extrapolation_pysrc.png",
             "signal_pysrc.png", "runs"} <= names
-    saved = json.loads((tmp_path / "a" / "results.json").read_text())
+    saved = load_results(tmp_path / "a")
     assert saved["runs"] == json.loads(json.dumps(a["runs"]))
     env = saved["environment"]
     assert env["threads"] == 1 and env["cpu"] and env["isa"] and env["torch"]
@@ -324,7 +374,7 @@ def test_a_used_out_is_refused_reused_or_replaced(tmp_path, tiny):
     config = replace(tiny, tasks=("recall",), seeds=(0,))
     said: list[str] = []
     first = run_experiment(config, out, progress=False, log=said.append)
-    with pytest.raises(ValueError, match=r"already holds an experiment \(results.json, "
+    with pytest.raises(ValueError, match=r"already holds an experiment \(results.json.gz, "
                                          r"report.md, .*3 run files\); reuse=True keeps"):
         run_experiment(config, out, progress=False, log=said.append)
     smaller = replace(config, ks=(4,))
@@ -337,7 +387,7 @@ def test_a_used_out_is_refused_reused_or_replaced(tmp_path, tiny):
     assert said[-1].startswith("removed 1 run file")
     said.clear()
     again = run_experiment(config, out, progress=False, overwrite=True, log=said.append)
-    assert said[0].startswith(f"replaced the experiment in {out}: removed results.json, "
+    assert said[0].startswith(f"replaced the experiment in {out}: removed results.json.gz, "
                               "report.md")
     assert [r["eval"] for r in again["runs"]] == [r["eval"] for r in first["runs"]]
     with pytest.raises(ValueError, match="exclude each other"):
@@ -373,6 +423,35 @@ def test_what_would_settle_an_inconclusive_claim():
     assert "until the subset is learned" in _to_settle(row(None, verdict=NOT_LEARNED))
     assert "K=8 or a larger K" in _to_settle(
         {"verdict": "inconclusive", "reference": "K=64", "enough": 16, "short": 4})
+    # The range claim names what each undecided K between the two would take.
+    gap = Interval(0.017, 0.017 - half / 5, 0.017 + half / 5, n, "seeds")
+    said = _to_settle({"verdict": "inconclusive", "reference": "K=128", "enough": 16,
+                       "short": 4, "undecided": [("K=8", gap)], "threshold": 0.02,
+                       "unit": "bits"})
+    sd = half / 5 * n ** 0.5 / t_quantile(n - 1)
+    need = next(m for m in range(2, 200) if t_quantile(m - 1) * sd / m ** 0.5 < 0.003)
+    assert "K=8 shown either way: half-width 0.008 (within ±0.020)" in said
+    assert f"about {need} seeds" in said
+
+
+def test_the_range_claim_names_the_k_it_waits_on():
+    from relpos.training.experiment.report import _undecided
+    from relpos.training.experiment.stats import Interval
+
+    def iv(mean, half):
+        return Interval(mean, mean - half, mean + half, 5, "seeds")
+
+    gaps = {4: ("K=4", iv(0.05, 0.01)), 8: ("K=8", iv(0.02, 0.01)),
+            16: ("K=16", iv(0.01, 0.02)), 32: ("K=32", iv(0.0, 0.01)),
+            64: ("K=64", iv(0.0, 0.0))}
+    # K=8 decides the claim either way: only it is named.
+    assert [lab for lab, _ in _undecided(gaps, 32, 4, 0.02)] == ["K=8"]
+    # Without an open K=8, every open K between the largest short and the smallest enough.
+    assert [lab for lab, _ in _undecided(gaps, 32, 8, 0.02)] == ["K=16"]
+    assert [lab for lab, _ in _undecided(gaps, None, None, 0.02)] == ["K=8"]
+    gaps[8] = ("K=8", iv(0.05, 0.01))
+    assert [lab for lab, _ in _undecided(gaps, None, 8, 0.02)] == ["K=16"]
+    assert _undecided(gaps, 16, 8, 0.02) == []
 
 
 def test_learning_curves_say_whether_the_budget_plateaued():
@@ -417,6 +496,12 @@ def test_pysrc_can_have_seeds_of_its_own(monkeypatch, tmp_path):
     assert _seed_text(cfg.to_dict()) == "4 seeds (0-3) for recall, agree and 2 (0, 5) for pysrc"
     assert default_command(cfg) == "relpos experiment --seeds 0,1,2,3 --code-seeds 0,5"
     assert default_command(ExperimentConfig.long()) == "relpos experiment --long"
+    assert default_command(replace(ExperimentConfig.long(), code_extra_seeds=(),
+                                   code_extra_models=())) == (
+        "relpos experiment --long --code-extra-models none")
+    assert default_command(replace(cfg, code_extra_seeds=(7,), code_extra_models=(
+        "K=16",))) == ("relpos experiment --seeds 0,1,2,3 --code-seeds 0,5 "
+                       "--code-extra-seeds 7 --code-extra-models K=16")
     import relpos.training.experiment as experiment
 
     seen = {}
@@ -430,3 +515,63 @@ def test_pysrc_can_have_seeds_of_its_own(monkeypatch, tmp_path):
                  str(tmp_path / "b"), "--no-progress"]) == 0
     assert seen["config"].seeds_of("pysrc") == (0, 1, 2)
     assert seen["config"].seeds_of("agree") == ExperimentConfig.long().seeds
+
+
+def test_results_documents_are_read_compressed_or_plain(tmp_path):
+    import gzip
+
+    from relpos.training.experiment.results import results_bytes
+
+    doc = {"format_version": 2, "runs": [{"eval": [{"bpc": 1.5}]}]}
+    data = results_bytes(doc)
+    assert data == results_bytes(dict(doc)) and data[:2] == b"\x1f\x8b"  # no time stamp
+    assert json.loads(gzip.decompress(data)) == doc
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "results.json.gz").write_bytes(data)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps(doc))
+    for where in ("new", "new/results.json.gz", "old", "old/results.json"):
+        assert load_results(tmp_path / where) == doc
+    # Told apart by content: a plain document under the new name is read too.
+    (tmp_path / "plain.gz").write_text(json.dumps(doc))
+    assert load_results(tmp_path / "plain.gz") == doc
+    with pytest.raises(FileNotFoundError, match=r"holds no results document \(results"
+                       r".json.gz or results.json\)"):
+        load_results(tmp_path)
+    (tmp_path / "bad.gz").write_bytes(data[:20])
+    with pytest.raises(ValueError, match=r"bad\.gz' is not a results document"):
+        load_results(tmp_path / "bad.gz")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not an object"):
+        load_results(tmp_path / "list.json")
+
+
+def test_extra_seeds_for_some_pysrc_models(tmp_path, tiny):
+    config = replace(tiny, tasks=("pysrc",), code_seeds=(0, 1), code_extra_seeds=(2, 3),
+                     code_extra_models=("K=2", "unclipped"))
+    runs = plan(config)
+    assert [(r.model, r.seed) for r in runs[-4:]] == [
+        ("K=2", 2), ("unclipped", 2), ("K=2", 3), ("unclipped", 3)]
+    said: list[str] = []
+    results = run_experiment(config, tmp_path / "e", progress=True, log=said.append)
+    assert "(2 seeds, 2 more for K=2, unclipped of pysrc)" in said[0]
+    assert sorted(r["spec"]["seed"] for r in results["runs"]
+                  if r["model_label"] == "unclipped") == [0, 1, 2, 3]
+    report = (tmp_path / "e" / "report.md").read_text()
+    extra = ("(K=2 and unclipped of pysrc: 2 more seeds (2, 3); a comparison pairs the "
+             "seeds both its models have)")
+    assert f"Every number is a mean over 2 seed(s) (0, 1) {extra}" in report
+    assert "K=2 and unclipped are trained with more seeds than the others (K=2 4, " \
+           "unclipped 4 runs)" in report
+    # The 8x comparison pairs all four seeds; without the extras, two.
+    from relpos.training.experiment.report import _signal_summary
+
+    row = next(r for r in _signal_summary(results)[1]
+               if r["claim"].startswith("clipping beats"))
+    assert row["interval"].n == 4 and row["measured"].endswith(" over 4 seeds")
+    fewer = {**results, "runs": [r for r in results["runs"] if r["spec"]["seed"] < 2],
+             "config": {**results["config"], "code_extra_seeds": [],
+                        "code_extra_models": []}}
+    row = next(r for r in _signal_summary(fewer)[1]
+               if r["claim"].startswith("clipping beats"))
+    assert row["interval"].n == 2 and "over" not in row["measured"]

@@ -7,11 +7,11 @@ Examples::
     relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
     relpos experiment --quick         # a small sweep (under 3 minutes)
     relpos experiment --full          # the whole study (about 50 minutes)
-    relpos experiment --long          # agreement and pysrc until learned (about 5 hours)
+    relpos experiment --long          # agreement and pysrc until learned (about 6 hours)
     relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
     relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
-An --out that holds an experiment (results.json, report.md, figures, runs/*.json) is
+An --out that holds an experiment (results.json.gz, report.md, figures, runs/*.json) is
 refused unless --reuse keeps its finished runs (runs with other settings are retrained;
 run files and figures not part of the new sweep are removed afterwards, and said so) or
 --overwrite replaces it (its files are removed first).
@@ -31,7 +31,22 @@ from relpos.cli import CLIError, _args
 TASKS = ("recall", "agree", "pysrc")
 # Options that replace the field of the same name of the preset's ExperimentConfig.
 _CONFIG_OPTIONS = ("seeds", "ks", "depths", "tasks", "steps", "threads", "code_ks",
-                   "code_steps", "corpus_root", "jobs", "code_seeds")
+                   "code_steps", "corpus_root", "jobs", "code_seeds", "code_extra_seeds",
+                   "code_extra_models")
+
+
+def _models(text: str) -> tuple[str, ...]:
+    """argparse type: ``K=128,unclipped`` (pysrc model labels, checked against the sweep's
+    K later), or ``none``."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if names == ("none",):
+        return ()
+    wrong = [n for n in names if n != "unclipped" and not (
+        n.startswith("K=") and n[2:].isdigit())]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated models K=<k> or unclipped, or none, got {text!r}")
+    return names
 
 
 def add_parser(subparsers: Any) -> None:
@@ -43,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
         "character-level LM of the running Python's standard library (pysrc: bits per "
         "character at 1x/4x/8x the training length, closing-bracket accuracy by opener "
         "distance, the training signal per table row); print an up-front time estimate and "
-        "progress; write results.json, figures and a report with 95% intervals to --out. "
+        "progress; write results.json.gz, figures and a report with 95% intervals to --out. "
         "An --out that holds an experiment is refused unless --reuse keeps its finished "
         "runs or --overwrite replaces it.",
     )
@@ -52,9 +67,10 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--full", action="store_true",
                       help="the whole study (about 50 minutes on 2 CPU cores)")
     size.add_argument("--long", action="store_true",
-                      help="agreement and pysrc (20 seeds each) trained until learned, "
-                           "with learning curves (about 5 hours on 2 CPU cores, 2 jobs; "
-                           "--reuse trains only the runs not yet in --out)")
+                      help="agreement and pysrc (20 seeds each; K=128 and unclipped of "
+                           "pysrc 61) trained until learned, with learning curves (about "
+                           "6 hours on 2 CPU cores, 2 jobs; --reuse trains only the runs "
+                           "not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
@@ -62,6 +78,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--code-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
                    help="seeds of pysrc (default: --seeds; --long: 0-19)")
+    p.add_argument("--code-extra-seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
+                   metavar="S,S,...",
+                   help="more pysrc seeds, for the --code-extra-models alone (default none; "
+                        "--long: 20-60)")
+    p.add_argument("--code-extra-models", type=_models, metavar="M,M",
+                   help="the pysrc models the extra seeds train, e.g. K=128,unclipped, or "
+                        "none (--long: K=128,unclipped)")
     p.add_argument("--ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
                    help="clip distances of the synthetic tasks")
     p.add_argument("--code-ks", type=_args.int_list(0, distinct=True), metavar="K,K,...",
@@ -109,6 +132,25 @@ def _curves_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _extras_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
+    """The extra pysrc seeds and models: the preset's, cut to what the changed sweep still
+    has (seeds it does not train every model with, models it has), none if that leaves
+    either empty; a value given on the command line is kept as given (``none`` models: no
+    extra runs)."""
+    new = replace(config, **{k: v for k, v in changes.items()
+                             if k not in ("code_extra_seeds", "code_extra_models")},
+                  code_extra_seeds=(), code_extra_models=())
+    given_seeds, given_models = "code_extra_seeds" in changes, "code_extra_models" in changes
+    seeds = changes["code_extra_seeds"] if given_seeds else tuple(
+        s for s in config.code_extra_seeds if s not in new.seeds_of("pysrc"))
+    models = changes["code_extra_models"] if given_models else tuple(
+        m for m in config.code_extra_models if m in new.code_models)
+    if (given_models and not models) or not (given_seeds or given_models or (
+            seeds and models)):
+        return {"code_extra_seeds": (), "code_extra_models": ()}
+    return {"code_extra_seeds": seeds, "code_extra_models": models}
+
+
 def run(args: argparse.Namespace) -> int:
     out = _args.check_output_dir(args.out)
     _args.check_output_dir(out / "runs", "--out")
@@ -143,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         preset = config.preset if set(changes) == {"jobs"} else "custom"
         changes.update(_curves_within(config, changes))
         try:
+            changes.update(_extras_within(config, changes))
             config = replace(config, **changes, preset=preset)
         except ValueError as err:
             raise CLIError(str(err)) from None

@@ -4,12 +4,12 @@ Trains small causal models with clipped relative positions for a range of K (and
 baselines), several seeds each, on synthetic dependency tasks and on real data that ships
 with every Python (a character-level LM on the standard library's source), evaluates them
 at and beyond the training length, measures the training signal each table row receives,
-and writes ``results.json``, figures and ``report.md``. Every statement in the report is
+and writes ``results.json.gz``, figures and ``report.md``. Every statement in the report is
 computed from the numbers of the run, with 95% intervals; none is written in advance.
 
 Modules:
     :mod:`~relpos.training.experiment.run`: the configuration, the plan of runs, training
-        and evaluating them, ``results.json``.
+        and evaluating them, ``results.json.gz``.
     :mod:`~relpos.training.experiment.corpus`: the Python-source corpus and its task.
     :mod:`~relpos.training.experiment.signal`: per-row pair counts, gradients, movement.
     :mod:`~relpos.training.experiment.stats`: intervals and verdicts.
@@ -27,6 +27,7 @@ from relpos.training.experiment.report import (
     make_report,
     write_report,
 )
+from relpos.training.experiment.results import load_results
 from relpos.training.experiment.run import ExperimentConfig, RunSpec, plan, run_experiment
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "ExperimentConfig",
     "RunSpec",
     "claims",
+    "load_results",
     "make_report",
     "plan",
     "run_experiment",

@@ -2,8 +2,8 @@
 the training-signal measurement and figures.
 
 Every number and statement in ``report.md`` is computed from the results document that
-:func:`relpos.training.experiment.run_experiment` writes (``results.json``); none is written
-in advance. Numbers are means over seeds with 95% intervals
+:func:`relpos.training.experiment.run_experiment` writes (``results.json.gz``); none is
+written in advance. Numbers are means over seeds with 95% intervals
 (:mod:`~relpos.training.experiment.stats`); a verdict is "yes" or "no" only when its
 interval lies on one side of the claim's threshold, "inconclusive" otherwise.
 :func:`make_report` is pure (results in, markdown out); :func:`write_report` also draws the
@@ -173,12 +173,17 @@ NOT_LEARNED = f"inconclusive (not learned: every model's mean below {100 * FLOOR
 
 
 def _enough(groups: dict[str, list[dict]], ref: str,
-            gap: Callable[[str], Interval], margin: float) -> tuple[int | None, int | None]:
+            gap: Callable[[str], Interval], margin: float, *,
+            gaps: dict[int, tuple[str, Interval]] | None = None
+            ) -> tuple[int | None, int | None]:
     """(smallest K shown within ``margin`` of ``ref``, largest K shown worse by more than
-    ``margin``); ``gap(label)`` is ref's advantage over the model ``label``."""
+    ``margin``); ``gap(label)`` is ref's advantage over the model ``label``. ``gaps``, if
+    given, receives every K's (label, gap interval)."""
     enough = short = None
     for k, lab in _rel_labels(groups):
         iv = Interval(0.0, 0.0, 0.0, 1) if lab == ref else gap(lab)
+        if gaps is not None:
+            gaps[k] = (lab, iv)
         if math.isnan(iv.mean):
             continue
         if iv.high < margin and enough is None:
@@ -186,6 +191,18 @@ def _enough(groups: dict[str, list[dict]], ref: str,
         if iv.low > margin:
             short = k
     return enough, short
+
+
+def _undecided(gaps: dict[int, tuple[str, Interval]], enough: int | None,
+               short: int | None, margin: float) -> list[tuple[str, Interval]]:
+    """The K between the largest shown short and the smallest shown enough whose gap to the
+    reference is neither, smallest first. Where K=8 is one of them only it is named: shown
+    enough it makes the claim "no", shown short "yes" when a K in 16-128 is shown enough."""
+    open_ = [(k, lab, iv) for k, (lab, iv) in sorted(gaps.items())
+             if (short is None or k > short) and (enough is None or k < enough)
+             and not math.isnan(iv.mean) and iv.low <= margin <= iv.high]
+    key = [row for row in open_ if 8 <= row[0] < 16]
+    return [(lab, iv) for _, lab, iv in (key or open_)]
 
 
 def _range_verdict(enough: int | None, short: int | None) -> str:
@@ -220,7 +237,7 @@ def claims(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code: bool
                ) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
 
     def row(claim: str, measured: str, verdict: str, interval: Interval | None = None,
             threshold: float = math.nan, kind: str = "", unit: str = "pp") -> None:
@@ -235,19 +252,29 @@ def _claims_of(groups: dict[str, list[dict]], where: str, n: int, ref: str, code
 
     what = "closing-bracket accuracy" if code else "accuracy"
     # 1. Typical K 16-128: the smallest K shown enough, overall.
+    gaps: dict[int, tuple[str, Interval]] = {}
     if code:
+        margin, unit = BPC_SMALL, "bits"
         enough, short = _enough(groups, ref, lambda lab: _bpc_diff(groups, ref, lab, n),
-                                BPC_SMALL)
+                                margin, gaps=gaps)
         basis = f"bits/char at length {n} within {BPC_SMALL:g} of {ref}"
     else:
+        margin, unit = SMALL_PP / 100, "pp"
         enough, short = _enough(groups, ref, lambda lab: _diff(groups, lab, ref,
                                                                lambda r: overall_counts(r, n)),
-                                SMALL_PP / 100)
+                                margin, gaps=gaps)
         basis = f"overall accuracy at length {n} within {SMALL_PP:g} pp of {ref}"
+    verdict = _range_verdict(enough, short)
+    # Where the verdict waits on them, the K shown neither enough nor short, with their gaps.
+    undecided = _undecided(gaps, enough, short, margin) if verdict == "inconclusive" else []
+    shown = "".join(
+        f"; {lab} minus {ref} {_bits(iv, True)}" if code else f"; {ref} minus {lab} {_pp(iv)}"
+        for lab, iv in undecided)
     row("typical K is 16-128 (the K needed lies there)",
         f"{basis}: smallest K shown enough {_kstr(enough, 'none')}, largest K shown not "
-        f"enough {_kstr(short, 'none')}", _range_verdict(enough, short))
-    rows[-1].update(enough=enough, short=short, reference=ref)
+        f"enough {_kstr(short, 'none')}{shown}", verdict)
+    rows[-1].update(enough=enough, short=short, reference=ref, undecided=undecided,
+                    threshold=margin, unit=unit)
     # 2. K=16 suffices for 10-20 token dependencies.
     if "K=16" in groups and ref != "K=16":
         counts = subset(10, 20)
@@ -399,7 +426,8 @@ def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, 
         rows.append({
             "claim": "clipping beats the unclipped table beyond the training length",
             "where": f"{CODE}, length {longest} ({longest // n}x)",
-            "measured": f"bits/char, unclipped minus {ref}: {_bits(gap, True)}",
+            "measured": (f"bits/char, unclipped minus {ref}: {_bits(gap, True)}"
+                         + _over(gap, results["config"])),
             "verdict": verdict_above(gap, BPC_SMALL),
             "interval": gap, "threshold": BPC_SMALL, "kind": "above", "unit": "bits",
         })
@@ -413,7 +441,8 @@ def _signal_summary(results: dict[str, Any]) -> tuple[list[str], list[dict[str, 
                 "claim": "clipping beats the unclipped table beyond the training length",
                 "where": (f"{CODE}, length {longest} ({longest // n}x), against {trained[-1]} "
                           f"(the largest K < L: its clip row is trained)"),
-                "measured": f"bits/char, unclipped minus {trained[-1]}: {_bits(gap, True)}",
+                "measured": (f"bits/char, unclipped minus {trained[-1]}: "
+                             f"{_bits(gap, True)}" + _over(gap, results["config"])),
                 "verdict": verdict_above(gap, BPC_SMALL),
                 "interval": gap, "threshold": BPC_SMALL, "kind": "above", "unit": "bits",
             })
@@ -470,14 +499,23 @@ def _to_settle(row: dict[str, Any]) -> str:
             missing.append(f"a K below {row['reference']} shown within the margin of it")
         if row.get("short") is None or row["short"] < 8:
             missing.append("K=8 or a larger K shown short of it")
-        return ("the gaps to the reference narrowed until there is " + " and ".join(missing)
+        said = ("the gaps to the reference narrowed until there is " + " and ".join(missing)
                 if missing else "the gaps to the reference narrowed")
+        # Each K between the two, shown either way, moves one of them.
+        for lab, gap in row.get("undecided", ()):
+            said += f"; {lab} shown either way: " + _seeds_to_decide(
+                gap, row["threshold"], "above", row.get("unit", "pp"))
+        return said
     if iv is None or math.isnan(iv.mean) or not row.get("kind"):
         return "a narrower interval"
-    unit = row.get("unit", "pp")
+    return _seeds_to_decide(iv, row["threshold"], row["kind"], row.get("unit", "pp"))
+
+
+def _seeds_to_decide(iv: Interval, thr: float, kind: str, unit: str) -> str:
+    """How far ``iv`` is from deciding its claim (``kind`` ``above`` / ``below`` /
+    ``within`` ``thr``): its half-width, and the seeds or positions that would do it."""
     scale, fmt = (100.0, "{:.1f} pp") if unit == "pp" else (1.0, "{:.3f}")
-    thr = row["threshold"]
-    dist = abs(abs(iv.mean) - thr) if row["kind"] == "within" else abs(iv.mean - thr)
+    dist = abs(abs(iv.mean) - thr) if kind == "within" else abs(iv.mean - thr)
     narrow = NARROW_PP / 100 if unit == "pp" else BPC_SMALL
     said = f"half-width {fmt.format(iv.half * scale)}"
     if unit in ("pp", "bits"):
@@ -507,15 +545,46 @@ def _span(seeds: Sequence[int]) -> str:
 
 
 def _seed_text(cfg: dict[str, Any]) -> str:
-    """``3 seeds (0, 1, 2)``, or per task when ``pysrc`` has seeds of its own."""
+    """``3 seeds (0, 1, 2)``, or per task when ``pysrc`` has seeds of its own (and its
+    models with extra seeds)."""
     seeds = list(cfg.get("seeds", [cfg.get("seed", 0)]))
     code = cfg.get("code_seeds")
     tasks = list(cfg.get("tasks", []))
-    if code is None or list(code) == seeds or CODE not in tasks:
-        return f"{len(seeds)} seed(s) ({_span(seeds)})"
-    others = [t for t in tasks if t != CODE]
-    return (f"{len(seeds)} seeds ({_span(seeds)}) for {', '.join(others)} and {len(code)} "
-            f"({_span(code)}) for {CODE}")
+    if CODE in tasks and tasks != [CODE] and code is not None and list(code) != seeds:
+        others = [t for t in tasks if t != CODE]
+        said = (f"{len(seeds)} seeds ({_span(seeds)}) for {', '.join(others)} and "
+                f"{len(code)} ({_span(code)}) for {CODE}")
+    else:
+        shown = list(code) if tasks == [CODE] and code is not None else seeds
+        said = f"{len(shown)} seed(s) ({_span(shown)})"
+    return said + _extra_seed_text(cfg)
+
+
+def _extra_seed_text(cfg: dict[str, Any]) -> str:
+    """`` (K=128 and unclipped of pysrc: 41 more seeds (20-60); ...)``, or nothing."""
+    extra, models = cfg.get("code_extra_seeds") or [], cfg.get("code_extra_models") or []
+    if not extra or not models or CODE not in cfg.get("tasks", []):
+        return ""
+    return (f" ({' and '.join(models)} of {CODE}: {len(extra)} more seeds ({_span(extra)}); "
+            "a comparison pairs the seeds both its models have)")
+
+
+def _over(iv: Interval, cfg: dict[str, Any]) -> str:
+    """`` over 61 seeds`` where some ``pysrc`` models have extra seeds (a comparison's count
+    then depends on its models), else nothing."""
+    return f" over {iv.n} seeds" if _extra_seed_text(cfg) else ""
+
+
+def _extra_models_note(cfg: dict[str, Any], groups: dict[str, list[dict]]) -> str:
+    """The sentence on the ``pysrc`` models trained with extra seeds (their rows below are
+    means over all of their seeds)."""
+    models = [m for m in cfg.get("code_extra_models") or [] if m in groups]
+    if not cfg.get("code_extra_seeds") or not models:
+        return ""
+    counts = ", ".join(f"{m} {len(groups[m])}" for m in models)
+    return (f" {' and '.join(models)} are trained with more seeds than the others "
+            f"({counts} runs): their rows are means over all of them, and a comparison "
+            "pairs the seeds both of its models have.")
 
 
 def _claims_section(rows: list[dict[str, Any]], seeds: str) -> list[str]:
@@ -810,7 +879,8 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
                 f"{cfg['code_batch_size']} windows of {n} characters (lr {cfg['code_lr']:g}); "
                 f"evaluated on about {cfg['code_eval_tokens']:,} validation characters per "
                 "length. `unclipped` has K = longest evaluation length - 1: no offset it meets "
-                "is clipped, and its rows for d >= the training length are never trained.",
+                "is clipped, and its rows for d >= the training length are never trained."
+                + _extra_models_note(cfg, groups),
                 "",
                 "### Validation bits per character (overall: every character)",
                 "",

@@ -1,4 +1,5 @@
-"""Reading the results document of the K sweep (``results.json``).
+"""Reading the results document of the K sweep (``results.json.gz``: gzip-compressed JSON;
+sweeps before it wrote plain ``results.json``, which :func:`load_results` reads as well).
 
 Runs are grouped into *configurations* (task, depth, model label), each with one run per
 seed; the helpers return, per seed, ``(hits, count)`` for accuracies and
@@ -8,8 +9,13 @@ turns into means and intervals. The report and the figures read the results thro
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
+import os
+import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from relpos.training.experiment.stats import Interval, accuracy_interval, mean_interval
@@ -31,6 +37,7 @@ __all__ = [
     "eval_at",
     "is_curve_run",
     "label_of",
+    "load_results",
     "overall_counts",
     "pooled_counts",
     "runs_of",
@@ -52,6 +59,56 @@ AGREE_LONG = 5
 #: A metric "plateaued" when every curve seed moved less than this over the last doubling
 #: of the budget (pp of accuracy; bits per character: BPC_SMALL).
 PLATEAU_PP = 2.0
+
+
+#: The results document in an experiment's directory, and the name sweeps wrote it under
+#: before it was compressed (read, never written).
+RESULTS_FILE = "results.json.gz"
+LEGACY_RESULTS_FILE = "results.json"
+
+
+def results_path(out_dir: str | os.PathLike[str]) -> Path | None:
+    """The results document of the experiment in ``out_dir`` (``results.json.gz``, else a
+    plain ``results.json``), or None if it holds neither."""
+    for name in (RESULTS_FILE, LEGACY_RESULTS_FILE):
+        if (Path(out_dir) / name).is_file():
+            return Path(out_dir) / name
+    return None
+
+
+def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The results document at ``path``: an experiment's directory, its ``results.json.gz``
+    or a plain ``results.json`` (told apart by content, not by name).
+
+    Raises:
+        FileNotFoundError: if ``path`` is a directory without a results document.
+        ValueError: if the file is not a (gzip-compressed) JSON object.
+    """
+    where = Path(path)
+    if where.is_dir():
+        found = results_path(where)
+        if found is None:
+            raise FileNotFoundError(
+                f"{str(where)!r} holds no results document ({RESULTS_FILE} or "
+                f"{LEGACY_RESULTS_FILE})")
+        where = found
+    data = where.read_bytes()
+    try:
+        if data[:2] == b"\x1f\x8b":
+            data = gzip.decompress(data)
+        document = json.loads(data)
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{str(where)!r} is not a results document: {e}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{str(where)!r} is not a results document: it holds a JSON "
+                         f"{type(document).__name__}, not an object")
+    return document
+
+
+def results_bytes(document: dict[str, Any]) -> bytes:
+    """``document`` as the bytes of ``results.json.gz``: one line of JSON, gzip-compressed
+    with no time stamp (the same document gives the same bytes)."""
+    return gzip.compress((json.dumps(document) + "\n").encode(), compresslevel=9, mtime=0)
 
 
 def label_of(run: dict[str, Any]) -> str:

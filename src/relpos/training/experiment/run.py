@@ -1,4 +1,4 @@
-"""Running the K sweep: its configuration, the runs it trains, and ``results.json``.
+"""Running the K sweep: its configuration, the runs it trains, and ``results.json.gz``.
 
 :func:`run_experiment` trains one small causal model per (task, position scheme, depth,
 seed) of :func:`plan`: the synthetic tasks (``recall``, ``agree``) evaluated by accuracy per
@@ -7,8 +7,8 @@ standard library's Python source (``pysrc``, :mod:`~relpos.training.experiment.c
 evaluated by bits per character at 1x, 4x and 8x the training length and by closing-bracket
 accuracy per opener distance. For the relative models of ``pysrc`` it also records the
 training signal of every table row (:mod:`~relpos.training.experiment.signal`). It writes
-``runs/<name>.json`` per run and ``results.json`` (with the machine: CPU model, ISA, torch,
-threads), then the figures and ``report.md``.
+``runs/<name>.json`` per run and ``results.json.gz`` (gzip-compressed JSON, with the
+machine: CPU model, ISA, torch, threads), then the figures and ``report.md``.
 
 An output directory that already holds an experiment is refused unless its finished runs
 are to be reused (``reuse``: runs with other settings are retrained, files that are not
@@ -31,12 +31,20 @@ from typing import Any
 
 import torch
 
-from relpos._io import atomic_write_text
+from relpos._io import atomic_write_bytes, atomic_write_text
 from relpos.tasks import Task, build_task
 from relpos.training.checkpoint import atomic_write_json
 from relpos.training.experiment.figures import write_figures
 from relpos.training.experiment.report import make_report
-from relpos.training.experiment.results import BUCKETS, SEED_RANGE
+from relpos.training.experiment.results import (
+    BUCKETS,
+    LEGACY_RESULTS_FILE,
+    RESULTS_FILE,
+    SEED_RANGE,
+    load_results,
+    results_bytes,
+    results_path,
+)
 from relpos.training.trainer import TrainConfig, train
 
 __all__ = [
@@ -51,7 +59,6 @@ __all__ = [
     "run_experiment",
 ]
 
-RESULTS_FILE = "results.json"
 REPORT_FILE = "report.md"
 RUNS_DIR = "runs"
 FORMAT_VERSION = 2
@@ -104,6 +111,11 @@ class ExperimentConfig:
     #: Seeds of ``pysrc`` (None: ``seeds``), so a task whose seeds disagree more can have
     #: more of them.
     code_seeds: tuple[int, ...] | None = None
+    #: More seeds for some ``pysrc`` models alone (``code_extra_models``: ``K=<k>`` of
+    #: ``code_ks``, ``unclipped``): a comparison whose seeds spread widely gets them
+    #: without every K trained again. Comparisons pair the seeds both models have.
+    code_extra_seeds: tuple[int, ...] = ()
+    code_extra_models: tuple[str, ...] = ()
     corpus_root: str | None = None
     threads: int = 1
     #: Runs trained at once, each in its own process with ``threads`` threads (the numbers
@@ -124,7 +136,8 @@ class ExperimentConfig:
     def __post_init__(self) -> None:
         for name in ("tasks", "ks", "depths", "baselines", "seeds", "eval_lengths", "code_ks",
                      "code_baselines", "code_eval_factors", "curve_steps", "code_curve_steps",
-                     "curve_ks", "code_curve_ks", "curve_seeds"):
+                     "curve_ks", "code_curve_ks", "curve_seeds", "code_extra_seeds",
+                     "code_extra_models"):
             setattr(self, name, tuple(getattr(self, name)))
         unknown = [t for t in self.tasks if t not in (*SYNTHETIC_TASKS, CODE_TASK)]
         if unknown or not self.tasks:
@@ -132,15 +145,16 @@ class ExperimentConfig:
                              f"{', '.join((*SYNTHETIC_TASKS, CODE_TASK))}")
         if self.code_seeds is not None:
             self.code_seeds = tuple(self.code_seeds)
-        for name in ("seeds", "code_seeds"):
+        for name in ("seeds", "code_seeds", "code_extra_seeds"):
             seeds = getattr(self, name)
-            if seeds is None:
+            if seeds is None or (name == "code_extra_seeds" and not seeds):
                 continue
             if not seeds or len(set(seeds)) != len(seeds):
                 raise ValueError(f"{name} must be distinct and at least one, got {list(seeds)}")
             if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= 2**64 - 1
                    for s in seeds):
                 raise ValueError(f"{name} must be ints in 0..2**64 - 1, got {list(seeds)}")
+        self._check_extra_seeds()
         for name in ("tasks", "ks", "depths", "baselines", "code_ks", "code_baselines"):
             values = list(getattr(self, name))
             if len(set(values)) != len(values):  # each would train and report twice
@@ -170,6 +184,26 @@ class ExperimentConfig:
                                  f"budget's point is the sweep's own run), got "
                                  f"{list(getattr(self, name))}")
 
+    def _check_extra_seeds(self) -> None:
+        repeated = [s for s in self.code_extra_seeds if s in self.seeds_of(CODE_TASK)]
+        if repeated:
+            raise ValueError(f"code_extra_seeds must not repeat the seeds of {CODE_TASK}, got "
+                             f"{repeated} in both")
+        models = self.code_models
+        wrong = [m for m in self.code_extra_models if m not in models]
+        if wrong or len(set(self.code_extra_models)) != len(self.code_extra_models):
+            raise ValueError(f"code_extra_models must be distinct models of the {CODE_TASK} "
+                             f"sweep ({', '.join(models)}), got {list(self.code_extra_models)}")
+        if bool(self.code_extra_seeds) != bool(self.code_extra_models):
+            raise ValueError(
+                "code_extra_seeds and code_extra_models go together: got "
+                f"{list(self.code_extra_seeds)} and {list(self.code_extra_models)}")
+
+    @property
+    def code_models(self) -> tuple[str, ...]:
+        """The labels of the relative ``pysrc`` models: ``K=<k>`` and ``unclipped``."""
+        return (*(f"K={k}" for k in self.code_ks), *(("unclipped",) * self.code_unclipped))
+
     @classmethod
     def full(cls) -> ExperimentConfig:
         """The whole study (about 50 minutes on 2 CPU cores)."""
@@ -188,8 +222,12 @@ class ExperimentConfig:
     def long(cls) -> ExperimentConfig:
         """The long study: agreement and ``pysrc`` (20 seeds each) trained until learned,
         large evaluations, and the learning curves the budget was chosen from (the curve K
-        at 1/4 and 1/2 of it, and ``pysrc`` at twice it), two jobs; about 5 hours on 2 CPU
-        cores (``reuse`` extends a finished sweep by its new runs alone)."""
+        at 1/4 and 1/2 of it, and ``pysrc`` at twice it), two jobs; about 6 hours on 2 CPU
+        cores (``reuse`` extends a finished sweep by its new runs alone).
+
+        ``pysrc``'s K=128 and unclipped models get 41 more seeds (61 in all): beyond the
+        training length both put every far offset on table rows no training pair reached,
+        and at 8x it their seeds differ by about 0.16 bits per character."""
         return cls(
             tasks=("agree", CODE_TASK),
             ks=(4, 8, 16, 32, 64),
@@ -203,6 +241,8 @@ class ExperimentConfig:
             code_steps=2000,
             code_eval_tokens=131072,
             code_seeds=tuple(range(20)),
+            code_extra_seeds=tuple(range(20, 61)),
+            code_extra_models=("K=128", "unclipped"),
             curve_steps=(500, 1000),
             code_curve_steps=(500, 1000, 4000),
             curve_ks=(4, 16, 64),
@@ -245,9 +285,19 @@ class ExperimentConfig:
         return (self.code_seeds or self.seeds) if task == CODE_TASK else self.seeds
 
     @property
+    def main_seeds(self) -> tuple[int, ...]:
+        """The seeds every model of some task is trained with, in order (``seeds``, then the
+        other ``code_seeds``)."""
+        used = {s for task in self.tasks for s in self.seeds_of(task)}
+        order = (*self.seeds, *(s for s in self.code_seeds or () if s not in self.seeds))
+        return tuple(s for s in order if s in used)
+
+    @property
     def all_seeds(self) -> tuple[int, ...]:
-        """Every seed of the sweep, in order (``seeds``, then the other ``code_seeds``)."""
-        return (*self.seeds, *(s for s in self.code_seeds or () if s not in self.seeds))
+        """Every seed of the sweep: :attr:`main_seeds`, then ``code_extra_seeds`` (where
+        ``pysrc`` is one of the tasks)."""
+        extra = self.code_extra_seeds if CODE_TASK in self.tasks else ()
+        return (*self.main_seeds, *extra)
 
     @property
     def code_eval_lengths(self) -> tuple[int, ...]:
@@ -289,21 +339,21 @@ class RunSpec:
 def plan(config: ExperimentConfig) -> list[RunSpec]:
     """The runs of the sweep, seed by seed (an interrupted sweep has whole seeds), then the
     learning-curve runs at the other budgets."""
-    runs = []
-    for seed in config.all_seeds:
+    runs: list[RunSpec] = []
+    for seed in config.main_seeds:
         for task in config.tasks:
             if seed not in config.seeds_of(task):
                 continue
             if task == CODE_TASK:
-                d = config.code_depth
-                runs += [RunSpec(task, "relative", k, d, seed) for k in config.code_ks]
-                if config.code_unclipped:
-                    runs.append(RunSpec(task, "relative", config.unclipped_k, d, seed, True))
-                runs += [RunSpec(task, b, 0, d, seed) for b in config.code_baselines]
+                runs += _code_runs(config, seed)
                 continue
             for depth in config.depths:
                 runs += [RunSpec(task, "relative", k, depth, seed) for k in config.ks]
                 runs += [RunSpec(task, b, 0, depth, seed) for b in config.baselines]
+    if CODE_TASK in config.tasks:
+        for seed in config.code_extra_seeds:
+            runs += [spec for spec in _code_runs(config, seed)
+                     if spec.model in config.code_extra_models]
     for task in config.tasks:
         code = task == CODE_TASK
         budgets = config.code_curve_steps if code else config.curve_steps
@@ -313,6 +363,15 @@ def plan(config: ExperimentConfig) -> list[RunSpec]:
                  for steps in budgets for depth in depths for k in ks
                  for seed in config.curve_seeds]
     return runs
+
+
+def _code_runs(config: ExperimentConfig, seed: int) -> list[RunSpec]:
+    """Every ``pysrc`` model of the sweep at ``seed``."""
+    d = config.code_depth
+    runs = [RunSpec(CODE_TASK, "relative", k, d, seed) for k in config.code_ks]
+    if config.code_unclipped:
+        runs.append(RunSpec(CODE_TASK, "relative", config.unclipped_k, d, seed, True))
+    return runs + [RunSpec(CODE_TASK, b, 0, d, seed) for b in config.code_baselines]
 
 
 def budget(spec: RunSpec, config: ExperimentConfig) -> int:
@@ -480,12 +539,14 @@ def environment(threads: int) -> dict[str, Any]:
 
 
 def experiment_files(out_dir: str | Path) -> list[Path]:
-    """The files of an experiment in ``out_dir``: ``results.json``, ``report.md``, the
-    figures and ``runs/*.json``, those present."""
+    """The files of an experiment in ``out_dir``: ``results.json.gz`` (or an earlier
+    sweep's ``results.json``), ``report.md``, the figures and ``runs/*.json``, those
+    present."""
     out = Path(out_dir)
     if not out.is_dir():
         return []
-    found = [out / name for name in (RESULTS_FILE, REPORT_FILE) if (out / name).is_file()]
+    found = [out / name for name in (RESULTS_FILE, LEGACY_RESULTS_FILE, REPORT_FILE)
+             if (out / name).is_file()]
     for pattern in FIGURE_PATTERNS:
         found += sorted(p for p in out.glob(pattern) if p.is_file())
     if (out / RUNS_DIR).is_dir():
@@ -494,7 +555,8 @@ def experiment_files(out_dir: str | Path) -> list[Path]:
 
 
 def describe(files: list[Path], out: Path) -> str:
-    """``results.json, report.md, 2 figures, 12 run files`` for :func:`experiment_files`."""
+    """``results.json.gz, report.md, 2 figures, 12 run files`` for
+    :func:`experiment_files`."""
     names = [p.name for p in files if p.parent == out and not p.name.endswith(".png")]
     figures = sum(1 for p in files if p.parent == out and p.name.endswith(".png"))
     runs = sum(1 for p in files if p.parent != out)
@@ -594,18 +656,20 @@ def run_experiment(
 
     Args:
         config: the sweep.
-        out_dir: output directory (``results.json``, ``report.md``, ``*.png``, ``runs/``).
+        out_dir: output directory (``results.json.gz``, ``report.md``, ``*.png``,
+            ``runs/``).
         progress: show a progress bar over the sweep (and print the time estimate).
         reuse: keep finished runs with the same settings found in ``out_dir/runs`` or,
-            where a run's file is missing, in ``out_dir/results.json`` (others are
-            retrained); after the sweep, remove the run files and figures of
-            ``out_dir`` that are not part of it.
+            where a run's file is missing, in the results document of ``out_dir``
+            (others are retrained); after the sweep, remove the run files and figures of
+            ``out_dir`` that are not part of it (and a plain ``results.json`` of an
+            earlier sweep, which ``results.json.gz`` replaces).
         overwrite: remove the files of an experiment already in ``out_dir`` first.
         log: where to print the estimate, the report and what was removed (None = stdout).
         command: the command line to record in the report (None = derived from ``config``).
 
     Returns:
-        The results document (also in ``results.json``).
+        The results document (also in ``results.json.gz``).
 
     Raises:
         ValueError: if ``out_dir`` already holds an experiment and neither ``reuse`` nor
@@ -645,9 +709,10 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     reused = retrained = 0
     records: list[dict[str, Any] | None] = [None] * len(specs)
     todo = []
-    # ``runs/`` is not committed: a sweep cloned with its results.json alone is extended
-    # from the run records in that file (each written back to ``runs/``).
-    saved = _saved_runs(out) if reuse else {}
+    # ``runs/`` is not committed: a sweep cloned with its results document alone is
+    # extended from the run records in it (each written back to ``runs/``).
+    before = _earlier_document(out) if reuse else None
+    saved = _saved_runs(before)
     for number, spec in enumerate(specs):
         task = tasks[spec.task]
         path = out / RUNS_DIR / f"{spec.name}.json"
@@ -658,11 +723,13 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
                     old = json.loads(path.read_text())
                 except (OSError, ValueError):
                     old = None
-            if not isinstance(old, dict) or not _same_settings(old, spec, task, config):
+            same = isinstance(old, dict) and _same_settings(old, spec, task, config)
+            if not same:
                 old = saved.get(spec.name)
-                if isinstance(old, dict) and _same_settings(old, spec, task, config):
+                same = isinstance(old, dict) and _same_settings(old, spec, task, config)
+                if same:
                     atomic_write_json(path, old)
-            if isinstance(old, dict) and _same_settings(old, spec, task, config):
+            if same:
                 records[number] = old
                 reused += 1
                 continue
@@ -682,9 +749,12 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
             # Runs share out over the jobs; none finishes before its own longest run.
             estimate = unit * max(sum(left) / jobs, max(left))
         curves = sum(1 for s in specs if s.steps)
+        extra = config.code_extra_seeds if CODE_TASK in config.tasks else ()
         say(f"relpos experiment ({config.preset}): {len(specs)} runs "
-            f"({len(config.all_seeds)} seeds" + (f", {curves} of them learning-curve runs"
-                                             if curves else "") + ")"
+            f"({len(config.main_seeds)} seeds"
+            + (f", {len(extra)} more for {', '.join(config.code_extra_models)} of "
+               f"{CODE_TASK}" if extra else "")
+            + (f", {curves} of them learning-curve runs" if curves else "") + ")"
             + (f", {reused} of them reused" if reused else "")
             + f"; {len(todo)} to train, estimated {estimate / 60:.0f} min with "
             + (f"{config.jobs} jobs of " if config.jobs > 1 else "")
@@ -713,9 +783,9 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
             bar.close()
     runs = [r for r in records if r is not None]
     elapsed = time.perf_counter() - started
-    earlier = _earlier_seconds(out) if reused else 0.0
+    earlier = _earlier_seconds(before) if reused else 0.0
     env = environment(config.threads)
-    invocations = [*(_earlier_invocations(out) if reused else []),
+    invocations = [*(_earlier_invocations(before) if reused else []),
                    {"cpu": env["cpu"], "seconds": elapsed, "trained_runs": len(todo)}]
     results: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -733,8 +803,9 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     }
     if CODE_TASK in tasks:
         results["corpus"] = tasks[CODE_TASK].corpus.describe()  # type: ignore[attr-defined]
-    # One line, no indentation: the full study's document stays well under 1 MB.
-    atomic_write_text(out / RESULTS_FILE, json.dumps(results) + "\n")
+    # Compressed: the long study's per-sequence bits per character alone are over 1 MB of
+    # JSON (about a fifth of that compressed).
+    atomic_write_bytes(out / RESULTS_FILE, results_bytes(results))
     figures = write_figures(results, out)
     report = make_report(results, figures=[f.name for f in figures])
     atomic_write_text(out / REPORT_FILE, report)
@@ -746,7 +817,11 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         wanted = {out / RUNS_DIR / f"{spec.name}.json" for spec in specs}
         wanted |= set(figures)
         stale = [p for p in experiment_files(out) if p.suffix != ".md" and p not in wanted
-                 and p.name != RESULTS_FILE]
+                 and p.name not in (RESULTS_FILE, LEGACY_RESULTS_FILE)]
+        if (out / LEGACY_RESULTS_FILE).is_file():
+            (out / LEGACY_RESULTS_FILE).unlink()
+            say(f"replaced {out / LEGACY_RESULTS_FILE} of an earlier sweep by "
+                f"{out / RESULTS_FILE}")
         for path in stale:
             path.unlink()
         if stale:
@@ -756,14 +831,20 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     return results
 
 
-def _saved_runs(out: Path) -> dict[str, dict[str, Any]]:
-    """The run records of ``out/results.json`` by run name (empty if there is none or it
-    cannot be read)."""
+def _earlier_document(out: Path) -> dict[str, Any] | None:
+    """The results document an earlier sweep left in ``out`` (None if there is none or it
+    cannot be read: its runs are then trained again)."""
+    if results_path(out) is None:
+        return None
     try:
-        old = json.loads((out / RESULTS_FILE).read_text())
-        runs = old["runs"] if isinstance(old, dict) else []
-    except (OSError, ValueError, KeyError):
-        return {}
+        return load_results(out)
+    except (OSError, ValueError):
+        return None
+
+
+def _saved_runs(old: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The run records of an earlier results document by run name (empty if none)."""
+    runs = (old or {}).get("runs", [])
     known = {f.name for f in fields(RunSpec)}
     saved = {}
     for record in runs if isinstance(runs, list) else []:
@@ -775,29 +856,31 @@ def _saved_runs(out: Path) -> dict[str, dict[str, Any]]:
     return saved
 
 
-def _earlier_seconds(out: Path) -> float:
-    """The wall time of the invocations whose runs this one reuses (from the
-    ``results.json`` they left; 0 if there is none)."""
+def _earlier_seconds(old: dict[str, Any] | None) -> float:
+    """The wall time of the invocations whose runs this one reuses (from the results
+    document they left; 0 if there is none)."""
     try:
-        old = json.loads((out / RESULTS_FILE).read_text())
+        old = old or {}
         return float(old.get("sweep_seconds", 0.0)) + float(old.get("earlier_seconds", 0.0))
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError):
         return 0.0
 
 
-def _earlier_invocations(out: Path) -> list[dict[str, Any]]:
+def _earlier_invocations(old: dict[str, Any] | None) -> list[dict[str, Any]]:
     """The CPU, wall time and runs trained of each invocation whose runs this one reuses
-    (from ``out/results.json``). A document from before they were recorded names the CPU
-    of its last invocation only; the earlier ones come back as one entry with no CPU."""
+    (from the results document they left). A document from before they were recorded names
+    the CPU of its last invocation only; the earlier ones come back as one entry with no
+    CPU."""
+    if old is None:
+        return []
     try:
-        old = json.loads((out / RESULTS_FILE).read_text())
         if isinstance(old.get("invocations"), list):
             return [dict(i) for i in old["invocations"] if isinstance(i, dict)]
         before = float(old.get("earlier_seconds", 0.0))
         last = {"cpu": old.get("environment", {}).get("cpu"),
                 "seconds": float(old.get("sweep_seconds", 0.0)),
                 "trained_runs": old.get("trained_runs", len(old.get("runs", ())))}
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError):
         return []
     return ([{"cpu": None, "seconds": before, "trained_runs": None}] if before else []) + [last]
 
@@ -900,6 +983,10 @@ def default_command(config: ExperimentConfig) -> str:
         seeds = f" --seeds {','.join(map(str, config.seeds))}"
     if config.code_seeds is not None and config.code_seeds != preset.code_seeds:
         seeds += f" --code-seeds {','.join(map(str, config.code_seeds))}"
+    if config.code_extra_seeds and config.code_extra_seeds != preset.code_extra_seeds:
+        seeds += f" --code-extra-seeds {','.join(map(str, config.code_extra_seeds))}"
+    if config.code_extra_models != preset.code_extra_models:
+        seeds += f" --code-extra-models {','.join(config.code_extra_models) or 'none'}"
     return f"relpos experiment{flag}{seeds}"
 
 
