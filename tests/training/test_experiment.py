@@ -554,7 +554,7 @@ def test_extra_seeds_for_some_pysrc_models(tmp_path, tiny):
         ("K=2", 2), ("unclipped", 2), ("K=2", 3), ("unclipped", 3)]
     said: list[str] = []
     results = run_experiment(config, tmp_path / "e", progress=True, log=said.append)
-    assert "(2 seeds, 2 more for K=2, unclipped of pysrc)" in said[0]
+    assert "(2 seeds and 2 more for K=2 and unclipped of pysrc)" in said[0]
     assert sorted(r["spec"]["seed"] for r in results["runs"]
                   if r["model_label"] == "unclipped") == [0, 1, 2, 3]
     report = (tmp_path / "e" / "report.md").read_text()

@@ -752,9 +752,9 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         extra = config.code_extra_seeds if CODE_TASK in config.tasks else ()
         say(f"relpos experiment ({config.preset}): {len(specs)} runs "
             f"({len(config.main_seeds)} seeds"
-            + (f", {len(extra)} more for {', '.join(config.code_extra_models)} of "
+            + (f" and {len(extra)} more for {' and '.join(config.code_extra_models)} of "
                f"{CODE_TASK}" if extra else "")
-            + (f", {curves} of them learning-curve runs" if curves else "") + ")"
+            + (f"; {curves} of them learning-curve runs" if curves else "") + ")"
             + (f", {reused} of them reused" if reused else "")
             + f"; {len(todo)} to train, estimated {estimate / 60:.0f} min with "
             + (f"{config.jobs} jobs of " if config.jobs > 1 else "")
