@@ -273,6 +273,11 @@ def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
         json.dumps(kept))
     assert f"replaced {out / 'results.json'} of an earlier sweep by " \
            f"{out / 'results.json.gz'}" in said
+    # Beside a results.json.gz, a plain results.json is not read, so it is not removed.
+    (out / "results.json").write_text(json.dumps(legacy))
+    run_experiment(replace(config, seeds=(0, 1)), out, progress=False, reuse=True, log=_quiet)
+    assert json.loads((out / "results.json").read_text()) == legacy
+    (out / "results.json").unlink()
     # A saved record trained with other settings is retrained, not reused.
     shutil.rmtree(out / "runs")
     other = run_experiment(replace(config, steps=config.steps + 1), out, progress=False,

@@ -145,9 +145,12 @@ def _extras_within(config: Any, changes: dict[str, Any]) -> dict[str, Any]:
         s for s in config.code_extra_seeds if s not in new.seeds_of("pysrc"))
     models = changes["code_extra_models"] if given_models else tuple(
         m for m in config.code_extra_models if m in new.code_models)
-    if (given_models and not models) or not (given_seeds or given_models or (
-            seeds and models)):
-        return {"code_extra_seeds": (), "code_extra_models": ()}
+    none = {"code_extra_seeds": (), "code_extra_models": ()}
+    if given_models and not models:  # --code-extra-models none
+        return none
+    if not (given_seeds or given_models) and not (seeds and models):
+        return none  # the preset's, cut to nothing
+    # Given ones as given: a lone --code-extra-seeds without models is refused by the config.
     return {"code_extra_seeds": seeds, "code_extra_models": models}
 
 

@@ -712,6 +712,8 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     # ``runs/`` is not committed: a sweep cloned with its results document alone is
     # extended from the run records in it (each written back to ``runs/``).
     before = _earlier_document(out) if reuse else None
+    # A plain results.json is replaced by results.json.gz only if it was the one read.
+    legacy = reuse and results_path(out) == out / LEGACY_RESULTS_FILE
     saved = _saved_runs(before)
     for number, spec in enumerate(specs):
         task = tasks[spec.task]
@@ -818,7 +820,7 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         wanted |= set(figures)
         stale = [p for p in experiment_files(out) if p.suffix != ".md" and p not in wanted
                  and p.name not in (RESULTS_FILE, LEGACY_RESULTS_FILE)]
-        if (out / LEGACY_RESULTS_FILE).is_file():
+        if legacy and (out / LEGACY_RESULTS_FILE).is_file():
             (out / LEGACY_RESULTS_FILE).unlink()
             say(f"replaced {out / LEGACY_RESULTS_FILE} of an earlier sweep by "
                 f"{out / RESULTS_FILE}")
