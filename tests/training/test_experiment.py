@@ -97,7 +97,7 @@ def test_the_long_preset_trains_curves_around_its_budget():
         *(("agree", d, k, s, b) for d in (1, 2) for k in (4, 16, 64) for s in (0, 1)
           for b in (500, 1000)),
         *(("pysrc", 2, k, s, b) for k in (4, 16, 128) for s in (0, 1)
-          for b in (500, 1000, 4000))}
+          for b in (500, 1000, 4000, 8000))}
     # The budget's own point of each curve is a run of the sweep itself.
     assert {(r.task, r.depth, r.k, r.seed) for r in curve} <= {
         (r.task, r.depth, r.k, r.seed) for r in sweep}
@@ -149,10 +149,10 @@ def test_cli_long_overrides_keep_the_curves_that_fit(monkeypatch, tmp_path, caps
     cfg = seen["config"]
     assert cfg.preset == "custom" and cfg.curve_seeds == (1,) and cfg.curve_ks == (4,)
     # The budget that became the sweep's own is dropped; one above it is kept (a probe).
-    assert cfg.curve_steps == (500,) and cfg.code_curve_steps == (500, 1000, 4000)
+    assert cfg.curve_steps == (500,) and cfg.code_curve_steps == (500, 1000, 4000, 8000)
     assert main(["experiment", "--long", "--code-steps", "1000", "--out", str(tmp_path / "q"),
                  "--no-progress"]) == 0
-    assert seen["config"].code_curve_steps == (500, 4000)
+    assert seen["config"].code_curve_steps == (500, 4000, 8000)
     assert main(["experiment", "--long", "--jobs", "1", "--out", str(tmp_path / "p"),
                  "--no-progress"]) == 0
     assert seen["config"].preset == "long" and seen["config"].jobs == 1

@@ -7,7 +7,7 @@ Examples::
     relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
     relpos experiment --quick         # a small sweep (under 3 minutes)
     relpos experiment --full          # the whole study (about 50 minutes)
-    relpos experiment --long          # agreement and pysrc until learned (about 6 hours)
+    relpos experiment --long          # agreement and pysrc until learned (about 6.5 hours)
     relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
     relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> None:
     size.add_argument("--long", action="store_true",
                       help="agreement and pysrc (20 seeds each; K=128 and unclipped of "
                            "pysrc 61) trained until learned, with learning curves (about "
-                           "6 hours on 2 CPU cores, 2 jobs; --reuse trains only the runs "
+                           "6.5 hours on 2 CPU cores, 2 jobs; --reuse trains only the runs "
                            "not yet in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),

@@ -222,8 +222,8 @@ class ExperimentConfig:
     def long(cls) -> ExperimentConfig:
         """The long study: agreement and ``pysrc`` (20 seeds each) trained until learned,
         large evaluations, and the learning curves the budget was chosen from (the curve K
-        at 1/4 and 1/2 of it, and ``pysrc`` at twice it), two jobs; about 6 hours on 2 CPU
-        cores (``reuse`` extends a finished sweep by its new runs alone).
+        at 1/4 and 1/2 of it, and ``pysrc`` at 2x and 4x it), two jobs; about 6.5 hours on 2
+        CPU cores (``reuse`` extends a finished sweep by its new runs alone).
 
         ``pysrc``'s K=128 and unclipped models get 41 more seeds (61 in all): beyond the
         training length both put every far offset on table rows no training pair reached,
@@ -244,7 +244,7 @@ class ExperimentConfig:
             code_extra_seeds=tuple(range(20, 61)),
             code_extra_models=("K=128", "unclipped"),
             curve_steps=(500, 1000),
-            code_curve_steps=(500, 1000, 4000),
+            code_curve_steps=(500, 1000, 4000, 8000),
             curve_ks=(4, 16, 64),
             code_curve_ks=(4, 16, 128),
             curve_seeds=(0, 1),
