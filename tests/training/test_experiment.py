@@ -253,6 +253,7 @@ def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
     assert [i["trained_runs"] for i in same["invocations"]] == [n, n, 0]
     # A document from before invocations were recorded: its last invocation's CPU, and
     # the earlier ones as one entry without a CPU.
+    from relpos.training.experiment.results import results_path
     from relpos.training.experiment.run import _earlier_document, _earlier_invocations
 
     legacy = load_results(out)
@@ -260,7 +261,7 @@ def test_a_cloned_sweep_is_extended_from_its_results_json(tmp_path, tiny):
     legacy.update(sweep_seconds=60.0, earlier_seconds=120.0, trained_runs=3)
     (out / "results.json.gz").unlink()
     (out / "results.json").write_text(json.dumps(legacy))  # as sweeps wrote it before
-    assert _earlier_invocations(_earlier_document(out)) == [
+    assert _earlier_invocations(_earlier_document(results_path(out))) == [
         {"cpu": None, "seconds": 120.0, "trained_runs": None},
         {"cpu": legacy["environment"]["cpu"], "seconds": 60.0, "trained_runs": 3}]
     # A plain results.json of an earlier sweep is extended and replaced by results.json.gz.

@@ -711,9 +711,10 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     todo = []
     # ``runs/`` is not committed: a sweep cloned with its results document alone is
     # extended from the run records in it (each written back to ``runs/``).
-    before = _earlier_document(out) if reuse else None
+    found = results_path(out) if reuse else None
+    before = _earlier_document(found)
     # A plain results.json is replaced by results.json.gz only if it was the one read.
-    legacy = reuse and results_path(out) == out / LEGACY_RESULTS_FILE
+    legacy = found is not None and found.name == LEGACY_RESULTS_FILE
     saved = _saved_runs(before)
     for number, spec in enumerate(specs):
         task = tasks[spec.task]
@@ -833,13 +834,13 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     return results
 
 
-def _earlier_document(out: Path) -> dict[str, Any] | None:
-    """The results document an earlier sweep left in ``out`` (None if there is none or it
+def _earlier_document(path: Path | None) -> dict[str, Any] | None:
+    """The results document an earlier sweep left at ``path`` (None if there is none or it
     cannot be read: its runs are then trained again)."""
-    if results_path(out) is None:
+    if path is None:
         return None
     try:
-        return load_results(out)
+        return load_results(path)
     except (OSError, ValueError):
         return None
 
