@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from relpos.bench.common import environment, interleaved_medians, markdown_table, write_files
-from relpos.integrations.ctranslate2 import (
+from relpos.export.ctranslate2 import (
     generate_new_tokens,
     load_generator,
     require_ctranslate2,

@@ -1,34 +1,32 @@
-"""The package's structure, drawn from its own imports: no cycles, nothing imports upward.
+"""The package's structure, drawn from its own folders and imports: no cycles, nothing imports
+upward (docs/architecture.md draws it).
 
-Layers, lowest first; a module may import from its own layer and the layers below it. The
-top-level ``relpos`` package is a lazy facade for users: nothing inside the package imports it.
+A module's layer is its folder under ``src/relpos``: the top-level modules, ``ops/`` and
+``modules/`` are the core (what ``import relpos`` gives users); ``models/``, ``training/``,
+``export/`` and ``integrations/`` the lab; then the benchmark harness and the command line. A
+module imports from its own layer and the layers below. Inside the core, the backends
+(``ops/``) sit under the API: they import only each other and the core's base, the top-level
+modules that import no folder at all (positions, versioning, ``_io``, ...). The top-level
+``relpos`` package is a lazy facade for users: nothing inside the package imports it.
 """
 
 from __future__ import annotations
 
 import ast
-import fnmatch
 import subprocess
 import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
+#: Layers, lowest first, and the folders of ``src/relpos`` in each ("" = the top-level modules).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("relpos._version", "relpos._io", "relpos._sysinfo", "relpos._deprecated",
-              "relpos.positions", "relpos.versioning")),
-    ("backends", ("relpos.ops", "relpos.ops.*")),
-    ("functional", ("relpos.functional",)),
-    ("cache", ("relpos.cache",)),
-    ("modules", ("relpos.modules", "relpos.modules.*")),
-    ("tables", ("relpos.tables",)),
-    ("lab", ("relpos.models", "relpos.models.*", "relpos.tasks", "relpos.plotting",
-             "relpos.training", "relpos.training.*", "relpos.export", "relpos.integrations",
-             "relpos.integrations.*")),
-    ("bench", ("relpos.bench", "relpos.bench.*", "relpos.bench_decode")),
-    ("cli", ("relpos.cli", "relpos.cli.*", "relpos.__main__")),
+    ("core", ("", "ops", "modules")),
+    ("lab", ("models", "training", "export", "integrations")),
+    ("bench", ("bench",)),
+    ("cli", ("cli",)),
 )
-CORE = ("base", "backends", "functional", "cache", "modules", "tables")
+CORE = "core"
 
 
 def _modules() -> dict[str, Path]:
@@ -67,11 +65,39 @@ def _imports(path: Path) -> set[str]:
 GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
 
 
+def _folder(name: str) -> str:
+    """The folder of ``src/relpos`` that holds module ``name`` ("" for a top-level module)."""
+    if name == "relpos.__main__":  # ``python -m relpos``: the command line
+        return "cli"
+    parts = name.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and MODULES[name].name != "__init__.py"):
+        return ""
+    return parts[1]
+
+
 def _layer(name: str) -> int:
-    for rank, (_, patterns) in enumerate(LAYERS):
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+    folder = _folder(name)
+    for rank, (_, folders) in enumerate(LAYERS):
+        if folder in folders:
             return rank
-    raise AssertionError(f"{name} is in no layer of tests/test_architecture.py: place it")
+    raise AssertionError(
+        f"src/relpos/{folder}/ ({name}) is in no layer of tests/test_architecture.py: place it"
+    )
+
+
+def _base() -> set[str]:
+    """The core's base: top-level modules whose relpos imports, followed through, never reach
+    a folder."""
+    top = {n for n in MODULES if n.count(".") == 1 and _folder(n) == ""}
+    base = set(top)
+    changed = True
+    while changed:
+        changed = False
+        for name in sorted(base):
+            if any(dep != "relpos" and dep not in base for dep in GRAPH[name]):
+                base.discard(name)
+                changed = True
+    return base
 
 
 def test_every_module_has_a_layer() -> None:
@@ -92,6 +118,24 @@ def test_nothing_imports_upward_or_the_facade() -> None:
                 bad.append(f"{name} ({LAYERS[_layer(name)][0]}) imports {dep} "
                            f"({LAYERS[_layer(dep)][0]})")
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_backends_import_only_each_other_and_the_base() -> None:
+    base = _base()
+    assert {"relpos.positions", "relpos._io"} <= base, f"the base is only {sorted(base)}"
+    bad = [
+        f"{name} imports {dep} (allowed outside ops/: {sorted(base)})"
+        for name, deps in GRAPH.items() if _folder(name) == "ops"
+        for dep in deps if _folder(dep) != "ops" and dep not in base
+    ]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_folders_are_known() -> None:
+    folders = {p.name for p in (SRC / "relpos").iterdir()
+               if p.is_dir() and (p / "__init__.py").is_file()}
+    placed = {f for _, fs in LAYERS for f in fs if f}
+    assert folders == placed, f"folders {sorted(folders ^ placed)} are not placed in LAYERS"
 
 
 def test_no_import_cycles() -> None:
@@ -121,7 +165,7 @@ def test_import_relpos_loads_only_the_core() -> None:
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('relpos'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True).stdout.split()
-    outside = [m for m in loaded if m != "relpos" and LAYERS[_layer(m)][0] not in CORE]
+    outside = [m for m in loaded if m != "relpos" and LAYERS[_layer(m)][0] != CORE]
     assert not outside, f"using the core loaded {outside}"
     bare = subprocess.run(
         [sys.executable, "-c", "import sys, relpos; print('torch' in sys.modules)"],

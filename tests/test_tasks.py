@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relpos.tasks import (
+from relpos.training.tasks import (
     Agreement,
     OffsetRecall,
     SortWindows,

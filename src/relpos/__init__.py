@@ -6,7 +6,7 @@ E model dim, K clip distance (``max_distance``), R = 2K + 1 table rows.
 The public names load on first use (PEP 562), so ``import relpos`` and the command line's
 ``relpos --help`` do not import torch. The first use of any name below loads the core
 (positions, functional, ops, modules, cache, tables, versioning); the lab (``relpos.models``,
-``relpos.training``, ``relpos.tasks``) and the benchmark harness (``relpos.bench``) load only
+``relpos.training``, ``relpos.export``) and the benchmark harness (``relpos.bench``) load only
 when they are used.
 """
 
@@ -15,7 +15,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from relpos._deprecated import install_moved_modules
 from relpos._version import __version__
+
+install_moved_modules()  # old module paths (relpos.tasks, ...) warn and lead to the new ones
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {

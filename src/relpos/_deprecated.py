@@ -1,15 +1,37 @@
-"""Names that moved: a module ``__getattr__`` (PEP 562) that still serves them, with a
-:class:`DeprecationWarning` naming the new place. The new place is imported only when an old
-name is used, so a shim costs nothing at import time (no torch)."""
+"""Names and modules that moved, still served with a :class:`DeprecationWarning` naming the
+new place.
+
+- A moved *name* inside a module that stays: a module ``__getattr__`` (PEP 562,
+  :func:`module_getattr`); the new place is imported only when the old name is used.
+- A moved *module*: :data:`MOVED_MODULES`, served by a finder on ``sys.meta_path`` that
+  ``import relpos`` installs (:func:`install_moved_modules`). Importing an old path warns once
+  and gives a stand-in module whose attributes are the new module's; no file stays behind at
+  the old place, so the tree shows only where code lives now. The finder is consulted only
+  after the regular ones have found nothing, and imports nothing itself (no torch).
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["module_getattr", "moved"]
+__all__ = ["MOVED_MODULES", "install_moved_modules", "module_getattr", "moved"]
+
+#: Modules that moved in 0.1 (old path -> new path); the old paths go in 0.2.
+MOVED_MODULES: dict[str, str] = {
+    "relpos.bench_decode": "relpos.bench.decode",
+    "relpos.integrations.ctranslate2": "relpos.export.ctranslate2",
+    "relpos.plotting": "relpos.training.plotting",
+    "relpos.tasks": "relpos.training.tasks",
+    "relpos.training.experiment.signal": "relpos.training.experiment.row_signal",
+}
 
 #: What :func:`module_getattr` serves for one old name: (the name to use instead, a loader).
 Alias = tuple[str, Callable[[], Any]]
@@ -40,3 +62,62 @@ def module_getattr(module: str, aliases: Mapping[str, Alias]) -> Callable[[str],
         return load()
 
     return __getattr__
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised during an import at the importing line:
+    past this file's frames (``warnings`` itself does not count importlib's)."""
+    frame, level = sys._getframe(1), 1
+    here = os.path.normcase(__file__)
+    while frame is not None and (
+        os.path.normcase(frame.f_code.co_filename) == here
+        or frame.f_code.co_filename.startswith("<frozen importlib")
+    ):
+        if not frame.f_code.co_filename.startswith("<frozen importlib"):
+            level += 1
+        frame = frame.f_back  # type: ignore[assignment]
+    return level
+
+
+class _MovedModuleLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return types.ModuleType(spec.name, f"Deprecated: moved to :mod:`{self.target}`.")
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        warnings.warn(
+            f"{module.__name__} is deprecated; use {self.target}", DeprecationWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+        target = importlib.import_module(self.target)
+
+        def __getattr__(name: str) -> Any:
+            return getattr(target, name)
+
+        def __dir__() -> list[str]:
+            return dir(target)
+
+        module.__getattr__ = __getattr__  # type: ignore[method-assign]
+        module.__dir__ = __dir__  # type: ignore[method-assign]
+        module.__dict__["__all__"] = list(getattr(target, "__all__", ()))
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """Finds the old paths of :data:`MOVED_MODULES` (after every regular finder)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.machinery.ModuleSpec(
+            fullname, _MovedModuleLoader(MOVED_MODULES[fullname])
+        )
+
+
+def install_moved_modules() -> None:
+    """Serve the old paths of :data:`MOVED_MODULES` (idempotent; ``import relpos`` calls it)."""
+    if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedModuleFinder())

@@ -3,9 +3,6 @@ old entry points still work. Benchmarks are not tests: nothing here checks a spe
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 
 from relpos.bench import common
@@ -79,15 +76,3 @@ def test_decode_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: igno
 def test_steps_needs_decode(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["bench", "--steps", "1"]) == 2
     assert "--decode" in capsys.readouterr().err
-
-
-def test_bench_decode_shim_warns_and_reexports() -> None:
-    sys.modules.pop("relpos.bench_decode", None)
-    with pytest.warns(DeprecationWarning, match=r"relpos\.bench\.decode"):
-        shim = importlib.import_module("relpos.bench_decode")
-    from relpos.bench import decode
-
-    assert (shim.DecodeResult, shim.measure_step, shim.run_decode) == (
-        decode.DecodeResult, decode.measure_step, decode.run_decode)
-    r = shim.measure_step(8, 2, heads=1, head_dim=4, max_distance=1, repeats=1, warmup=0)
-    assert set(r.ms) == {"sdpa", "relpos"} and r.backend == "native"

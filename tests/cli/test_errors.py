@@ -307,6 +307,6 @@ def test_a_refused_export_output_loads_no_torch(tmp_path):
 
 def test_heatmap_checks_the_suffixes_plotting_writes():
     from relpos.cli import heatmap
-    from relpos.plotting import IMAGE_FORMATS
+    from relpos.training.plotting import IMAGE_FORMATS
 
     assert set(heatmap.IMAGE_SUFFIXES) == set(IMAGE_FORMATS)

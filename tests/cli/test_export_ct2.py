@@ -107,7 +107,7 @@ def test_a_vocabulary_file_and_force(tmp_path):
 
 
 def test_a_failed_check_exits_1(tmp_path, monkeypatch):
-    from relpos.integrations import ctranslate2 as ct2
+    from relpos.export import ctranslate2 as ct2
 
     def bad_check(model, path, **kwargs):
         case = ct2.CTranslate2Case("batch 1", (7,), 0.5, ((1, 2),), ((1, 3),))

@@ -1,4 +1,4 @@
-"""``relpos heatmap`` and :func:`relpos.plotting.plot_relative_positions`."""
+"""``relpos heatmap`` and :func:`relpos.training.plotting.plot_relative_positions`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from relpos import clip_relative_position, relative_position_index
 from relpos.cli import main
-from relpos.plotting import plot_relative_positions, save_figure
+from relpos.training.plotting import plot_relative_positions, save_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 DPI = 100.0

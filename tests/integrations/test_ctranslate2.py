@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from relpos.integrations import ctranslate2 as ct2  # noqa: E402
+from relpos.export import ctranslate2 as ct2  # noqa: E402
 from relpos.models import (  # noqa: E402
     ModelConfig,
     RelativeTransformerEncoderModel,
@@ -292,7 +292,7 @@ def test_relpos_export_reexports_without_importing_ctranslate2():
     assert {"to_ctranslate2", "check_ctranslate2"} <= set(relpos.export.__all__)
     # ctranslate2 is imported inside the functions that use it, never at module level.
     src = Path(__file__).resolve().parents[2] / "src" / "relpos"
-    for path in (src / "export.py", src / "integrations" / "ctranslate2.py"):
+    for path in sorted((src / "export").rglob("*.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])

@@ -24,8 +24,8 @@ from safetensors.torch import save as st_save
 
 from relpos.cli import main
 from relpos.models import ModelConfig
-from relpos.tasks import OffsetRecall
 from relpos.training import CheckpointError, TrainConfig, load_checkpoint, train
+from relpos.training.tasks import OffsetRecall
 
 # The run, as command-line options and as the API's configs (the same run).
 RUN = ["--task", "recall", "--distances", "1,2", "--length", "8", "--steps", "4",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from relpos.training.experiment.signal import RowSignal, count_pairs_per_row, pairs_per_row
+from relpos.training.experiment.row_signal import RowSignal, count_pairs_per_row, pairs_per_row
 
 
 @pytest.mark.parametrize(("length", "k"), [(1, 0), (8, 0), (8, 1), (8, 3), (8, 7), (8, 8),

@@ -13,10 +13,10 @@ import torch
 
 from relpos.cli import main
 from relpos.models import ModelConfig, build_model
-from relpos.tasks import OffsetRecall
 from relpos.training import TrainConfig, load_checkpoint, lr_at, save_checkpoint, train
 from relpos.training import checkpoint as ckpt_mod
 from relpos.training.checkpoint import CheckpointError, rng_state
+from relpos.training.tasks import OffsetRecall
 
 TASK = OffsetRecall((1, 2, 4), num_symbols=8)
 

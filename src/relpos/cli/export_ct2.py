@@ -3,7 +3,7 @@
 ``relpos export-ct2 runs/train -o lm-ct2 --check`` reads a model saved with
 :func:`relpos.export.save_module` or a ``relpos train`` checkpoint (the ``--out`` directory of
 ``relpos train`` or its ``checkpoints/``), writes it with
-:func:`relpos.integrations.ctranslate2.to_ctranslate2` (the characters of a ``--text`` run
+:func:`relpos.export.ctranslate2.to_ctranslate2` (the characters of a ``--text`` run
 become the vocabulary; otherwise token ``i`` is ``"i"``) and, with ``--check``, compares
 CTranslate2 with relpos: log-probs over the vocabulary at every prompt position and greedy
 tokens, for one prompt and a ragged batch. Needs the ``ct2`` extra. The paths are checked
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     vocabulary = _read_vocabulary(Path(args.vocabulary)) if args.vocabulary else None
 
     from relpos.export import load_module
-    from relpos.integrations.ctranslate2 import (
+    from relpos.export.ctranslate2 import (
         check_ctranslate2,
         checkpoint_vocabulary,
         require_ctranslate2,

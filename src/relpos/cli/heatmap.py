@@ -19,7 +19,7 @@ DEFAULT_LENGTH = 10
 DEFAULT_MAX_DISTANCE = 4
 # Larger matrices do not fit in an image or a terminal in any useful way.
 MAX_LENGTH = 4096
-# The suffixes of relpos.plotting.IMAGE_FORMATS (that module loads torch).
+# The suffixes of relpos.training.plotting.IMAGE_FORMATS (that module loads torch).
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     output = None
     if args.output is not None:  # checked before torch and matplotlib load
         output = _args.check_output_file(args.output, suffixes=IMAGE_SUFFIXES)
-    from relpos import plotting  # torch (and matplotlib) only now, to draw
+    from relpos.training import plotting  # torch (and matplotlib) only now, to draw
 
     if output is None:
         offsets, hidden, start = plotting.clipped_offsets(

@@ -264,7 +264,7 @@ def _resume_settings(
 ) -> tuple[Any, Any, Any]:
     """(task, model config, train config) of ``--resume``: the saved run's, with the
     options it lets differ; ``say``: print where it resumes."""
-    from relpos.tasks import task_from_config
+    from relpos.training.tasks import task_from_config
     from relpos.training.trainer import read_saved_run
 
     saved = read_saved_run(out)
@@ -302,8 +302,8 @@ def _resume_settings(
 
 def _new_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(task, model config, train config) of a new run, from the options and defaults."""
-    from relpos.tasks import TASKS, build_task
     from relpos.training import TrainConfig
+    from relpos.training.tasks import TASKS, build_task
 
     name = args.task or ("text" if args.text else "recall")
     if name not in TASKS:

@@ -2,7 +2,7 @@
 crash-safe checkpoints, exact resume and data-parallel training.
 
 Determinism: the batch of step ``s`` is a pure function of ``(seed, s)`` (see
-:mod:`relpos.tasks`), the learning rate a pure function of ``s``, and the checkpoint holds
+:mod:`relpos.training.tasks`), the learning rate a pure function of ``s``, and the checkpoint holds
 the weights, the optimizer state and the torch RNG states, so a run resumed from a
 checkpoint ends with the same weights as an uninterrupted one.
 
@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relpos.tasks import Batch, Task
 from relpos.training.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -43,6 +42,7 @@ from relpos.training.checkpoint import (
     set_rng_state,
 )
 from relpos.training.distributed import DistContext, rank_slice
+from relpos.training.tasks import Batch, Task
 
 __all__ = [
     "METRICS_FILE",
@@ -319,7 +319,7 @@ class SavedRun:
     Attributes:
         step: the step of the checkpoint.
         model: the model configuration (a :class:`relpos.models.ModelConfig`).
-        task: the task's ``config()`` (see :func:`relpos.tasks.task_from_config`).
+        task: the task's ``config()`` (see :func:`relpos.training.tasks.task_from_config`).
         train: the :class:`TrainConfig` it was trained with.
     """
 

@@ -11,7 +11,7 @@ Modules:
     :mod:`~relpos.training.experiment.run`: the configuration, the plan of runs, training
         and evaluating them, ``results.json.gz``.
     :mod:`~relpos.training.experiment.corpus`: the Python-source corpus and its task.
-    :mod:`~relpos.training.experiment.signal`: per-row pair counts, gradients, movement.
+    :mod:`~relpos.training.experiment.row_signal`: per-row pair counts, gradients, movement.
     :mod:`~relpos.training.experiment.stats`: intervals and verdicts.
     :mod:`~relpos.training.experiment.results`: reading the results document.
     :mod:`~relpos.training.experiment.report`: guidance, claims, tables, ``report.md``.

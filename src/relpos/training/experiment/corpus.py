@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from relpos.tasks import Batch, Task, _check_int, _stream_seed
+from relpos.training.tasks import Batch, Task, _check_int, _stream_seed
 
 __all__ = [
     "CLOSERS",

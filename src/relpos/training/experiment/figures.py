@@ -67,7 +67,7 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
         from matplotlib.figure import Figure
     except ImportError:
         return []
-    from relpos.plotting import save_figure
+    from relpos.training.plotting import save_figure
 
     cfg = results["config"]
     paths = []

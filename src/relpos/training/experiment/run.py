@@ -6,7 +6,7 @@ dependency distance at several lengths, and a character-level language model on 
 standard library's Python source (``pysrc``, :mod:`~relpos.training.experiment.corpus`)
 evaluated by bits per character at 1x, 4x and 8x the training length and by closing-bracket
 accuracy per opener distance. For the relative models of ``pysrc`` it also records the
-training signal of every table row (:mod:`~relpos.training.experiment.signal`). It writes
+training signal of every table row (:mod:`~relpos.training.experiment.row_signal`). It writes
 ``runs/<name>.json`` per run and ``results.json.gz`` (gzip-compressed JSON, with the
 machine: CPU model, ISA, torch, threads), then the figures and ``report.md``.
 
@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from relpos._io import atomic_write_bytes, atomic_write_text
-from relpos.tasks import Task, build_task
 from relpos.training.checkpoint import atomic_write_json
 from relpos.training.experiment.figures import write_figures
 from relpos.training.experiment.report import make_report
@@ -45,6 +44,7 @@ from relpos.training.experiment.results import (
     results_bytes,
     results_path,
 )
+from relpos.training.tasks import Task, build_task
 from relpos.training.trainer import TrainConfig, train
 
 __all__ = [
@@ -899,7 +899,7 @@ def _same_settings(old: dict[str, Any], spec: RunSpec, task: Task,
 
 def train_run(spec: RunSpec, config: ExperimentConfig, task: Task) -> dict[str, Any]:
     """Train and evaluate one run of the sweep; returns its record (``runs/<name>.json``)."""
-    from relpos.training.experiment.signal import RowSignal
+    from relpos.training.experiment.row_signal import RowSignal
 
     code = spec.task == CODE_TASK
     recorder = (RowSignal(spec.k, config.code_train_length, config.code_batch_size)

@@ -1,0 +1,255 @@
+"""Exporting relpos modules to ONNX, and checking the export against torch.
+
+:func:`export_onnx` exports with the ``torch.export``-based exporter
+(``torch.onnx.export(..., dynamo=True)``) with dynamic batch and sequence axes: the ONNX graph
+computes the relative index from the runtime length, so it serves every length, not only the
+example's. It runs the bucketed backend. ONNX needs the ``onnx`` extra
+(``pip install 'relpos[onnx]'``: onnx, onnxscript, onnxruntime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from relpos._io import atomic_save
+from relpos.export.saving import MODELS
+from relpos.modules import RelativeMultiheadAttention, RelativeTransformerEncoderLayer
+
+__all__ = ["ONNX_PACKAGES", "check_onnx", "export_onnx", "require_onnx"]
+
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+
+# ---------------------------------------------------------------------------------------------
+# ONNX
+
+
+def require_onnx() -> None:
+    """Raise a one-line ``ImportError`` naming the ``onnx`` extra if a package is missing."""
+    missing = [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"ONNX export needs the 'onnx' extra: pip install 'relpos[onnx]' "
+            f"(missing: {', '.join(missing)})"
+        )
+
+
+class _OnnxWrapper(nn.Module):
+    """One tensor in (features or token ids, optional key mask), one tensor out.
+
+    ``key_mask`` is relpos's (``(B, L)`` bool, True = real token) and reaches the attention
+    as it is.
+    """
+
+    def __init__(self, module: nn.Module, *, is_causal: bool) -> None:
+        super().__init__()
+        self.module = module
+        self.is_causal = is_causal
+
+    def forward(self, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
+        m = self.module
+        if isinstance(m, RelativeMultiheadAttention):
+            out, _ = m(x, need_weights=False, is_causal=self.is_causal, key_mask=key_mask)
+            return out
+        if isinstance(m, RelativeTransformerEncoderLayer):
+            return m(x, key_mask=key_mask, is_causal=self.is_causal)
+        if isinstance(m, nn.TransformerEncoder):
+            # nn.TransformerEncoder.forward takes PyTorch's padding mask only: run its layers.
+            for layer in m.layers:
+                x = layer(x, key_mask=key_mask, is_causal=self.is_causal)
+            return x if m.norm is None else m.norm(x)
+        # relpos.models: skip the id range check of forward (data-dependent, not exportable).
+        model: Any = m
+        return model.logits(model.hidden(x, key_mask, None, is_causal=model.config.causal))
+
+
+def _io_layout(module: nn.Module) -> tuple[str, int, int, int | None, torch.dtype]:
+    """(input name, batch axis, length axis, feature size or None for ids, input dtype)."""
+    if isinstance(module, MODELS):
+        return "ids", 0, 1, None, torch.long
+    if isinstance(module, RelativeMultiheadAttention):
+        attn = module
+    elif isinstance(module, RelativeTransformerEncoderLayer):
+        attn = module.self_attn
+    elif isinstance(module, nn.TransformerEncoder) and isinstance(
+        module.layers[0], RelativeTransformerEncoderLayer
+    ):
+        attn = module.layers[0].self_attn
+    else:
+        raise TypeError(
+            f"cannot export a {type(module).__name__} to ONNX; allowed: "
+            f"RelativeMultiheadAttention (self-attention), RelativeTransformerEncoderLayer, "
+            f"nn.TransformerEncoder of those, "
+            f"{', '.join(cls.__name__ for cls in MODELS)}"
+        )
+    dtype = attn.out_proj.weight.dtype
+    if attn.kdim != attn.embed_dim or attn.vdim != attn.embed_dim:
+        raise ValueError("ONNX export serves self-attention: needs kdim == vdim == embed_dim")
+    batch, length = (0, 1) if attn.batch_first else (1, 0)
+    return "x", batch, length, attn.embed_dim, dtype
+
+
+def _example(module: nn.Module, batch_size: int, length: int) -> Tensor:
+    _, b_axis, l_axis, features, dtype = _io_layout(module)
+    if features is None:
+        config: Any = module.config
+        vocab = int(config.vocab_size)
+        return torch.randint(0, vocab, (batch_size, length))
+    shape = [0, 0, features]
+    shape[b_axis], shape[l_axis] = batch_size, length
+    return torch.randn(*shape, dtype=dtype)
+
+
+def export_onnx(
+    module: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    is_causal: bool = False,
+    key_mask: bool = False,
+    example_length: int = 7,
+    example_batch: int = 2,
+    opset_version: int | None = None,
+    optimize: bool = True,
+) -> Path:
+    """Export ``module`` to an ONNX file with dynamic batch and sequence axes, atomically.
+
+    The graph takes ``x`` (features, laid out as the module's ``batch_first`` says) or ``ids``
+    (``(B, L)`` token ids, for the models of :mod:`relpos.models`), plus ``key_mask``
+    (``(B, L)`` bool, True = real token) when ``key_mask`` is set, and returns ``out``. Attention
+    runs the bucketed backend whatever the module's ``implementation``; it gives the same
+    numbers as the other backends.
+
+    Args:
+        module: see :func:`module_config` (decoder layers and cross-attention are not exported).
+        path: destination ``.onnx`` file.
+        is_causal: export causal self-attention (the models use their own config).
+        key_mask: add the ``key_mask`` input.
+        example_length: L of the tracing example; the exported graph serves every length.
+        example_batch: B of the tracing example (>= 2, so the batch axis stays dynamic).
+        opset_version: ONNX opset (None = the exporter's default).
+        optimize: run the exporter's graph optimizer.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: if the ``onnx`` extra is not installed (one line).
+        TypeError, ValueError: for a module that cannot be exported or bad sizes.
+    """
+    require_onnx()
+    if isinstance(example_length, bool) or not isinstance(example_length, int) or (
+        example_length < 2
+    ):
+        raise ValueError(f"example_length must be an int >= 2, got {example_length!r}")
+    if isinstance(example_batch, bool) or not isinstance(example_batch, int) or (
+        example_batch < 2
+    ):
+        raise ValueError(f"example_batch must be an int >= 2, got {example_batch!r}")
+    name, b_axis, l_axis, _, _ = _io_layout(module)
+    x = _example(module, example_batch, example_length)
+    wrapper = _OnnxWrapper(module, is_causal=bool(is_causal))
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    length = torch.export.Dim("length", min=1, max=1 << 20)
+    args: tuple[Tensor, ...] = (x,)
+    dynamic: dict[str, Any] = {"x": {b_axis: batch, l_axis: length}}
+    input_names = [name]
+    if key_mask:
+        args = (x, torch.ones(example_batch, example_length, dtype=torch.bool))
+        dynamic["key_mask"] = {0: batch, 1: length}
+        input_names.append("key_mask")
+    was_training = module.training
+    wrapper.eval()
+    try:
+        with _backend("bucketed", module), torch.no_grad(), warnings.catch_warnings():
+            # x and key_mask share their axes on purpose; the exporter says so at length.
+            warnings.filterwarnings("ignore", message=".*shares the same shape constraints")
+            program = torch.onnx.export(
+                wrapper, args, dynamo=True, dynamic_shapes=dynamic, input_names=input_names,
+                output_names=["out"], opset_version=opset_version, optimize=optimize,
+                verbose=False,
+            )
+    except Exception as err:
+        raise RuntimeError(
+            f"ONNX export of {type(module).__name__} failed: {_summary(err)}"
+        ) from err
+    finally:
+        module.train(was_training)
+    assert program is not None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_save(Path(path), lambda tmp: program.save(tmp))
+
+
+def _summary(err: BaseException) -> str:
+    """The informative line of a (long, multi-section) exporter error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("<class '"):
+            return line
+    return lines[0] if lines else type(err).__name__
+
+
+@contextlib.contextmanager
+def _backend(name: str, module: nn.Module) -> Any:
+    """Temporarily route every relpos attention in ``module`` to backend ``name``."""
+    attns = [m for m in module.modules() if isinstance(m, RelativeMultiheadAttention)]
+    saved = [m.implementation for m in attns]
+    for m in attns:
+        m.implementation = name  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for m, impl in zip(attns, saved, strict=True):
+            m.implementation = impl
+
+
+def check_onnx(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    lengths: Iterable[int] = (1, 5, 16),
+    *,
+    batch_size: int = 3,
+    is_causal: bool = False,
+    key_mask: bool = False,
+    seed: int = 0,
+) -> float:
+    """Run an exported file in onnxruntime and compare it to ``module`` at several lengths.
+
+    Returns:
+        The largest absolute difference over all lengths.
+
+    Raises:
+        ImportError: if onnxruntime is missing (one line).
+    """
+    require_onnx()
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    torch_module = _OnnxWrapper(module, is_causal=is_causal).eval()
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for n in lengths:
+        with torch.random.fork_rng():
+            torch.manual_seed(int(torch.randint(0, 1 << 30, (1,), generator=gen)))
+            x = _example(module, batch_size, n)
+        feeds = {names[0]: x.numpy()}
+        args: tuple[Tensor, ...] = (x,)
+        if key_mask:
+            km = torch.rand(batch_size, n, generator=gen) > 0.3
+            km[:, -1] = True
+            feeds[names[1]] = km.numpy()
+            args = (x, km)
+        got = torch.from_numpy(session.run(None, feeds)[0])
+        with torch.no_grad():
+            want = torch_module(*args)
+        worst = max(worst, float((got.to(want.dtype) - want).abs().max()))
+    return worst
