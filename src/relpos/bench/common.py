@@ -11,7 +11,6 @@ import argparse
 import csv
 import datetime
 import io
-import platform
 import statistics
 import sys
 import time
@@ -19,9 +18,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from relpos import _sysinfo as sysinfo
 from relpos._io import atomic_write_text
-from relpos._sysinfo import hardware
-from relpos.bench import hardware as cpu
 
 __all__ = [
     "DTYPES",
@@ -154,18 +152,15 @@ def environment(threads: int) -> dict[str, str]:
     ``threads``: torch's intra-op threads; ``OMP_WAIT_POLICY``: its value or ``unset``
     (:mod:`relpos.bench.hardware` says why it matters).
     """
-    import torch
-
-    from relpos._version import __version__
-
+    env = sysinfo.environment(threads)
     return {
-        "hardware": hardware(),
-        "ISA": f"{cpu.isa()}; torch CPU capability {cpu.torch_cpu_capability()}",
-        "torch": torch.__version__,
-        "relpos": __version__,
-        "python": platform.python_version(),
+        "hardware": sysinfo.hardware(),
+        "ISA": f"{env['isa']}; torch CPU capability {env['torch_cpu_capability']}",
+        "torch": env["torch"],
+        "relpos": env["relpos"],
+        "python": env["python"],
         "threads": str(threads),
-        cpu.OMP_ENV: cpu.omp_wait_policy(),
+        sysinfo.OMP_ENV: env["omp_wait_policy"],
     }
 
 

@@ -1,7 +1,6 @@
-"""What a benchmark report records about the CPU and its threads beyond the model name
-(:func:`relpos._sysinfo.hardware`): the vector instruction sets (AVX2, AVX-512, AMX) and the
-one torch's kernels use, and the OpenMP wait policy, with the warning ``relpos bench``
-prints when that is unset.
+"""The OpenMP wait policy a benchmark runs under, and the warning ``relpos bench`` prints when
+it is unset. (What the machine is, the instruction sets included, is
+:mod:`relpos._sysinfo`'s; its names are re-exported here.)
 
 Why the wait policy: torch's CPU thread pool is OpenMP (GNU libgomp in the Linux wheels).
 Between parallel regions its idle threads spin for a while before they sleep. On a quiet
@@ -18,8 +17,7 @@ Nothing here imports torch at import time.
 
 from __future__ import annotations
 
-import os
-import platform
+from relpos._sysinfo import OMP_ENV, cpu_flags, isa, omp_wait_policy, torch_cpu_capability
 
 __all__ = [
     "OMP_ENV",
@@ -31,65 +29,8 @@ __all__ = [
     "torch_cpu_capability",
 ]
 
-#: The environment variable OpenMP runtimes read their wait policy from.
-OMP_ENV = "OMP_WAIT_POLICY"
-
 #: What ``--omp-wait-policy`` takes (OpenMP's values, in lower case).
 POLICIES = ("passive", "active")
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The ``flags`` of the first CPU in ``path`` (x86 Linux), or None where there are none
-    (another OS, another architecture, an unreadable file)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return None
-
-
-def _names(flags: frozenset[str], prefix: str) -> str:
-    """The flags that start with ``prefix``, without it, upper case: ``avx512_bf16`` -> BF16."""
-    return " ".join(sorted(f.removeprefix(prefix).lstrip("_").upper()
-                           for f in flags if f.startswith(prefix)))
-
-
-def isa(flags: frozenset[str] | None = None) -> str:
-    """AVX2, AVX-512 (with its subsets) and AMX (with its parts) of this CPU, each said present
-    or absent, from :func:`cpu_flags` (``flags`` None = read them).
-
-    Example:
-        >>> isa(frozenset({"avx2", "avx512f", "avx512bw", "amx_tile"}))
-        'AVX2, AVX-512 (BW F), AMX (TILE)'
-        >>> isa(frozenset({"avx2"}))
-        'AVX2, no AVX-512, no AMX'
-    """
-    flags = cpu_flags() if flags is None else flags
-    if flags is None:
-        return f"unknown (no CPU flags in /proc/cpuinfo; {platform.machine() or 'machine unknown'})"
-    return ", ".join((
-        "AVX2" if "avx2" in flags else "no AVX2",
-        f"AVX-512 ({_names(flags, 'avx512')})" if "avx512f" in flags else "no AVX-512",
-        f"AMX ({_names(flags, 'amx')})" if any(f.startswith("amx") for f in flags) else "no AMX",
-    ))
-
-
-def torch_cpu_capability() -> str:
-    """The instruction set torch's vectorized CPU kernels dispatch to
-    (``torch.backends.cpu.get_cpu_capability()``: ``DEFAULT``, ``AVX2``, ``AVX512``, ...)."""
-    import torch
-
-    get = getattr(torch.backends.cpu, "get_cpu_capability", None)
-    return str(get()) if get is not None else "unknown (torch too old to say)"
-
-
-def omp_wait_policy() -> str:
-    """``OMP_WAIT_POLICY`` as this process sees it, or ``"unset"``."""
-    return os.environ.get(OMP_ENV, "").strip() or "unset"
 
 
 def omp_warning(command: str) -> str | None:

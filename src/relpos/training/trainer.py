@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import platform
 import shutil
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relpos._sysinfo import environment
 from relpos.training.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -404,17 +404,6 @@ def clear_run(out_dir: str | Path) -> list[Path]:
     return found
 
 
-def _environment() -> dict[str, Any]:
-    from relpos._version import __version__
-
-    return {
-        "relpos": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-    }
-
-
 def train(
     model_config: Any,
     task: Task,
@@ -576,7 +565,7 @@ def train(
                 "task": task_cfg,
                 "train": train_cfg,
                 "history": history,
-                "environment": _environment(),
+                "environment": environment(),
             },
         )
 
@@ -706,7 +695,7 @@ def train(
                 "eval": evals,
                 "history": history,
                 "train_seconds": train_seconds,
-                "environment": _environment(),
+                "environment": environment(),
             }
         )
         if first_step < config.steps:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from relpos._sysinfo import cpuinfo
+
 __all__ = [
     "BUILD_SECONDS",
     "KernelStatus",
@@ -65,17 +67,11 @@ def _cache_root() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "relpos"
 
 
-@functools.cache
 def _cpu_flags() -> str:
     """The CPU's feature flags (``-march=native`` compiles for exactly these)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.processor()
+    fields = cpuinfo()
+    flags = fields.get("flags") or fields.get("Features")
+    return " ".join(sorted(flags.split())) if flags else platform.processor()
 
 
 def isa() -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from relpos._io import atomic_write_bytes, atomic_write_text
+from relpos._sysinfo import environment
 from relpos.training.checkpoint import atomic_write_json
 from relpos.training.experiment.figures import write_figures
 from relpos.training.experiment.report import make_report
@@ -489,52 +489,6 @@ def evaluate_code(
         "characters": chars,
         "brackets": {k: {"count": c, "hits": h, "type_hits": th}
                      for k, (c, h, th) in tallies.items() if c},
-    }
-
-
-def _isa() -> str:
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    for isa in ("amx_tile", "avx512f", "avx2", "avx", "sse4_2", "asimd", "neon"):
-        if isa in flags:
-            return {"amx_tile": "AMX+AVX-512", "avx512f": "AVX-512"}.get(isa, isa.upper())
-    return platform.machine() or "unknown"
-
-
-def environment(threads: int) -> dict[str, Any]:
-    """The machine: CPU model, ISA, torch's CPU capability, versions, threads."""
-    from relpos._version import __version__
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        capability = str(torch.backends.cpu.get_cpu_capability())
-    except (AttributeError, RuntimeError):
-        capability = "unknown"
-    return {
-        "cpu": cpu,
-        "isa": _isa(),
-        "torch_cpu_capability": capability,
-        "logical_cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": f"{platform.system()} {platform.release()}",
-        "relpos": __version__,
-        "threads": threads,
     }
 
 
