@@ -1,10 +1,12 @@
-"""Fixtures of the training tests: a fake standard library for the K sweep (nothing outside
-tmp_path is read)."""
+"""Fixtures of the training tests: one torch thread for every test, and a fake standard
+library for the K sweep (nothing outside tmp_path is read)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 FUNCTION = '''def f{n}(a, b=[1, 2], *args):
     """Doc with a ( bracket."""
@@ -35,3 +37,13 @@ def fake_lib(root: Path, files: int = 30) -> Path:
 def fake_stdlib(tmp_path: Path) -> Path:
     """A small ``Lib`` tree of .py files under ``tmp_path`` (see :func:`fake_lib`)."""
     return fake_lib(tmp_path / "Lib")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Every training test runs on one torch thread: training is reproducible per thread count
+    (a test compares runs), and one thread is also fastest on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from relpos.cli import main
 from relpos.training import distributed
@@ -39,15 +38,6 @@ ARGS = [
     "3",
     "--no-progress",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Training is reproducible per thread count; one thread is also fastest on a busy machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_rank_slice_partitions_the_batch():

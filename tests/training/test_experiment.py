@@ -6,7 +6,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 
 from relpos.cli import main
 from relpos.training.experiment import (
@@ -49,14 +48,6 @@ def _tiny(root) -> ExperimentConfig:
 @pytest.fixture
 def tiny(fake_stdlib):
     return _tiny(fake_stdlib)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _quiet(s: str) -> None:

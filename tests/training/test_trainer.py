@@ -21,15 +21,6 @@ from relpos.training.tasks import OffsetRecall
 TASK = OffsetRecall((1, 2, 4), num_symbols=8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Training is reproducible per thread count; one thread is also fastest on a busy machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _tiny(k: int = 4, **kw) -> ModelConfig:
     return ModelConfig(
         vocab_size=TASK.vocab_size, d_model=16, num_layers=1, num_heads=2, max_distance=k, **kw
