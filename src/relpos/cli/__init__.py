@@ -1,9 +1,10 @@
-"""The ``relpos`` command line. One module per subcommand, each with
-``add_parser(subparsers) -> None`` (registering ``func=run`` through
-:func:`relpos.cli._args.subcommand`) and ``run(args) -> int``; the argument types and options
-they share live in :mod:`relpos.cli._args`, never in a sibling. No subcommand module imports
-torch, numpy or matplotlib at import time, so ``relpos --help`` and ``relpos table`` start
-without them.
+"""The ``relpos`` command line. One module per subcommand (``export_onnx`` is
+``relpos export-onnx``), each declaring ``SUMMARY`` (its line in ``relpos --help``),
+``DESCRIPTION`` (its ``--help`` text), ``add_arguments(parser) -> None`` and
+``run(args) -> int``; :func:`build_parser` registers them all the same way. The argument
+types and options they share live in :mod:`relpos.cli._args`, never in a sibling. No
+subcommand module imports torch, numpy or matplotlib at import time, so ``relpos --help``
+and ``relpos table`` start without them.
 
 Errors the user can fix print one line on stderr and exit with status 2.
 """
@@ -33,6 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from relpos._version import __version__
+    from relpos.cli import _args
 
     parser = _Parser(
         prog="relpos",
@@ -41,7 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"relpos {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMANDS:
-        importlib.import_module(f"relpos.cli.{name}").add_parser(sub)
+        module = importlib.import_module(f"relpos.cli.{name}")
+        if not hasattr(module, "add_arguments"):  # still registers itself
+            module.add_parser(sub)
+            continue
+        p = _args.subcommand(sub, name.replace("_", "-"), module.run, module.SUMMARY,
+                             module.DESCRIPTION)
+        module.add_arguments(p)
     return parser
 
 

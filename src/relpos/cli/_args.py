@@ -134,43 +134,31 @@ def seed(text: str) -> int:
     return int_in(0, SEED_MAX)(text)
 
 
+def _number(text: str, ok: Callable[[float], bool], allowed: str) -> float:
+    """``text`` as a float that passes ``ok``, else an error saying what is ``allowed``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+    return value
+
+
 def float_in(low: float, high: float) -> Callable[[str], float]:
     """argparse type factory: a number in ``[low, high)``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not low <= value < high:
-            raise argparse.ArgumentTypeError(
-                f"must be a number in [{low:g}, {high:g}), got {text!r}"
-            )
-        return value
-
-    return parse
+    return lambda text: _number(text, lambda v: low <= v < high,
+                                f"a number in [{low:g}, {high:g})")
 
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return value
+    return _number(text, lambda v: 0 < v < math.inf, "a number > 0")
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+    return _number(text, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 def name_list(

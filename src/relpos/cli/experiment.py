@@ -49,19 +49,20 @@ def _models(text: str) -> tuple[str, ...]:
     return names
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos experiment``."""
-    p = _args.subcommand(
-        subparsers, "experiment", run, "sweep the clip distance K: where does it matter?",
-        "Train small causal transformers with clipped relative positions over K (plus "
-        "absolute baselines), 3 seeds each, on offset recall, long-range agreement and a "
-        "character-level LM of the running Python's standard library (pysrc: bits per "
-        "character at 1x/4x/8x the training length, closing-bracket accuracy by opener "
-        "distance, the training signal per table row); print an up-front time estimate and "
-        "progress; write results.json.gz, figures and a report with 95% intervals to --out. "
-        "An --out that holds an experiment is refused unless --reuse keeps its finished "
-        "runs or --overwrite replaces it.",
-    )
+SUMMARY = "sweep the clip distance K: where does it matter?"
+DESCRIPTION = """\
+Train small causal transformers with clipped relative positions over K (plus absolute
+baselines), 3 seeds each, on offset recall, long-range agreement and a character-level LM of
+the running Python's standard library (pysrc: bits per character at 1x/4x/8x the training
+length, closing-bracket accuracy by opener distance, the training signal per table row);
+print an up-front time estimate and progress; write results.json.gz, figures and a report
+with 95% intervals to --out. An --out that holds an experiment is refused unless --reuse
+keeps its finished runs or --overwrite replaces it.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos experiment``."""
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a small sweep (under 3 minutes)")
     size.add_argument("--full", action="store_true",

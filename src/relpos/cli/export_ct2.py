@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 from relpos.cli import CLIError, _args, _one_line
 
@@ -23,19 +22,19 @@ from relpos.cli import CLIError, _args, _one_line
 QUANTIZATIONS = ("int8", "int16", "float16", "bfloat16")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos export-ct2``."""
-    p = _args.subcommand(
-        subparsers, "export-ct2", run,
-        "export a language model to CTranslate2 (relative positions in its decoder)",
-        "Export a RelativeTransformerLM saved with relpos.export.save_module (or a relpos "
-        "train run: its --out directory or the checkpoints/ in it) to a CTranslate2 model "
-        "directory for ctranslate2.Generator. CTranslate2's decoder computes Shaw et al.'s "
-        "clipped relative attention itself: shared tables, a symmetric K. The characters of "
-        "a --text run are the vocabulary; otherwise token i is named \"i\". Generate with "
-        "end_token=[] (the model has no end token). Needs the 'ct2' extra: "
-        "pip install 'relpos[ct2]'.",
-    )
+SUMMARY = "export a language model to CTranslate2 (relative positions in its decoder)"
+DESCRIPTION = """\
+Export a RelativeTransformerLM saved with relpos.export.save_module (or a relpos train run:
+its --out directory or the checkpoints/ in it) to a CTranslate2 model directory for
+ctranslate2.Generator. CTranslate2's decoder computes Shaw et al.'s clipped relative
+attention itself: shared tables, a symmetric K. The characters of a --text run are the
+vocabulary; otherwise token i is named "i". Generate with end_token=[] (the model has no end
+token). Needs the 'ct2' extra: pip install 'relpos[ct2]'.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos export-ct2``."""
     p.add_argument("model", metavar="MODEL",
                    help="saved module file, relpos train --out directory or checkpoint directory")
     p.add_argument("-o", "--output", metavar="DIR",

@@ -13,7 +13,6 @@ import argparse
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
 
 from relpos.cli import CLIError, _args, _one_line
 from relpos.cli._args import checkpoint_dir
@@ -23,16 +22,17 @@ from relpos.cli._args import checkpoint_dir
 MIN_OPSET = 18
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos export-onnx``."""
-    p = _args.subcommand(
-        subparsers, "export-onnx", run,
-        "export a saved module to ONNX (dynamic batch and sequence length)",
-        "Export a module saved with relpos.export.save_module (or a relpos train run: its "
-        "--out directory or the checkpoints/ in it) to ONNX. The graph has dynamic batch "
-        "and length axes and computes the relative positions at run time, so it serves "
-        "every sequence length. Needs the 'onnx' extra: pip install 'relpos[onnx]'.",
-    )
+SUMMARY = "export a saved module to ONNX (dynamic batch and sequence length)"
+DESCRIPTION = """\
+Export a module saved with relpos.export.save_module (or a relpos train run: its --out
+directory or the checkpoints/ in it) to ONNX. The graph has dynamic batch and length axes
+and computes the relative positions at run time, so it serves every sequence length. Needs
+the 'onnx' extra: pip install 'relpos[onnx]'.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos export-onnx``."""
     p.add_argument("model", metavar="MODEL",
                    help="saved module file, relpos train --out directory or checkpoint directory")
     p.add_argument("-o", "--output", metavar="FILE",

@@ -13,22 +13,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 from relpos.cli import CLIError, _args, _one_line
 
+SUMMARY = "continue a prompt with a trained language model"
+DESCRIPTION = """\
+Continue a prompt with a relpos language model: a relpos train run (its --out directory or
+the checkpoints/ in it) or a file saved with relpos.export.save_module. --text needs a run
+trained with relpos train --text (its character vocabulary); --prompt-ids works with any
+language model. Prints the continuation only.
+"""
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos generate``."""
-    p = _args.subcommand(
-        subparsers, "generate", run,
-        "continue a prompt with a trained language model",
-        "Continue a prompt with a relpos language model: a relpos train run (its --out "
-        "directory or the checkpoints/ in it) or a file saved with "
-        "relpos.export.save_module. --text needs a run trained with relpos train --text "
-        "(its character vocabulary); --prompt-ids works with any language model. Prints "
-        "the continuation only.",
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos generate``."""
     p.add_argument("model", metavar="MODEL",
                    help="relpos train --out directory, checkpoint directory or saved module")
     src = p.add_mutually_exclusive_group(required=True)

@@ -8,7 +8,7 @@ is printed. Images need the ``plot`` extra (matplotlib).
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from relpos.cli import CLIError, _args
 
@@ -23,15 +23,17 @@ MAX_LENGTH = 4096
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos heatmap``."""
-    p = _args.subcommand(
-        subparsers, "heatmap", run, "draw (or print) the clipped relative position matrix",
-        "Draw the matrix clip(j - p_i, -k, k) of query i (rows) and key j (columns) as a "
-        "heatmap with a diverging colormap, or print it as text when no -o is given. With "
-        "fewer queries than keys the queries are aligned to the end of the keys (p_i = i + "
-        "length - queries) unless --query-start says otherwise.",
-    )
+SUMMARY = "draw (or print) the clipped relative position matrix"
+DESCRIPTION = """\
+Draw the matrix clip(j - p_i, -k, k) of query i (rows) and key j (columns) as a heatmap with
+a diverging colormap, or print it as text when no -o is given. With fewer queries than keys
+the queries are aligned to the end of the keys (p_i = i + length - queries) unless
+--query-start says otherwise.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos heatmap``."""
     p.add_argument("--length", type=_args.positive_int, default=DEFAULT_LENGTH, metavar="S",
                    help=f"number of key positions (default {DEFAULT_LENGTH})")
     _args.add_max_distance(p, DEFAULT_MAX_DISTANCE)

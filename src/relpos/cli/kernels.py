@@ -4,20 +4,20 @@ for which instruction set — and ``--build`` to compile them now rather than on
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from relpos.cli import CLIError, _args
+from relpos.cli import CLIError
+
+SUMMARY = "show (or build) the native CPU kernels"
+DESCRIPTION = """\
+Print whether relpos's native CPU kernels are built for this machine, where they are cached,
+for which instruction set and torch version, and how their GEMMs run. They compile on first
+use (once per machine, cached); --build compiles them now. RELPOS_NATIVE=0 turns them off;
+RELPOS_CACHE_DIR moves the cache.
+"""
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos kernels``."""
-    p = _args.subcommand(
-        subparsers, "kernels", run, "show (or build) the native CPU kernels",
-        "Print whether relpos's native CPU kernels are built for this machine, where they are "
-        "cached, for which instruction set and torch version, and how their GEMMs run. They "
-        "compile on first use (once per machine, cached); --build compiles them now. "
-        "RELPOS_NATIVE=0 turns them off; RELPOS_CACHE_DIR moves the cache.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos kernels``."""
     p.add_argument("--build", action="store_true",
                    help="compile the kernels now if this machine has none (about a minute)")
 

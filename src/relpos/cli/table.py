@@ -18,7 +18,6 @@ import argparse
 import csv
 import io
 import json
-from typing import Any
 
 from relpos._deprecated import module_getattr, moved
 from relpos.cli import CLIError, _args
@@ -34,14 +33,16 @@ MAX_LENGTH = 100_000
 _TEXT_COLUMNS = (("Position", 9), ("Raw Offset", 12), ("Clipped Offset", 15))
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos table``."""
-    p = _args.subcommand(
-        subparsers, "table", run, "print the clipped offset of every key seen from one query",
-        "Print, for one query position, the raw offset j - i of every key position j and its "
-        "clipped value clip(j - i, -k, k), or clip(j - i, -L, R) with --left/--right. The "
-        "defaults reproduce the handbook table: length 10, query 5, k = 4.",
-    )
+SUMMARY = "print the clipped offset of every key seen from one query"
+DESCRIPTION = """\
+Print, for one query position, the raw offset j - i of every key position j and its clipped
+value clip(j - i, -k, k), or clip(j - i, -L, R) with --left/--right. The defaults reproduce
+the handbook table: length 10, query 5, k = 4.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos table``."""
     p.add_argument("--length", type=_args.int_in(1, MAX_LENGTH), default=DEFAULT_LENGTH,
                    metavar="N", help=f"number of positions, 1..{MAX_LENGTH} "
                                      f"(default {DEFAULT_LENGTH})")

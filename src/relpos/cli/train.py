@@ -83,22 +83,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dropout", type=_args.float_in(0.0, 1.0), help="dropout rate (default 0)")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos train``."""
-    p = _args.subcommand(
-        subparsers, "train", run, "train a small relative-position transformer",
-        "Train a small transformer with clipped relative positions (or an absolute baseline) "
-        "on a built-in synthetic task or a text file, with AdamW, warmup and cosine decay, "
-        "periodic evaluation and crash-safe checkpoints. --out must not hold another run "
-        "(checkpoints/, metrics.json) unless --resume continues it or --overwrite replaces "
-        "it. --resume reads the run's settings from its checkpoint: leave the options out "
-        "(those given must agree with the saved ones); --eval-lengths, --eval-every and "
-        "--checkpoint-every may differ, and --steps: a larger one trains longer on the run's "
-        "learning-rate schedule (the floor rate after its end), a smaller one (not below "
-        "the checkpoint's step) stops earlier. Losses are cross-entropies in nats per "
-        "scored position (bits beside; the experiment report uses bits per character); "
-        "--no-progress hides the bar, not the evaluation lines.",
-    )
+SUMMARY = "train a small relative-position transformer"
+DESCRIPTION = """\
+Train a small transformer with clipped relative positions (or an absolute baseline) on a
+built-in synthetic task or a text file, with AdamW, warmup and cosine decay, periodic
+evaluation and crash-safe checkpoints. --out must not hold another run (checkpoints/,
+metrics.json) unless --resume continues it or --overwrite replaces it. --resume reads the
+run's settings from its checkpoint: leave the options out (those given must agree with the
+saved ones); --eval-lengths, --eval-every and --checkpoint-every may differ, and --steps: a
+larger one trains longer on the run's learning-rate schedule (the floor rate after its end),
+a smaller one (not below the checkpoint's step) stops earlier. Losses are cross-entropies in
+nats per scored position (bits beside; the experiment report uses bits per character);
+--no-progress hides the bar, not the evaluation lines.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos train``."""
     g = p.add_argument_group("data")
     g.add_argument("--task", metavar="NAME",
                    help="recall (default), agree, sort or text (implied by --text)")
