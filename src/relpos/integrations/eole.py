@@ -45,7 +45,6 @@ K clip distance (``n_positions``).
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any
 
 import torch
@@ -53,13 +52,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relpos.functional import relative_attention, relative_attention_with_weights
+from relpos.integrations._patching import PATCHED, is_patched, route
 
 __all__ = ["SUPPORTED", "is_patched", "patch", "patch_on_build"]
 
 SUPPORTED: dict[str, str] = {"SelfMHA": "eole.modules.multi_headed_attn"}
 """Attention classes :func:`patch` serves, by name, with the module that defines them."""
 
-_PATCHED = "_relpos_patched"
 
 
 def _self_attention_class() -> type:
@@ -229,18 +228,7 @@ def patch(model: nn.Module) -> int:
             f"{type(model).__name__} has no attention relpos can serve: {seen}; allowed: "
             "position_encoding_type='Relative' with n_positions=K"
         )
-    refusals = [r for r in map(_refusal, relative) if r is not None]
-    if refusals:
-        raise ValueError(f"cannot patch {type(model).__name__}: {refusals[0]}; nothing was patched")
-    for module in relative:
-        module.forward = types.MethodType(_relpos_forward, module)
-        setattr(module, _PATCHED, True)
-    return len(relative)
-
-
-def is_patched(module: nn.Module) -> bool:
-    """Whether :func:`patch` routed this attention module (or any inside it) through relpos."""
-    return any(getattr(m, _PATCHED, False) for m in module.modules())
+    return route(model, relative, _refusal, _relpos_forward)
 
 
 def _has_relative_self_attention(model: nn.Module) -> bool:
@@ -263,7 +251,7 @@ def patch_on_build() -> None:
     from eole.models.model import BaseModel
 
     build = BaseModel.__dict__["build"].__func__
-    if getattr(build, _PATCHED, False):
+    if getattr(build, PATCHED, False):
         return
 
     @functools.wraps(build)
@@ -273,5 +261,5 @@ def patch_on_build() -> None:
             patch(model)
         return model
 
-    setattr(build_and_patch, _PATCHED, True)
+    setattr(build_and_patch, PATCHED, True)
     BaseModel.build = classmethod(build_and_patch)

@@ -25,13 +25,13 @@ Shape legend: B batch, L = S frames, H heads, D head size.
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from relpos.functional import relative_attention, relative_attention_with_weights
+from relpos.integrations._patching import is_patched, route
 
 __all__ = ["SUPPORTED", "is_patched", "patch"]
 
@@ -42,7 +42,6 @@ SUPPORTED: dict[str, str] = {
 }
 """Attention classes :func:`patch` serves, by name, with the module that defines them."""
 
-_PATCHED = "_relpos_patched"
 
 
 def _supported_classes() -> tuple[type, ...]:
@@ -166,15 +165,4 @@ def patch(model: nn.Module) -> int:
             f"{type(model).__name__} has no attention relpos can serve (supported: "
             f"{', '.join(SUPPORTED)} with position_embeddings_type='relative_key')"
         )
-    refusals = [r for r in map(_refusal, relative) if r is not None]
-    if refusals:
-        raise ValueError(f"cannot patch {type(model).__name__}: {refusals[0]}; nothing was patched")
-    for module in relative:
-        module.forward = types.MethodType(_relpos_forward, module)
-        setattr(module, _PATCHED, True)
-    return len(relative)
-
-
-def is_patched(module: nn.Module) -> bool:
-    """Whether :func:`patch` routed this attention module (or any inside it) through relpos."""
-    return any(getattr(m, _PATCHED, False) for m in module.modules())
+    return route(model, relative, _refusal, _relpos_forward)
