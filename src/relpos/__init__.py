@@ -12,10 +12,10 @@ when they are used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from relpos._deprecated import install_moved_modules
+from relpos._lazy import lazy_exports
 from relpos._version import __version__
 
 install_moved_modules()  # old module paths (relpos.tasks, ...) warn and lead to the new ones
@@ -63,19 +63,7 @@ __all__ = [
 assert set(__all__) == {"__version__", *_EXPORTS, *_SUBMODULES}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"relpos.{name}")
-    else:
-        raise AttributeError(f"module 'relpos' has no attribute {name!r}")
-    globals()[name] = value  # later lookups are plain attribute reads (and trace under compile)
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 
 
 if TYPE_CHECKING:  # static analysers see the eager imports

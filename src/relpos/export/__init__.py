@@ -14,8 +14,9 @@ onnx nor ctranslate2.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from relpos._lazy import lazy_exports
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
@@ -52,16 +53,7 @@ __all__ = [
 assert set(__all__) == set(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'relpos.export' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:  # static analysers see the eager imports
