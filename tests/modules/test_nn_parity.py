@@ -391,7 +391,11 @@ def test_plain_decoder_state_dict_loads_strictly_without_relative_cross_attentio
     state = source.state_dict()
     state.update({f"self_attn.{k}": v for k, v in target.self_attn.state_dict().items()
                   if k in ("rel_keys", "rel_values", "_extra_state")})
-    target.load_state_dict(state)
+    # The assertion is strict loading itself: it raises on any missing or unexpected key.
+    result = target.load_state_dict(state, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for key, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value), key
 
 
 def _old_state(module: RelativeMultiheadAttention) -> dict[str, torch.Tensor]:
