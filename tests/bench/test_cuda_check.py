@@ -1,23 +1,17 @@
-"""benchmarks/cuda_check.py: its CPU-side parts (arguments, shapes, report), so that the GPU
-benchmark is ready to run the day a GPU is there."""
+"""relpos.bench.cuda_check (``python benchmarks/cuda_check.py``): its CPU-side parts
+(arguments, shapes, report), so that the GPU benchmark is ready to run the day a GPU is
+there."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_check.py"
 
 
 @pytest.fixture(scope="module")
 def cuda_check():
-    spec = importlib.util.spec_from_file_location("cuda_check", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from relpos.bench import cuda_check
+
+    return cuda_check
 
 
 def test_training_shapes_fill_the_batch(cuda_check):

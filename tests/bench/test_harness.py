@@ -56,6 +56,24 @@ def test_report_helpers() -> None:
         common.check_names("--backends", "fused,nope", ("fused", "sdpa"))
 
 
+def test_settings_and_report_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert common.check_dtype(None) == "float32" and common.check_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        common.check_dtype("float16")
+    with pytest.raises(ValueError, match="--threads must be positive"):
+        common.use_threads(0)
+    assert common.report_files(tmp_path, "training") == [tmp_path / "training.md",
+                                                         tmp_path / "training.csv"]
+    assert common.report_files(tmp_path, "attention")[-1] == tmp_path / "attention.png"
+    # only a report written as files (--decode) takes a file name: else it is a directory
+    assert common.report_files(tmp_path / "x.csv", "decode", file_ok=True) == [
+        tmp_path / "x.md", tmp_path / "x.csv"]
+    assert common.report_files(tmp_path / "x.md", "decode") == [
+        tmp_path / "x.md" / "decode.md", tmp_path / "x.md" / "decode.csv"]
+    meta = common.RunClock().meta()
+    assert meta["load"].startswith("1-min load average ") and meta["duration"] == "0.0 min"
+
+
 def test_decode_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     status = main([
         "bench", "--decode", "--lengths", "16", "--steps", "1,4", "--max-distances", "2",

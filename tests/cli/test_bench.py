@@ -108,13 +108,13 @@ def test_omp_wait_policy_reruns_in_a_subprocess(tmp_path, capfd, monkeypatch) ->
 
 
 def test_omp_wait_policy_already_set_runs_here(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import relpos.bench.hardware
     import relpos.bench.presets
-    import relpos.cli.bench
 
     def no_subprocess(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("reran in a subprocess")
 
-    monkeypatch.setattr(relpos.cli.bench, "_rerun_with_policy", no_subprocess)
+    monkeypatch.setattr(relpos.bench.hardware, "rerun_with_policy", no_subprocess)
     monkeypatch.setattr(relpos.bench.presets, "run_training", lambda args: 0)
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     assert main(["bench", "--preset", "training", "--omp-wait-policy", "passive"]) == 0
@@ -154,8 +154,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, tmp_path, monkeypatch)
     import relpos.bench.attention
     import relpos.bench.decode
     import relpos.bench.encoder
+    import relpos.bench.hardware
     import relpos.bench.presets
-    import relpos.cli.bench
 
     def refuse(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise AssertionError("reached the benchmark")
@@ -164,7 +164,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, tmp_path, monkeypatch)
                          (relpos.bench.decode, "run_decode"),
                          (relpos.bench.presets, "run_training"),
                          (relpos.bench.encoder, "run_encoder"),
-                         (relpos.cli.bench, "_rerun_with_policy")]:
+                         (relpos.bench.hardware, "rerun_with_policy")]:
         monkeypatch.setattr(module, name, refuse)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the warning must not come first
     argv = [a.replace("{file}", str(_file(tmp_path))) for a in argv]

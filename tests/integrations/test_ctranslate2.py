@@ -16,6 +16,7 @@ import torch.nn.functional as F
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from relpos.export import ctranslate2 as ct2  # noqa: E402
+from relpos.export.ctranslate2.checking import _relpos_greedy  # noqa: E402
 from relpos.models import (  # noqa: E402
     ModelConfig,
     RelativeTransformerEncoderModel,
@@ -129,7 +130,7 @@ def test_characters_with_whitespace_are_the_vocabulary(tmp_path):
     got = ct2.generate_new_tokens(generator, [list(p) for p in prompts], 6)
     for prompt, new in zip(prompts, got, strict=True):
         ids = [chars.index(c) for c in prompt]
-        assert new == list(ct2._relpos_greedy(model, ids, 6))
+        assert new == list(_relpos_greedy(model, ids, 6))
 
 
 @pytest.mark.parametrize(("quantization", "bound"),

@@ -14,7 +14,18 @@ Modules:
         files (CSV, markdown).
     :mod:`relpos.bench.memory`: peak memory of one call in a fresh subprocess.
     :mod:`relpos.bench.hardware`: instruction sets and the OpenMP wait policy, for the
-        header, and the warning when that policy is unset.
+        header, the warning when that policy is unset, and the rerun with it set.
+
+The benchmark scripts, each run as ``python -m relpos.bench.NAME`` (or through its launcher
+``python benchmarks/NAME.py``, the command their committed reports give); the optional
+packages they compare against load only when they run:
+    :mod:`relpos.bench.cuda_check`: the fused and triton backends on a CUDA device.
+    :mod:`relpos.bench.w2v_bert`: w2v-BERT 2.0 through relpos against stock transformers.
+    :mod:`relpos.bench.ct2_decode`: relpos against CTranslate2 on the same language model.
+    :mod:`relpos.bench.eole`: stock eole against eole patched by relpos
+        (``benchmarks/eole_bench.py``).
+    :mod:`relpos.bench.encoder_variants`: the ``--preset encoder`` models in eval mode, on
+        padded batches and with dropout.
 
 Benchmarks are not tests. The names below load on first use (PEP 562): importing
 ``relpos.bench`` or :mod:`relpos.bench.common` does not import torch.

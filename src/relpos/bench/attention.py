@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,11 +283,8 @@ def run_attention(args: argparse.Namespace) -> int:
         0 (the exit status).
     """
     cfg = config(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()
-    load_start = os.getloadavg()
-    started = time.time()
+    threads = common.use_threads(args.threads)
+    clock = common.RunClock()
     budget_gib = getattr(args, "memory_budget", None)
     if budget_gib is not None and not budget_gib > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {budget_gib}")
@@ -346,16 +341,12 @@ def run_attention(args: argparse.Namespace) -> int:
                 r.fwd_ms, r.fwdbwd_ms = first.fwd_ms, first.fwdbwd_ms
                 r.peak_mib, r.skipped = first.peak_mib, first.skipped
     close()
-    elapsed = time.time() - started
     print(_text_table(results))
     if args.out:
-        out = Path(args.out)
-        meta = _meta(args, cfg, threads, load_start, os.getloadavg(), elapsed)
-        wrote = common.write_files({
-            out / "attention.md": _markdown(results, meta),
-            out / "attention.csv": _csv(results),
-        })
-        png = _plot(results, out / "attention.png")
+        md, csv, png_path = common.report_files(args.out, "attention")
+        meta = _meta(args, cfg, threads, clock)
+        wrote = common.write_files({md: _markdown(results, meta), csv: _csv(results)})
+        png = _plot(results, png_path)
         if png is not None:
             wrote.append(png)
         print("wrote " + ", ".join(str(p) for p in wrote))
@@ -434,8 +425,7 @@ def _effective_command(cfg: Config, threads: int, out: str | None) -> str:
 
 
 def _meta(
-    args: argparse.Namespace, cfg: Config, threads: int, load_start: tuple[float, ...],
-    load_end: tuple[float, ...], elapsed: float,
+    args: argparse.Namespace, cfg: Config, threads: int, clock: common.RunClock
 ) -> dict[str, str]:
     effective = _effective_command(cfg, threads, args.out)
     return {
@@ -451,8 +441,7 @@ def _meta(
                   "hits all alike); forward under torch.no_grad(); fwd+bwd = forward + "
                   "backward of a random upstream gradient",
         "memory": MEMORY_METHOD if cfg.memory else "not measured (--no-memory)",
-        "load": f"1-min load average {load_start[0]:.2f} at start, {load_end[0]:.2f} at end",
-        "duration": f"{elapsed / 60:.1f} min",
+        **clock.meta(),
     }
 
 

@@ -11,10 +11,12 @@ import argparse
 import csv
 import datetime
 import io
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,6 +25,9 @@ from relpos._io import atomic_write_text
 
 __all__ = [
     "DTYPES",
+    "REPORT_SUFFIXES",
+    "RunClock",
+    "check_dtype",
     "check_names",
     "csv_text",
     "environment",
@@ -31,8 +36,11 @@ __all__ = [
     "markdown_meta",
     "markdown_table",
     "report_date",
+    "report_files",
+    "script_command",
     "time_ms",
     "typed_command",
+    "use_threads",
     "write_files",
 ]
 
@@ -62,6 +70,34 @@ def check_names(
             f"{option}: unknown {unknown or list(names)!r}; allowed: {', '.join(allowed)}"
         )
     return names
+
+
+def check_dtype(value: str | None) -> str:
+    """The ``--dtype`` name ``value`` gives (None = ``"float32"``).
+
+    Raises:
+        ValueError: if it is not one of :data:`DTYPES`.
+    """
+    dtype = str(value or "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def use_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads to ``threads`` (None = leave torch's default); returns
+    the threads in use.
+
+    Raises:
+        ValueError: if ``threads`` is not positive.
+    """
+    import torch
+
+    if threads is not None:
+        if int(threads) <= 0:
+            raise ValueError(f"--threads must be positive, got {threads}")
+        torch.set_num_threads(int(threads))
+    return torch.get_num_threads()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +173,27 @@ def interleaved_medians(
 # Report header
 
 
+@dataclass(frozen=True)
+class RunClock:
+    """When a run started and the machine's 1-minute load average then, for the ``load`` and
+    ``duration`` lines of its report (:meth:`meta`)."""
+
+    started: float = field(default_factory=time.time)
+    load: float = field(default_factory=lambda: os.getloadavg()[0])
+
+    def minutes(self) -> float:
+        """Minutes since the start."""
+        return (time.time() - self.started) / 60
+
+    def meta(self) -> dict[str, str]:
+        """``load`` (at the start and now) and ``duration`` (so far)."""
+        return {
+            "load": f"1-min load average {self.load:.2f} at start, "
+                    f"{os.getloadavg()[0]:.2f} at end",
+            "duration": f"{self.minutes():.1f} min",
+        }
+
+
 def report_date() -> str:
     """The current UTC time, as reports give it."""
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -176,8 +233,45 @@ def typed_command(args: argparse.Namespace) -> str | None:
     return typed
 
 
+def script_command(module: str) -> str:
+    """How this benchmark script was started, for a report's command line: ``python
+    benchmarks/NAME.py`` when through its launcher in ``benchmarks/``, else ``python -m
+    module`` (the arguments are the caller's to add)."""
+    program = Path(sys.argv[0])
+    if program.parent.name == "benchmarks" and program.suffix == ".py":
+        return f"python benchmarks/{program.name}"
+    return f"python -m {module}"
+
+
 # ----------------------------------------------------------------------------------------------
 # Report files
+
+
+#: The files of a report by its name, where not just markdown and CSV.
+REPORT_SUFFIXES: dict[str, tuple[str, ...]] = {"attention": (".md", ".csv", ".png")}
+
+
+def report_files(
+    out: str | Path, name: str, suffixes: Sequence[str] | None = None, *, file_ok: bool = False,
+) -> list[Path]:
+    """The files the report ``name`` goes to with ``--out``: ``out/name.md``,
+    ``out/name.csv``, ... (one per suffix, in order; None = the report's
+    :data:`REPORT_SUFFIXES`, else markdown and CSV). With ``file_ok``, an ``out`` that ends in
+    one of the suffixes names the files itself: ``x.md`` -> ``x.md``, ``x.csv``, ...
+
+    Example:
+        >>> [str(p) for p in report_files("r", "decode")]
+        ['r/decode.md', 'r/decode.csv']
+        >>> [str(p) for p in report_files("r/x.csv", "decode", file_ok=True)]
+        ['r/x.md', 'r/x.csv']
+    """
+    if suffixes is None:
+        suffixes = REPORT_SUFFIXES.get(name, (".md", ".csv"))
+    path = Path(out)
+    if file_ok and path.suffix.lower() in suffixes:
+        return [path if path.suffix.lower() == suffix else path.with_suffix(suffix)
+                for suffix in suffixes]
+    return [path / f"{name}{suffix}" for suffix in suffixes]
 
 
 def format_ms(ms: float) -> str:

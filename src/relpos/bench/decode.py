@@ -156,12 +156,8 @@ def _output_paths(out: object) -> tuple[Path, Path] | None:
     """(markdown, csv) for ``--out``: a directory, or a ``.md``/``.csv`` path."""
     if out is None or out == "":
         return None
-    p = Path(str(out))
-    if p.suffix.lower() == ".md":
-        return p, p.with_suffix(".csv")
-    if p.suffix.lower() == ".csv":
-        return p.with_suffix(".md"), p
-    return p / "decode.md", p / "decode.csv"
+    md, csv = common.report_files(str(out), "decode", file_ok=True)
+    return md, csv
 
 
 @dataclass
@@ -205,9 +201,7 @@ def settings(args: Any) -> _Settings:
     warmup = (1 if quick else 3) if warmup is None else int(warmup)
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
-    dtype = str(getattr(args, "dtype", None) or "float32")
-    if dtype not in common.DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(common.DTYPES)}, got {dtype!r}")
+    dtype = common.check_dtype(getattr(args, "dtype", None))
     requested = getattr(args, "backends", None)
     available = available_backends()
     extra = (
@@ -252,11 +246,7 @@ def run_decode(args: Any) -> int:
         ValueError: on a setting out of range or an unknown backend.
     """
     cfg = settings(args)
-    threads = getattr(args, "threads", None)
-    if threads is not None:
-        if int(threads) <= 0:
-            raise ValueError(f"--threads must be positive, got {threads}")
-        torch.set_num_threads(int(threads))
+    common.use_threads(getattr(args, "threads", None))
     paths = _output_paths(getattr(args, "out", None))
 
     results: list[DecodeResult] = []

@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -170,9 +167,7 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
     quick = bool(get("quick"))
     tokens = int(get("tokens") or (QUICK_TOKENS if quick else presets.DEFAULT_TOKENS))
     lengths = get("lengths") or (QUICK_LENGTHS if quick else DEFAULT_LENGTHS)
-    dtype = get("dtype") or "float32"
-    if dtype not in common.DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(common.DTYPES)}, got {dtype!r}")
+    dtype = common.check_dtype(get("dtype"))
     Ks = get("max_distances")
     settings = EncoderSettings(
         tokens=tokens,
@@ -248,12 +243,9 @@ def run_encoder(args: argparse.Namespace) -> int:
         0 (the exit status).
     """
     s = encoder_settings(args)
-    threads_arg = getattr(args, "threads", None)
-    if threads_arg is not None:
-        torch.set_num_threads(int(threads_arg))
-    threads = torch.get_num_threads()
+    threads = common.use_threads(getattr(args, "threads", None))
     dtype = getattr(torch, s.dtype)
-    load_start, started = os.getloadavg(), time.time()
+    clock = common.RunClock()
     # The module's constants, read now (the defaults of build_models were read at import).
     architecture: dict[str, Any] = dict(
         layers=LAYERS, d_model=D_MODEL, nhead=NHEAD, dim_feedforward=DIM_FEEDFORWARD,
@@ -273,7 +265,6 @@ def run_encoder(args: argparse.Namespace) -> int:
             results += _run_shape(B, n, s, plain, relative, tick)
     finally:
         close()
-    elapsed = time.time() - started
     table = _table(results, s)
     print("\n".join(table))
     out = getattr(args, "out", None)
@@ -300,11 +291,9 @@ def run_encoder(args: argparse.Namespace) -> int:
             "timing": f"{s.warmup} warm-up round(s), then the median of {s.repeats} rounds; a "
                       "round runs every model of one shape in turn (interleaved; the order "
                       "rotated by one model each round), forward then forward + backward",
-            "load": f"1-min load average {load_start[0]:.2f} at start, "
-                    f"{os.getloadavg()[0]:.2f} at end",
-            "duration": f"{elapsed / 60:.1f} min",
+            **clock.meta(),
         }
-        md, csv = Path(out) / "encoder.md", Path(out) / "encoder.csv"
+        md, csv = common.report_files(out, "encoder")
         common.write_files({md: _markdown(table, meta, csv.name), csv: _csv(results)})
         print(f"wrote {md} and {csv}")
     return 0
@@ -327,9 +316,7 @@ def _run_shape(
                 _picked(B, n, K, model, dtype) if impl == "auto" else impl))
             with torch.no_grad():  # auto-selection weighs whether a backward follows
                 r.forward_backend = _picked(B, n, K, model, dtype) if impl == "auto" else impl
-            if impl == "reference" and n > presets.REFERENCE_MAX_N:
-                r.note = (f"skipped: n > {presets.REFERENCE_MAX_N} (the reference materializes "
-                          "(n, n, D) tables)")
+            r.note = presets.reference_skip(impl, n)
             results.append(r)
             models.append(model)
     calls = {
@@ -338,18 +325,8 @@ def _run_shape(
         for i, (r, model) in enumerate(zip(results, models, strict=True)) if not r.note
     }
 
-    def label(i: int, round_: int) -> None:
-        what = "warm-up" if round_ < s.warmup else f"round {round_ - s.warmup + 1}/{s.repeats}"
-        tick(f"{B}x{n} {what} {results[i].name}")
-
-    medians, failures = common.interleaved_medians(
-        calls, warmup=s.warmup, repeats=s.repeats, tick=label, errors=(RuntimeError,),
-        rotate=True,
-    )
-    for i, ms in medians.items():
-        results[i].ms = dict(zip(presets.PASSES, ms, strict=True))
-    for i, message in failures.items():
-        results[i].note = f"failed: {message[:80]}"
+    presets.time_passes(calls, results, f"{B}x{n}", [r.name for r in results], s.warmup,
+                        s.repeats, tick)
     for timed in models:
         timed.zero_grad(set_to_none=True)  # free the gradients before the next shape
     return results

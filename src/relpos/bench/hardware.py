@@ -17,6 +17,11 @@ Nothing here imports torch at import time.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
 from relpos._sysinfo import OMP_ENV, cpu_flags, isa, omp_wait_policy, torch_cpu_capability
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "isa",
     "omp_wait_policy",
     "omp_warning",
+    "rerun_with_policy",
     "torch_cpu_capability",
 ]
 
@@ -43,3 +49,15 @@ def omp_warning(command: str) -> str | None:
         f"spinning threads swing timings 10x or more; set it, as in "
         f"`{OMP_ENV}=PASSIVE {command}`, or pass --omp-wait-policy passive"
     )
+
+
+def rerun_with_policy(argv: Sequence[str], policy: str) -> int:
+    """Run ``python -m relpos *argv`` again in a subprocess started with
+    ``OMP_WAIT_POLICY=policy`` (upper case); returns its exit status. Its output goes to this
+    process's stdout/stderr."""
+    value = policy.upper()
+    print(f"relpos: running the benchmark in a subprocess with {OMP_ENV}={value} "
+          "(OpenMP reads it when torch loads)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    return subprocess.run([sys.executable, "-m", "relpos", *argv],
+                          env={**os.environ, OMP_ENV: value}, check=False).returncode

@@ -7,7 +7,7 @@ import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["available_bytes", "peak_mib"]
+__all__ = ["available_bytes", "peak_mib", "proc_status_kib", "reset_peak", "rss_peak_bytes"]
 
 #: How :func:`peak_mib` measures, for a report.
 METHOD = (
@@ -29,7 +29,9 @@ def available_bytes() -> int:
     return 8 << 30
 
 
-def _proc_status_kib(field: str) -> int | None:
+def proc_status_kib(field: str) -> int | None:
+    """A ``field:`` of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``, ...), or None where
+    it cannot be read."""
     try:
         with open("/proc/self/status", encoding="utf-8") as f:
             for line in f:
@@ -40,10 +42,10 @@ def _proc_status_kib(field: str) -> int | None:
     return None
 
 
-def _rss_peak_bytes() -> int:
+def rss_peak_bytes() -> int:
     """Peak RSS of this process: ``VmHWM`` (per address space, so not inherited from the
     parent like ``ru_maxrss`` is across fork + exec), else ``ru_maxrss``."""
-    hwm = _proc_status_kib("VmHWM")
+    hwm = proc_status_kib("VmHWM")
     if hwm is not None:
         return hwm * 1024
     import resource
@@ -51,7 +53,7 @@ def _rss_peak_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     """Reset the peak RSS to the current RSS where the kernel allows it."""
     try:
         with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
@@ -67,10 +69,10 @@ def _worker(prepare: Callable[[], Callable[[], object]], threads: int, queue: An
 
         torch.set_num_threads(threads)
         call = prepare()
-        _reset_peak()
-        base = max(_rss_peak_bytes(), 1024 * (_proc_status_kib("VmRSS") or 0))
+        reset_peak()
+        base = max(rss_peak_bytes(), 1024 * (proc_status_kib("VmRSS") or 0))
         call()
-        queue.put((_rss_peak_bytes() - base) / 2**20)
+        queue.put((rss_peak_bytes() - base) / 2**20)
     except BaseException as err:  # reported in the table, not raised across processes
         queue.put(f"error: {type(err).__name__}: {err}")
 

@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +38,9 @@ __all__ = [
     "REFERENCE_MAX_N",
     "TrainingResult",
     "TrainingSettings",
+    "reference_skip",
     "run_training",
+    "time_passes",
     "token_shapes",
     "training_backends",
     "training_settings",
@@ -155,9 +154,7 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         lengths = [n for n in (64, 256, 1024) if n <= tokens] or None
     backends = (list(training_backends()) if get("backends") is None
                 else list(common.check_names("--backends", get("backends"), training_backends())))
-    dtype = get("dtype") or "float32"
-    if dtype not in common.DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(common.DTYPES)}, got {dtype!r}")
+    dtype = common.check_dtype(get("dtype"))
     budget = get("memory_budget")
     if budget is not None and not budget > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {budget}")
@@ -215,11 +212,19 @@ def _attention_config(s: TrainingSettings, B: int, causal: bool) -> attention.Co
     )
 
 
-def _skip_reason(backend: str, n: int, K: int, cfg: attention.Config, budget: int) -> str:
-    """Why the case does not run ("" = it runs)."""
+def reference_skip(backend: str, n: int) -> str:
+    """Why ``backend`` does not run at length ``n``: the reference above
+    :data:`REFERENCE_MAX_N` ("" = it runs)."""
     if backend == "reference" and n > REFERENCE_MAX_N:
         return (f"skipped: n > {REFERENCE_MAX_N} (the reference materializes (n, n, D) "
                 "tables)")
+    return ""
+
+
+def _skip_reason(backend: str, n: int, K: int, cfg: attention.Config, budget: int) -> str:
+    """Why the case does not run ("" = it runs)."""
+    if reason := reference_skip(backend, n):
+        return reason
     need = attention.estimate_bytes(backend, n, K, cfg)
     if need > budget:
         return f"skipped: needs ~{need / 2**30:.1f} GiB > the {budget / 2**30:.1f} GiB budget"
@@ -269,20 +274,38 @@ def _run_shape(
                     for fn in (attention.forward, attention.forward_backward)
                 ]
 
+    labels = [f"K={r.K} {'causal ' if r.causal else ''}{r.backend}" for r in results]
+    time_passes(calls, results, f"{B}x{n}", labels, s.warmup, s.repeats, tick)
+    return results
+
+
+def time_passes(
+    calls: Mapping[int, Sequence[Callable[[], object]]], results: Sequence[Any], shape: str,
+    labels: Sequence[str], warmup: int, repeats: int, tick: Callable[[str], None],
+) -> None:
+    """Time the cases of one shape in the same interleaved rounds, the order rotating by one
+    case each round (:func:`relpos.bench.common.interleaved_medians`).
+
+    Args:
+        calls: index into ``results`` -> its calls, one per pass of :data:`PASSES`.
+        results: each gets ``ms`` (pass -> median ms) when it ran, else a ``note`` saying
+            why not (its call raised ``RuntimeError``).
+        shape, labels: the progress label of each call: ``"{shape} {round} {labels[i]}"``.
+        warmup, repeats: unmeasured and measured rounds.
+        tick: the progress bar's (:func:`relpos.bench.attention.progress`).
+    """
+
     def label(i: int, round_: int) -> None:
-        r = results[i]
-        what = "warm-up" if round_ < s.warmup else f"round {round_ - s.warmup + 1}/{s.repeats}"
-        tick(f"{B}x{n} {what} K={r.K} {'causal ' if r.causal else ''}{r.backend}")
+        what = "warm-up" if round_ < warmup else f"round {round_ - warmup + 1}/{repeats}"
+        tick(f"{shape} {what} {labels[i]}")
 
     medians, failures = common.interleaved_medians(
-        calls, warmup=s.warmup, repeats=s.repeats, tick=label, errors=(RuntimeError,),
-        rotate=True,
+        calls, warmup=warmup, repeats=repeats, tick=label, errors=(RuntimeError,), rotate=True,
     )
     for i, ms in medians.items():
         results[i].ms = dict(zip(PASSES, ms, strict=True))
     for i, message in failures.items():
         results[i].note = f"failed: {message[:80]}"
-    return results
 
 
 def run_training(args: argparse.Namespace) -> int:
@@ -297,13 +320,10 @@ def run_training(args: argparse.Namespace) -> int:
         0 (the exit status).
     """
     s = training_settings(args)
-    threads_arg = getattr(args, "threads", None)
-    if threads_arg is not None:
-        torch.set_num_threads(int(threads_arg))
-    threads = torch.get_num_threads()
+    threads = common.use_threads(getattr(args, "threads", None))
     budget = (int(0.6 * memory.available_bytes()) if s.memory_budget_gib is None
               else int(s.memory_budget_gib * 2**30))
-    load_start, started = os.getloadavg(), time.time()
+    clock = common.RunClock()
     per_shape = len(s.causal) * (1 + len(s.max_distances) * len(s.backends))
     tick, close = attention.progress(len(s.shapes) * per_shape * (s.warmup + s.repeats))
     results: list[TrainingResult] = []
@@ -312,7 +332,6 @@ def run_training(args: argparse.Namespace) -> int:
             results += _run_shape(B, n, s, budget, tick)
     finally:
         close()
-    elapsed = time.time() - started
     tables = _tables(results, s)
     print("\n\n".join("\n".join(t) for t in tables))
     out = getattr(args, "out", None)
@@ -334,11 +353,9 @@ def run_training(args: argparse.Namespace) -> int:
             "skips": f"the reference above n = {REFERENCE_MAX_N}; cases whose estimated "
                      f"peak exceeds {budget / 2**30:.1f} GiB (--memory-budget; default 60% of "
                      "the available memory); memory is not measured (plain relpos bench does)",
-            "load": f"1-min load average {load_start[0]:.2f} at start, "
-                    f"{os.getloadavg()[0]:.2f} at end",
-            "duration": f"{elapsed / 60:.1f} min",
+            **clock.meta(),
         }
-        md, csv = Path(out) / "training.md", Path(out) / "training.csv"
+        md, csv = common.report_files(out, "training")
         common.write_files({md: _markdown(tables, meta, csv.name), csv: _csv(results)})
         print(f"wrote {md} and {csv}")
     return 0

@@ -16,15 +16,13 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from relpos.cli._args import CLIError, subcommand
+
 # Subcommand modules, in the order ``relpos --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
     "experiment", "train", "generate", "table", "heatmap", "bench", "export_onnx", "export_ct2",
     "kernels",
 )
-
-
-class CLIError(Exception):
-    """A user error: printed as one line on stderr, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,7 +32,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from relpos._version import __version__
-    from relpos.cli import _args
 
     parser = _Parser(
         prog="relpos",
@@ -44,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"relpos.cli.{name}")
-        if not hasattr(module, "add_arguments"):  # still registers itself
-            module.add_parser(sub)
-            continue
-        p = _args.subcommand(sub, name.replace("_", "-"), module.run, module.SUMMARY,
+        p = subcommand(sub, name.replace("_", "-"), module.run, module.SUMMARY,
                              module.DESCRIPTION)
         module.add_arguments(p)
     return parser

@@ -18,7 +18,10 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from relpos.cli import CLIError
+
+class CLIError(Exception):
+    """A user error: printed as one line on stderr, exit status 2 (``relpos.cli.CLIError``)."""
+
 
 __all__ = [
     "add_max_distance",

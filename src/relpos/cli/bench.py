@@ -13,17 +13,16 @@ Every report records the CPU, its instruction sets, torch, the threads and
 OMP_WAIT_POLICY; ``--omp-wait-policy`` reruns the benchmark with that set.
 
 The harness is :mod:`relpos.bench` (:mod:`relpos.bench.attention`,
-:mod:`relpos.bench.decode`, :mod:`relpos.bench.presets`, :mod:`relpos.bench.encoder`); this
-module only parses the options and checks how they combine. It imports no torch until the
-benchmark runs.
+:mod:`relpos.bench.decode`, :mod:`relpos.bench.presets`, :mod:`relpos.bench.encoder`; the
+report files of :func:`relpos.bench.common.report_files`, the rerun of
+:func:`relpos.bench.hardware.rerun_with_policy`); this module only parses the options, checks
+how they combine and dispatches. It imports no torch until the benchmark runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,24 +30,22 @@ from typing import Any
 
 from relpos._deprecated import module_getattr, moved
 from relpos.bench import hardware
-from relpos.bench.common import DTYPES, typed_command
+from relpos.bench.common import DTYPES, report_files, typed_command
 from relpos.cli import CLIError, _args
 
 #: What ``--preset`` takes.
 PRESETS = ("training", "encoder")
+
+SUMMARY = "time relpos backends against plain SDPA (ms, ratio, peak memory)"
+DESCRIPTION = __doc__.split("\n\n")[1] if __doc__ else ""
 
 # The parser of ``relpos bench``, kept to spell a parsed command line out again when the
 # benchmark reruns in a subprocess (--omp-wait-policy).
 _PARSER: list[argparse.ArgumentParser] = []
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``relpos bench``."""
-    p = _args.subcommand(
-        subparsers, "bench", run,
-        "time relpos backends against plain SDPA (ms, ratio, peak memory)",
-        __doc__.split("\n\n")[1] if __doc__ else "",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relpos bench``."""
     _PARSER[:] = [p]
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="training: every backend at training shapes (--tokens per batch, "
@@ -118,18 +115,12 @@ def output_files(args: argparse.Namespace) -> list[Path]:
     if not args.out:
         return []
     out = Path(args.out)
-    preset = getattr(args, "preset", None)
-    if args.decode and out.suffix.lower() in (".md", ".csv"):
-        files = [out.with_suffix(".md"), out.with_suffix(".csv")]
+    name = getattr(args, "preset", None) or ("decode" if args.decode else "attention")
+    files = report_files(out, name, file_ok=args.decode)
+    if out in files:  # --decode --out x.md: the report's files themselves
         _args.check_output_dir(out.parent, f"--out {str(out)!r}: its directory")
     else:
         _args.check_output_dir(out)
-        names = (
-            (f"{preset}.md", f"{preset}.csv") if preset
-            else ("decode.md", "decode.csv") if args.decode
-            else ("attention.md", "attention.csv", "attention.png")
-        )
-        files = [out / name for name in names]
     for path in files:
         if path.is_dir():
             raise CLIError(f"--out {str(args.out)!r}: the report {str(path)!r} is a directory")
@@ -199,17 +190,6 @@ def command_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _rerun_with_policy(args: argparse.Namespace, policy: str) -> int:
-    """Run this benchmark again in a subprocess started with ``OMP_WAIT_POLICY=policy``
-    (upper case); returns its exit status. Its output goes to this process's stdout/stderr."""
-    value = policy.upper()
-    argv = [sys.executable, "-m", "relpos", *command_argv(args)]
-    print(f"relpos: running the benchmark in a subprocess with {hardware.OMP_ENV}={value} "
-          "(OpenMP reads it when torch loads)", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    return subprocess.run(argv, env={**os.environ, hardware.OMP_ENV: value}, check=False).returncode
-
-
 def run(args: argparse.Namespace) -> int:
     """``relpos bench``: check the options, warn when ``OMP_WAIT_POLICY`` is unset (or rerun
     with ``--omp-wait-policy``), then run the attention benchmark, the decode one
@@ -220,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     policy = getattr(args, "omp_wait_policy", None)
     if policy is not None and hardware.omp_wait_policy().lower() != policy:
-        return _rerun_with_policy(args, policy)
+        return hardware.rerun_with_policy(command_argv(args), policy)
     warning = hardware.omp_warning(typed_command(args) or "relpos bench ...")
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)

@@ -35,12 +35,14 @@ __all__ = [
     "configurations",
     "curves",
     "eval_at",
+    "eval_lengths",
     "is_curve_run",
     "label_of",
     "load_results",
     "overall_counts",
     "pooled_counts",
     "runs_of",
+    "signal_groups",
     "train_length",
 ]
 
@@ -254,6 +256,21 @@ def depths(results: dict[str, Any], task: str) -> list[int]:
     """The depths ``task`` was trained at."""
     cfg = results["config"]
     return [cfg["code_depth"]] if task == CODE else list(cfg["depths"])
+
+
+def eval_lengths(results: dict[str, Any], task: str) -> list[int]:
+    """The lengths ``task`` was evaluated at (``pysrc``: its training length times each of
+    ``code_eval_factors``)."""
+    cfg = results["config"]
+    if task == CODE:
+        return [cfg["code_train_length"] * f for f in cfg["code_eval_factors"]]
+    return list(cfg["eval_lengths"])
+
+
+def signal_groups(results: dict[str, Any]) -> dict[str, list[dict]]:
+    """The ``pysrc`` runs that recorded the training signal of each table row, by model (see
+    :func:`configurations`; empty when none did)."""
+    return configurations([r for r in runs_of(results["runs"], CODE) if "signal" in r])
 
 
 def code_counts(n: int, low: int, high: int) -> Callable[[dict], tuple[int, int]]:

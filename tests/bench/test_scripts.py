@@ -1,0 +1,50 @@
+"""The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
+encoder_variants): they import no optional package until they run, and the launchers in
+``benchmarks/`` still start them with the same options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+#: launcher in benchmarks/ -> the module it runs
+SCRIPTS = {
+    "cuda_check.py": "relpos.bench.cuda_check",
+    "w2v_bert.py": "relpos.bench.w2v_bert",
+    "ct2_decode.py": "relpos.bench.ct2_decode",
+    "eole_bench.py": "relpos.bench.eole",
+    "encoder_variants.py": "relpos.bench.encoder_variants",
+}
+OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
+
+
+def test_modules_import_no_optional_package() -> None:
+    code = (f"import sys, {', '.join(SCRIPTS.values())}\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.parametrize("launcher", sorted(SCRIPTS))
+def test_launcher_runs_the_module(launcher: str) -> None:
+    path = ROOT / "benchmarks" / launcher
+    assert len(path.read_text().splitlines()) < 15, "a launcher, not the benchmark"
+    assert SCRIPTS[launcher] in path.read_text()
+    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ")
+
+
+def test_script_command_names_how_it_started(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from relpos.bench import common
+
+    monkeypatch.setattr(sys, "argv", ["/x/benchmarks/eole_bench.py", "--quick"])
+    assert common.script_command("relpos.bench.eole") == "python benchmarks/eole_bench.py"
+    monkeypatch.setattr(sys, "argv", ["/x/src/relpos/bench/eole.py", "--quick"])
+    assert common.script_command("relpos.bench.eole") == "python -m relpos.bench.eole"
