@@ -54,25 +54,24 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_positive_int(name: str, value: object) -> int:
+def _positive_int(name: str, value: object, allowed: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {value!r} of type "
+        raise TypeError(f"{name} must be {allowed}, got {value!r} of type "
                         f"{type(value).__name__}")
     if int(value) <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}")
+        raise ValueError(f"{name} must be {allowed}, got {value}")
     return int(value)
+
+
+def check_positive_int(name: str, value: object) -> int:
+    return _positive_int(name, value, "a positive int")
 
 
 def check_optional_dim(name: str, value: object, default: int) -> int:
     """``kdim``/``vdim``: a positive int, or None for ``default`` (``embed_dim``)."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int or None (= embed_dim), got {value!r} "
-                        f"of type {type(value).__name__}")
-    if int(value) <= 0:
-        raise ValueError(f"{name} must be a positive int or None (= embed_dim), got {value}")
-    return int(value)
+    return _positive_int(name, value, "a positive int or None (= embed_dim)")
 
 
 def check_positive_float(name: str, value: object) -> float:
