@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "RelativeTransformerEncoderLayer": "relpos.modules",
     "available_backends": "relpos.functional",
     "clip_relative_position": "relpos.positions",
+    "explain_backends": "relpos.functional",
     "load_state_dict_resized": "relpos.tables",
     "relative_attention": "relpos.functional",
     "relative_attention_with_weights": "relpos.functional",
@@ -51,6 +52,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "clip_relative_position",
+    "explain_backends",
     "load_state_dict_resized",
     "models",
     "relative_attention",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from relpos.cache import KVCache, LayerCache
     from relpos.functional import (
         available_backends,
+        explain_backends,
         relative_attention,
         relative_attention_with_weights,
         select_backend,

@@ -2,7 +2,7 @@
 
 :func:`validate_call` turns the user's arguments into one frozen
 :class:`~relpos.ops.call.AttentionCall`; backend selection, :func:`select_backend`,
-:func:`why_not_fused` and every backend read that same object.
+:func:`explain_backends` and every backend read that same object.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 K clip distance (``max_distance``), R = 2K + 1 table rows.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import ParamSpec, TypeVar
@@ -29,6 +30,7 @@ __all__ = [
     "AttentionCall",
     "Implementation",
     "available_backends",
+    "explain_backends",
     "relative_attention",
     "relative_attention_with_weights",
     "select_backend",
@@ -314,6 +316,22 @@ def _auto_reason(name: str, call: AttentionCall) -> Reason | str | None:
     return check(call)
 
 
+def _explain(call: AttentionCall) -> dict[str, str | None]:
+    """Every backend, in :data:`~relpos.ops.BACKENDS` order, with why the call would not run
+    it (None: it would serve the call); the first None is what :func:`_backend_for` picks."""
+    reasons: dict[str, Reason | str | None]
+    if call.implementation is not None:
+        reasons = dict.fromkeys(BACKENDS, f"implementation={call.implementation!r} was asked for")
+        reasons[call.implementation] = _MODULES[call.implementation].unsupported_reason(call)
+    elif torch.compiler.is_exporting():
+        reasons = dict.fromkeys(BACKENDS, "under torch.export the bucketed backend serves every "
+                                "call (one graph for every length)")
+        reasons["bucketed"] = None
+    else:
+        reasons = {name: _auto_reason(name, call) for name in BACKENDS}
+    return {name: None if reason is None else str(reason) for name, reason in reasons.items()}
+
+
 def _backend_for(call: AttentionCall) -> str:
     """The backend that runs ``call``: the one asked for (if it can serve the call) or the
     first in :data:`~relpos.ops.BACKENDS` order whose auto-selection check passes."""
@@ -438,23 +456,46 @@ def select_backend(call: AttentionCall) -> str:
 
 
 @_with_arguments_of(validate_call)
-def why_not_fused(call: AttentionCall) -> str | None:
-    """Why :func:`relative_attention` would not run the fused backend for these arguments.
+def explain_backends(call: AttentionCall) -> dict[str, str | None]:
+    """Why :func:`relative_attention` would or would not run each backend for these arguments.
 
-    Takes the same arguments as :func:`relative_attention` and returns None when the call
-    goes fused, else one reason (like ``nn.MultiheadAttention``'s fast-path reasons).
+    Takes the same arguments as :func:`relative_attention` and returns every backend name, in
+    auto-selection order (:data:`relpos.ops.BACKENDS`), mapped to the reason it would not serve
+    this call (a string, like ``nn.MultiheadAttention``'s fast-path reasons) or None if it
+    would. The first name mapped to None is what :func:`select_backend` returns; with
+    ``implementation`` named, every other backend's reason says so, and if the named one
+    cannot serve the call none is None (:func:`relative_attention` raises with its reason).
+
+    Example:
+        >>> q = torch.randn(1, 2, 5, 8)
+        >>> reasons = explain_backends(q, q, q, max_distance=2, dropout_p=0.1)
+        >>> list(reasons) == list(available_backends())
+        True
+        >>> reasons["fused"]
+        'dropout_p=0.1 > 0: the fused backend has no attention dropout (the bucketed backend has)'
     """
-    if call.implementation is not None and call.implementation != "fused":
-        return f"implementation={call.implementation!r} was asked for"
-    for name in BACKENDS[: BACKENDS.index("fused")]:
-        if call.implementation is None and _auto_reason(name, call) is None:
-            if name == "native":
+    return _explain(call)
+
+
+@_with_arguments_of(validate_call)
+def why_not_fused(call: AttentionCall) -> str | None:
+    """Deprecated: use :func:`explain_backends`, which gives every backend's reason.
+
+    Why :func:`relative_attention` would not run the fused backend for these arguments: None
+    when the call goes fused, else one reason (a backend picked before it, or fused's own).
+    """
+    warnings.warn("relpos.why_not_fused is deprecated; use relpos.explain_backends",
+                  DeprecationWarning, stacklevel=3)
+    reasons = _explain(call)
+    if call.implementation is None:
+        first = next(name for name, reason in reasons.items() if reason is None)
+        if BACKENDS.index(first) < BACKENDS.index("fused"):
+            if first == "native":
                 return ("the native CPU kernels serve this call and are picked first "
                         "(RELPOS_NATIVE=0 turns them off)")
-            return (f"the {name} backend is picked first for L={call.query_len} queries over "
+            return (f"the {first} backend is picked first for L={call.query_len} queries over "
                     f"S={call.key_len} keys")
-    reason = fused.unsupported_reason(call) if call.implementation else _auto_reason("fused", call)
-    return None if reason is None else str(reason)
+    return reasons["fused"]
 
 
 @_with_arguments_of(validate_call)

@@ -147,9 +147,10 @@ def test_auto_dispatch_picks_decode_for_cache_steps_only(monkeypatch, no_native)
     kw = dict(max_distance=2, rel_keys=step.rel_keys, rel_values=step.rel_values, is_causal=True)
     relpos.relative_attention(step.query, step.key, step.value, **kw)
     assert calls == ["decode"]
-    assert "decode backend is picked first" in str(
-        relpos.why_not_fused(step.query, step.key, step.value, **kw)
-    )
+    assert relpos.explain_backends(step.query, step.key, step.value, **kw)["decode"] is None
+    with pytest.warns(DeprecationWarning, match="use relpos.explain_backends"):
+        reason = relpos.why_not_fused(step.query, step.key, step.value, **kw)
+    assert "decode backend is picked first" in str(reason)
     calls.clear()
     whole = make_problem(B=1, H=2, L=9, S=9, D=4, K=2, seed=1)  # not a cache step
     kw = dict(max_distance=2, rel_keys=whole.rel_keys, rel_values=whole.rel_values, is_causal=True)

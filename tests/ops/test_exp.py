@@ -1,11 +1,11 @@
-"""``relpos.ops.call.exp_``: the exponential the fused and decode backends use."""
+"""``relpos.ops._numerics.exp_``: the exponential the fused and decode backends use."""
 
 import math
 
 import pytest
 import torch
 
-from relpos.ops.call import exp_
+from relpos.ops._numerics import exp_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

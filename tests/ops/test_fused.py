@@ -8,26 +8,26 @@ import torch
 import relpos
 from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
 from relpos.functional import AttentionCall, validate_call
-from relpos.ops import fused
-from relpos.ops.fused import band, far, kernels
+from relpos.ops import _flash, fused
+from relpos.ops.fused import band, far
 
 # ----------------------------------------------------------------------------------------------
 # Internal torch ops: fail loudly when a torch release changes them.
 
 
-@pytest.mark.parametrize("name", sorted(kernels.EXPECTED_SCHEMAS))
+@pytest.mark.parametrize("name", sorted(_flash.EXPECTED_SCHEMAS))
 def test_internal_op_schema_unchanged(name: str) -> None:
     op = getattr(torch.ops.aten, name, None)
     assert op is not None, (
-        f"torch {torch.__version__} has no aten::{name}; the fused backend "
-        "(relpos/ops/fused/kernels.py) needs porting to this torch version"
+        f"torch {torch.__version__} has no aten::{name}; the fused and decode backends "
+        "(relpos/ops/_flash.py) need porting to this torch version"
     )
     got = str(op.default._schema)
-    want = kernels.EXPECTED_SCHEMAS[name]
+    want = _flash.EXPECTED_SCHEMAS[name]
     assert got == want, (
-        f"the schema of aten::{name} changed in torch {torch.__version__}; the fused backend "
+        f"the schema of aten::{name} changed in torch {torch.__version__}; relpos/ops/_flash.py "
         f"was written against\n  {want}\nbut this torch has\n  {got}\n"
-        "check relpos/ops/fused/kernels.py before updating EXPECTED_SCHEMAS"
+        "check relpos/ops/_flash.py before updating EXPECTED_SCHEMAS"
     )
 
 
@@ -215,17 +215,23 @@ def _args(problem: object, **kw: object) -> dict:
                 rel_keys=p.rel_keys, rel_values=p.rel_values, **kw)  # type: ignore[attr-defined]
 
 
+def _why_not_fused(**kw: object) -> str | None:
+    return relpos.explain_backends(**kw)["fused"]  # type: ignore[arg-type]
+
+
 def test_why_not_fused_reasons(no_native: None) -> None:
     short = make_problem(B=1, H=1, L=8, K=2)
-    reason = relpos.why_not_fused(**_args(short))
+    reason = _why_not_fused(**_args(short))
     assert reason is not None and "below the fused crossover" in reason and "S=8" in reason
     long = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, K=2)
-    assert relpos.why_not_fused(**_args(long)) is None
-    assert "dropout" in str(relpos.why_not_fused(**_args(long, dropout_p=0.1)))
+    assert _why_not_fused(**_args(long)) is None
+    assert "dropout" in str(_why_not_fused(**_args(long, dropout_p=0.1)))
     mask = torch.ones(fused.CROSSOVER_KEYS, fused.CROSSOVER_KEYS, dtype=torch.bool)
-    assert "attn_mask" in str(relpos.why_not_fused(**_args(long, attn_mask=mask)))
+    assert "attn_mask" in str(_why_not_fused(**_args(long, attn_mask=mask)))
     other_dv = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, Dv=3, K=2)
-    assert "Dv=3" in str(relpos.why_not_fused(**_args(other_dv)))
+    assert "Dv=3" in str(_why_not_fused(**_args(other_dv)))
+    with pytest.warns(DeprecationWarning, match="use relpos.explain_backends"):
+        assert relpos.why_not_fused(**_args(other_dv)) == _why_not_fused(**_args(other_dv))
 
 
 def test_the_crossover_follows_the_table_for_each_pass_and_causality(no_native: None) -> None:
@@ -241,8 +247,8 @@ def test_the_crossover_follows_the_table_for_each_pass_and_causality(no_native: 
                                                 is_causal=causal)
                 assert (got == "fused") == (n >= crossover), (n, causal, backward, got)
                 if n < crossover:
-                    reason = relpos.why_not_fused(**(grad if backward else _args(p)),
-                                                  is_causal=causal)
+                    reason = _why_not_fused(**(grad if backward else _args(p)),
+                                            is_causal=causal)
                     assert reason is not None and f"S >= {crossover}" in reason
     assert max(fused.CROSSOVER.values()) == fused.CROSSOVER_KEYS
 
@@ -259,7 +265,7 @@ def _validated(problem: object) -> AttentionCall:
     return validate_call(**_args(problem))
 
 
-def test_auto_picks_what_why_not_fused_says(
+def test_auto_picks_what_explain_backends_says(
     monkeypatch: pytest.MonkeyPatch, no_native: None
 ) -> None:
     import importlib
@@ -275,12 +281,12 @@ def test_auto_picks_what_why_not_fused_says(
 
         monkeypatch.setattr(module, "attention", spy)
     long = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, K=2)
-    assert relpos.why_not_fused(**_args(long)) is None
+    assert _why_not_fused(**_args(long)) is None
     run(long, None)
     assert calls == ["fused"]
     calls.clear()
     short = make_problem(B=1, H=1, L=8, K=2)
-    assert relpos.why_not_fused(**_args(short)) is not None
+    assert _why_not_fused(**_args(short)) is not None
     run(short, None)
     assert calls and calls[0] != "fused"
 

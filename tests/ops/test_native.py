@@ -379,7 +379,9 @@ def test_the_backend_tests_pass_without_the_native_kernels() -> None:
 
 def test_why_not_fused_names_the_native_kernels() -> None:
     p = make_problem(B=1, H=1, L=4, S=4, D=4, K=1)
-    reason = relpos.why_not_fused(p.query, p.key, p.value, max_distance=1, rel_keys=p.rel_keys)
+    with pytest.warns(DeprecationWarning, match="use relpos.explain_backends"):
+        reason = relpos.why_not_fused(p.query, p.key, p.value, max_distance=1,
+                                      rel_keys=p.rel_keys)
     assert reason is not None and "native CPU kernels serve this call" in reason
 
 

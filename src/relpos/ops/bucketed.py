@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason, accumulation_dtype, needs_backward
+from relpos.ops._numerics import accumulation_dtype
+from relpos.ops.call import AttentionCall, Reason, needs_backward
 from relpos.ops.masking import call_softmax
 from relpos.positions import relative_position_index
 

@@ -1,4 +1,4 @@
-"""The validated call every backend receives, and the numerics choices all backends share.
+"""The validated call every backend receives, and why a backend passes a call by.
 
 :func:`relpos.functional.validate_call` checks the user's arguments once, at the public
 boundary, and returns an :class:`AttentionCall`; backends read it and never re-validate.
@@ -16,29 +16,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "AttentionCall", "Reason", "accumulation_dtype", "empty_gradients", "exp_", "needs_backward",
+    "AttentionCall", "Reason", "ensure_served", "needs_backward", "no_dropout_or_dense_mask",
 ]
-
-_LOG2_E = 1.4426950408889634
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype sums and softmax statistics are kept in: float32 for half precision
-    (``float16``, ``bfloat16``), the input dtype otherwise."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def exp_(x: Tensor) -> Tensor:
-    """``x.exp_()``, computed as ``2 ** (x * log2(e))``: the same numbers to within the
-    rounding of one product (absolute error in a probability below one ulp of 1), and fast
-    for every input.
-
-    On CPU, ``torch.exp`` goes through MKL's vector math, whose underflow handling makes each
-    element below about -87 (float32; -708 in float64), ``-inf`` included, cost 10 to 80
-    times a normal one. Masked scores are exactly such elements: in the fused band three
-    quarters of a tile's scores are ``-inf`` at K = 16. ``torch.exp2`` has no such path.
-    """
-    return x.mul_(_LOG2_E).exp2_()
 
 
 @dataclass(frozen=True)
@@ -145,15 +124,21 @@ def needs_backward(call: AttentionCall) -> bool:
     )
 
 
-def empty_gradients(
-    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Fresh contiguous gradients shaped like the inputs (``torch.empty(0)`` for an absent
-    table), whatever the inputs' strides: what the backward custom ops return, so their fake
-    implementations return this."""
-    return (
-        query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
-        query.new_empty(0) if rel_keys is None else rel_keys.new_empty(rel_keys.shape),
-        query.new_empty(0) if rel_values is None else rel_values.new_empty(rel_values.shape),
-    )
+def ensure_served(backend: str, reason: Reason | str | None) -> None:
+    """Raise the error of a backend asked to run a call it cannot serve (``reason`` is its
+    ``unsupported_reason``; None: it serves the call, nothing is raised)."""
+    if reason is not None:
+        raise RuntimeError(f"the {backend} backend cannot serve this call: {reason}")
+
+
+def no_dropout_or_dense_mask(call: AttentionCall, backend: str) -> Reason | str | None:
+    """Why a backend that has no attention dropout and reads padding only as a ``(B, S)``
+    ``key_mask`` (fused, triton) cannot serve the call on those grounds, or None."""
+    if call.dropout_p > 0.0:
+        return (f"dropout_p={call.dropout_p} > 0: the {backend} backend has no attention dropout "
+                "(the bucketed backend has)")
+    if call.attn_mask is not None:
+        return Reason.of("a dense attn_mask of shape {shape} is not supported by the {backend} "
+                         "backend; use key_mask (B, S) for padding and is_causal",
+                         shape=tuple(call.attn_mask.shape), backend=backend)
+    return None

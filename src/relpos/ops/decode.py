@@ -18,10 +18,10 @@ plain tensor ops. Used for ``L <= MAX_QUERIES`` queries aligned to the end of th
 Equivalent to :mod:`relpos.ops.reference`.
 
 Inference fast path (CPU, no autograd, no dense ``attn_mask``, no dropout, ``D == Dv``): the
-far keys go through the fused backend's guarded flash-kernel wrapper
-(:func:`relpos.ops.fused.kernels.flash_forward`, which returns the logsumexp), the band of the
+far keys go through the guarded flash-kernel wrapper the fused backend uses too
+(:func:`relpos.ops._flash.flash_forward`, which returns the logsumexp), the band of the
 last ``W`` keys is computed explicitly, and the two are merged by logsumexp
-(:func:`relpos.ops.fused.merge.combine_log_masses`), as in the fused backend's region
+(:func:`relpos.ops._lse.combine_log_masses`), as in the fused backend's region
 decomposition. That keeps a single-token step close to plain SDPA over the same cache.
 
 Shape legend: B batch, H heads, t = L queries, S keys, D head dim, Dv value head dim,
@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason, exp_
-from relpos.ops.fused.kernels import flash_forward, restore_nan_rows
-from relpos.ops.fused.merge import combine_log_masses
+from relpos.ops._flash import flash_forward, restore_nan_rows
+from relpos.ops._lse import combine_log_masses
+from relpos.ops._numerics import exp_
+from relpos.ops.call import AttentionCall, Reason
 from relpos.ops.masking import masked_softmax, visibility_mask
 from relpos.positions import relative_position_index
 

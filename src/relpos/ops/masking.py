@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, accumulation_dtype
+from relpos.ops._numerics import accumulation_dtype
+from relpos.ops.call import AttentionCall
 
 __all__ = [
     "call_softmax", "call_visibility", "masked_softmax", "rows_may_be_empty", "visibility_mask",

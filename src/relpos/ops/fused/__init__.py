@@ -13,10 +13,11 @@ Registered as the custom op ``relpos::fused_attention`` (:mod:`~relpos.ops.fused
 fake implementation and an autograd formula through ``relpos::fused_attention_backward``), so
 it can be traced by ``torch.compile(fullgraph=True)``.
 
-Files: ``kernels.py`` the guarded flash-kernel wrappers, ``far.py`` the far regions,
-``band.py`` the band, ``merge.py`` the logsumexp merge, ``decomposition.py`` the forward and
-backward that put them together, ``op.py`` the custom op; this module is the backend
-(:func:`attention` and the reasons it passes a call by).
+Files: ``far.py`` the far regions, ``band.py`` the band, ``far_terms.py`` the far rows'
+closed-form relative terms, ``decomposition.py`` the forward and backward that put them
+together, ``op.py`` the custom op; this module is the backend (:func:`attention` and the
+reasons it passes a call by). The guarded flash-kernel wrappers (:mod:`relpos.ops._flash`)
+and the logsumexp merge (:mod:`relpos.ops._lse`) are shared with the decode backend.
 
 Serves: keys term and values term (each optional), shared or per-head tables, ``is_causal``,
 ``key_mask`` (any pattern, as an O(B·S) key bias, never an L x S mask), ``query_start`` and
@@ -45,7 +46,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason, needs_backward
+from relpos.ops._custom_op import run_key_mask_op
+from relpos.ops.call import (
+    AttentionCall,
+    Reason,
+    ensure_served,
+    needs_backward,
+    no_dropout_or_dense_mask,
+)
 from relpos.ops.fused import op  # noqa: F401  (registers relpos::fused_attention)
 
 __all__ = [
@@ -93,26 +101,16 @@ def attention(call: AttentionCall) -> Tensor:
     Returns:
         ``(B, H, L, Dv)``; rows that see no key are zeros.
     """
-    reason = unsupported_reason(call)
-    if reason is not None:
-        raise RuntimeError(f"the fused backend cannot serve this call: {reason}")
-    return torch.ops.relpos.fused_attention(
-        call.query, call.key, call.value, call.rel_keys, call.rel_values, call.key_mask,
-        left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
-        query_start=call.query_start,
-    )[0]
+    ensure_served("fused", unsupported_reason(call))
+    return run_key_mask_op(torch.ops.relpos.fused_attention, call)
 
 
 def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """Why the fused backend cannot serve the call (hard limitations only), or None."""
     query = call.query
-    if call.dropout_p > 0.0:
-        return (f"dropout_p={call.dropout_p} > 0: the fused backend has no attention dropout "
-                "(the bucketed backend has)")
-    if call.attn_mask is not None:
-        return Reason.of("a dense attn_mask of shape {shape} is not supported by the fused "
-                         "backend; use key_mask (B, S) for padding and is_causal",
-                         shape=tuple(call.attn_mask.shape))
+    reason = no_dropout_or_dense_mask(call, "fused")
+    if reason is not None:
+        return reason
     *_, D, Dv = call.dims
     if Dv != D:
         return Reason.of("value head dim Dv={Dv} differs from D={D}; the flash kernels need "

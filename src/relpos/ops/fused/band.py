@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype, exp_
+from relpos.ops._numerics import accumulation_dtype, exp_
 
 __all__ = [
     "CHUNK_ELEMS", "TILE", "TILE_NARROW", "BandLayout", "BandOperands", "band_backward",

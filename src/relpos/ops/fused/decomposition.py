@@ -11,12 +11,13 @@ for a window ``(left, right)`` (``left = right = K`` for a clip distance). For `
 offset 0 belongs to FL only, so it is counted once. FL and FR are plain
 attention through the flash kernels (:mod:`~relpos.ops.fused.far`), the band is explicit
 (:mod:`~relpos.ops.fused.band`), and the three are merged by logsumexp
-(:mod:`~relpos.ops.fused.merge`). The backward hands each far region's flash backward the
-GLOBAL output and logsumexp, shifted by the region's constant, so its probabilities and its
-``delta`` are the global ones. The constants' own gradients are closed-form:
-``dc_FL = m_FL (dO . (o_FL + aV[-K]) - delta)``, and since the softmax gradient sums to zero
-over a row, ``dc_FR = -dc_FL - (sum of dS over the band)``, so the far-right output need not
-be kept. Everything is deterministic: no atomics, no scatter with repeated indices.
+(:mod:`~relpos.ops._lse`; the far rows' terms: :mod:`~relpos.ops.fused.far_terms`). The
+backward hands each far region's flash backward the GLOBAL output and logsumexp, shifted by
+the region's constant, so its probabilities and its ``delta`` are the global ones. The
+constants' own gradients are closed-form: ``dc_FL = m_FL (dO . (o_FL + aV[-K]) - delta)``,
+and since the softmax gradient sums to zero over a row,
+``dc_FR = -dc_FL - (sum of dS over the band)``, so the far-right output need not be kept.
+Everything is deterministic: no atomics, no scatter with repeated indices.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 K clip distance, R = left + right + 1 table rows.
@@ -29,16 +30,11 @@ import math
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype, exp_
+from relpos.ops._lse import combine_log_masses
+from relpos.ops._numerics import accumulation_dtype, exp_
 from relpos.ops.fused.band import BandLayout, BandOperands, band_backward, band_forward, pad_rows
 from relpos.ops.fused.far import far_backward, far_forward, key_bias
-from relpos.ops.fused.merge import (
-    add_far_rows,
-    add_rows_times_table,
-    combine_log_masses,
-    far_key_terms,
-    row_dot,
-)
+from relpos.ops.fused.far_terms import add_far_rows, add_rows_times_table, far_key_terms, row_dot
 
 __all__ = ["fused_backward", "fused_forward", "region_offsets"]
 

@@ -24,15 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
-from relpos.ops.fused.kernels import (
-    Piece,
-    flash_backward,
-    flash_forward,
-    lower_pieces,
-    restore_nan_rows,
-)
-from relpos.ops.fused.merge import merge_rows
+from relpos.ops._flash import Piece, flash_backward, flash_forward, lower_pieces, restore_nan_rows
+from relpos.ops._lse import merge_rows
+from relpos.ops._numerics import accumulation_dtype
 
 __all__ = ["FAR_BLOCK", "FAR_KEY_ELEMS", "FarRegion", "far_backward", "far_forward", "key_bias"]
 
@@ -86,7 +80,7 @@ class FarRegion:
     def blocks(self) -> list[tuple[int, int, list[Piece]]]:
         """``(a, b, pieces)`` per block of region queries ``[a, b)`` that sees some key: a
         non-causal piece over the keys every query of the block sees and a causal remainder
-        of at most ``b - a`` keys (see :func:`~relpos.ops.fused.kernels.lower_pieces`)."""
+        of at most ``b - a`` keys (see :func:`~relpos.ops._flash.lower_pieces`)."""
         out = []
         for a in range(max(0, -self.offset), self.query_len, self.block):
             b = min(self.query_len, a + self.block)

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason, accumulation_dtype, needs_backward
+from relpos.ops._numerics import accumulation_dtype
+from relpos.ops.call import AttentionCall, Reason, ensure_served, needs_backward
 from relpos.ops.native import build
 
 __all__ = [
@@ -143,9 +144,7 @@ def attention(call: AttentionCall) -> Tensor:
     Returns:
         ``(B, H, L, Dv)``; rows that see no key are zeros.
     """
-    reason = unsupported_reason(call)
-    if reason is not None:
-        raise RuntimeError(f"the native backend cannot serve this call: {reason}")
+    ensure_served("native", unsupported_reason(call))
     from relpos.ops.native import op  # registers relpos::native_attention
 
     seed = draw_seed() if call.dropout_p > 0.0 else None

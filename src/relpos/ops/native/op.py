@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype, empty_gradients
+from relpos.ops._custom_op import Gradients, empty_outputs, is_empty, register_attention_autograd
+from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.native.build import load
 
 __all__ = ["dropout_mask", "forward", "native_attention"]
@@ -26,6 +27,16 @@ def _kernels():
     if module is None:
         raise RuntimeError("the native kernels are not available (see relpos.ops.native.build)")
     return module
+
+
+def _kernel_options(
+    *, left: int, right: int, is_causal: bool, scale: float, query_start: int, dropout_p: float
+) -> object:
+    """The op's keyword options as the kernels' one ``AttentionOptions`` struct."""
+    return _kernels().AttentionOptions(
+        left=left, right=right, is_causal=is_causal, scale=scale, query_start=query_start,
+        dropout_p=dropout_p,
+    )
 
 
 def _wide(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -41,6 +52,15 @@ def _expanded(mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
     return mask.expand(B, H, L, key.shape[2])
 
 
+def _fake(query: Tensor, key: Tensor, value: Tensor, *_inputs: object, **_options: object) -> tuple[
+    Tensor, Tensor
+]:
+    B, H, L, _ = query.shape
+    Dv = value.shape[-1]
+    return query.new_empty(B, H, L, Dv), query.new_empty(
+        B, H, L, dtype=accumulation_dtype(query.dtype))
+
+
 def forward(
     query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
     rel_values: Tensor | None, key_bias: Tensor | None, attn_bias: Tensor | None,
@@ -49,17 +69,15 @@ def forward(
 ) -> tuple[Tensor, Tensor]:
     """The forward of :func:`native_attention`, without the custom op's dispatch (what
     inference calls directly: no autograd, no tracing)."""
-    B, H, L, _ = query.shape
-    S, Dv = key.shape[2], value.shape[-1]
+    if is_empty(query, key):
+        return empty_outputs(_fake(query, key, value))
     acc = accumulation_dtype(query.dtype)
-    if L == 0 or S == 0 or B * H == 0:
-        out = query.new_zeros(B, H, L, Dv)
-        return out, torch.full((B, H, L), float("inf"), dtype=acc, device=query.device)
     q, k, v, rk, rv, kb, mb = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values,
                                                         key_bias, attn_bias))
     out, lse = _kernels().forward(
-        q, k, v, rk, rv, kb, _expanded(mb, query, key), left, right, is_causal, scale,
-        query_start, dropout_p, seed,
+        q, k, v, rk, rv, kb, _expanded(mb, query, key), seed,
+        _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale,
+                 query_start=query_start, dropout_p=dropout_p),
     )
     return out.to(query.dtype), lse
 
@@ -97,95 +115,37 @@ def native_attention(
     )
 
 
-@native_attention.register_fake
-def _(query: Tensor, key: Tensor, value: Tensor, *_inputs: object, **_options: object) -> tuple[
-    Tensor, Tensor
-]:
-    B, H, L, _ = query.shape
-    Dv = value.shape[-1]
-    return query.new_empty(B, H, L, Dv), query.new_empty(
-        B, H, L, dtype=accumulation_dtype(query.dtype))
+native_attention.register_fake(_fake)
 
 
-@torch.library.custom_op("relpos::native_attention_backward", mutates_args=())
-def native_attention_backward(
-    grad_out: Tensor,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    rel_keys: Tensor | None,
-    rel_values: Tensor | None,
-    key_bias: Tensor | None,
-    attn_bias: Tensor | None,
-    seed: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-    *,
-    left: int,
-    right: int,
-    is_causal: bool,
-    scale: float,
-    query_start: int,
-    dropout_p: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients for query, key, value, rel_keys, rel_values (empty tensors for absent
-    tables). Deterministic: the table gradients are reduced in a fixed order."""
-    B, H, L, _ = query.shape
-    S = key.shape[2]
-    if L == 0 or S == 0 or B * H == 0:
-        dq, dk, dv = (x.new_zeros(x.shape) for x in (query, key, value))
-        drk = query.new_empty(0) if rel_keys is None else rel_keys.new_zeros(rel_keys.shape)
-        drv = query.new_empty(0) if rel_values is None else rel_values.new_zeros(rel_values.shape)
-        return dq, dk, dv, drk, drv
+def _backward(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None, key_bias: Tensor | None, attn_bias: Tensor | None,
+    seed: Tensor | None, out: Tensor, lse: Tensor, *, left: int, right: int, is_causal: bool,
+    scale: float, query_start: int, dropout_p: float,
+) -> Gradients:
+    """What ``relpos::native_attention_backward`` computes for a non-empty call.
+    Deterministic: the table gradients are reduced in a fixed order."""
     acc = accumulation_dtype(query.dtype)
     go, q, k, v, rk, rv, kb, mb, o = (
         _wide(t, acc)
         for t in (grad_out, query, key, value, rel_keys, rel_values, key_bias, attn_bias, out)
     )
     dq, dk, dv, drk, drv = _kernels().backward(
-        go, q, k, v, rk, rv, kb, _expanded(mb, query, key), o, lse, left, right, is_causal,
-        scale, query_start, dropout_p, seed,
+        go, q, k, v, rk, rv, kb, _expanded(mb, query, key), seed, o, lse,
+        _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale,
+                 query_start=query_start, dropout_p=dropout_p),
     )
     dtype = query.dtype
     return (
         dq.to(dtype), dk.to(dtype), dv.to(dtype),
-        query.new_empty(0) if rel_keys is None else drk.to(dtype),
-        query.new_empty(0) if rel_values is None else drv.to(dtype),
+        None if rel_keys is None else drk.to(dtype),
+        None if rel_values is None else drv.to(dtype),
     )
 
 
-@native_attention_backward.register_fake
-def _(
-    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None, *_saved: object, **_options: object,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return empty_gradients(query, key, value, rel_keys, rel_values)
-
-
-def _setup_context(
-    ctx: object, inputs: tuple[object, ...], keyword_only_inputs: dict[str, object],
-    output: tuple[Tensor, ...],
-) -> None:
-    out, lse = output
-    ctx.save_for_backward(*inputs, out, lse)  # type: ignore[attr-defined]
-    ctx.set_materialize_grads(False)  # type: ignore[attr-defined]  # only ``out`` is public
-    ctx.options = dict(keyword_only_inputs)  # type: ignore[attr-defined]
-
-
-def _backward(ctx: object, grad_out: Tensor | None, *_unused: object) -> tuple[object, ...]:
-    q, k, v, rk, rv, kb, mb, seed, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, drk, drv = native_attention_backward(
-        grad_out, q, k, v, rk, rv, kb, mb, seed, out, lse,
-        **ctx.options,  # type: ignore[attr-defined]
-    )
-    return (dq, dk, dv, None if rk is None else drk, None if rv is None else drv, None, None,
-            None)
-
-
-torch.library.register_autograd(
-    "relpos::native_attention", _backward, setup_context=_setup_context
+native_attention_backward = register_attention_autograd(
+    "relpos::native_attention", _backward, saved_outputs=("out", "lse")
 )
 
 

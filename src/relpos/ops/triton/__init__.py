@@ -41,7 +41,8 @@ import sys
 import torch
 from torch import Tensor
 
-from relpos.ops.call import AttentionCall, Reason
+from relpos.ops._custom_op import run_key_mask_op
+from relpos.ops.call import AttentionCall, Reason, ensure_served, no_dropout_or_dense_mask
 from relpos.ops.triton import op  # noqa: F401  (registers relpos::triton_attention)
 
 __all__ = ["MAX_HEAD_DIM", "attention", "auto_reason", "unsupported_reason"]
@@ -60,14 +61,8 @@ def attention(call: AttentionCall) -> Tensor:
     Returns:
         ``(B, H, L, Dv)``; rows that see no key are zeros.
     """
-    reason = unsupported_reason(call)
-    if reason is not None:
-        raise RuntimeError(f"the triton backend cannot serve this call: {reason}")
-    return torch.ops.relpos.triton_attention(
-        call.query, call.key, call.value, call.rel_keys, call.rel_values, call.key_mask,
-        left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
-        query_start=call.query_start,
-    )[0]
+    ensure_served("triton", unsupported_reason(call))
+    return run_key_mask_op(torch.ops.relpos.triton_attention, call)
 
 
 def _interpreter_reason() -> str | None:
@@ -89,13 +84,9 @@ def unsupported_reason(call: AttentionCall) -> Reason | str | None:
     """Why the triton backend cannot serve the call (hard limitations only), or None."""
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install 'relpos[gpu]')"
-    if call.dropout_p > 0.0:
-        return (f"dropout_p={call.dropout_p} > 0: the triton backend has no attention dropout "
-                "(the bucketed backend has)")
-    if call.attn_mask is not None:
-        return Reason.of("a dense attn_mask of shape {shape} is not supported by the triton "
-                         "backend; use key_mask (B, S) for padding and is_causal",
-                         shape=tuple(call.attn_mask.shape))
+    reason = no_dropout_or_dense_mask(call, "triton")
+    if reason is not None:
+        return reason
     B, H, *_, D, Dv = call.dims
     if max(D, Dv) > MAX_HEAD_DIM:
         return Reason.of("head dims D={D}, Dv={Dv}: the triton backend serves D, Dv <= {most}",

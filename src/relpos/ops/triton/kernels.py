@@ -69,6 +69,45 @@ def _bucket_gather(table_ptr, offs_m, idx, first, last, R, row_ok):
 
 
 @triton.jit
+def _edge_columns(ptr, offs_m, row_ok, R, HAS: tl.constexpr, ACC: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """The first and last columns of a per-row ``(L, R)`` table (``QA``, ``dOA``) for the rows
+    ``offs_m``, as ``_bucket_gather`` takes them; zeros without the table."""
+    first = tl.zeros([BLOCK_M], dtype=ACC)
+    last = tl.zeros([BLOCK_M], dtype=ACC)
+    if HAS:
+        first = tl.load(ptr + offs_m * R, mask=row_ok, other=0.0)
+        last = tl.load(ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+    return first, last
+
+
+@triton.jit
+def _query_rows(Q, DO, Lse, Delta, bh, offs_m, row_ok, offs_d, d_ok, offs_dv, dv_ok, L,
+                D: tl.constexpr, Dv: tl.constexpr):
+    """What the backward reads of one query block: ``q (BLOCK_M, BLOCK_D)``,
+    ``dO (BLOCK_M, BLOCK_DV)``, ``lse`` (+inf past the last row) and ``delta``."""
+    q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
+    lse = tl.load(Lse + bh * L + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _key_block(K, V, bh, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D: tl.constexpr,
+               Dv: tl.constexpr):
+    """``k (BLOCK_D, BLOCK_N)`` (transposed, as ``tl.dot(q, k)`` takes it) and
+    ``v (BLOCK_N, BLOCK_DV)`` of one key block."""
+    k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
+                mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _tile_scores(
     q, k, offs_m, offs_n, pos, row_ok, col_ok, qa_ptr, qa_first, qa_last, km_ptr,
     R, left, scale,
@@ -117,11 +156,7 @@ def forward_kernel(
     q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
     qa_ptr = QA + bh * L * R
-    qa_first = tl.zeros([BLOCK_M], dtype=ACC)
-    qa_last = tl.zeros([BLOCK_M], dtype=ACC)
-    if HAS_QA:
-        qa_first = tl.load(qa_ptr + offs_m * R, mask=row_ok, other=0.0)
-        qa_last = tl.load(qa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+    qa_first, qa_last = _edge_columns(qa_ptr, offs_m, row_ok, R, HAS_QA, ACC, BLOCK_M)
     pb_ptr = Pb + bh * L * R
     km_ptr = KM + b * S
 
@@ -230,10 +265,7 @@ def backward_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok, d_ok, dv_ok = offs_n < S, offs_d < D, offs_dv < Dv
-    k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
-                mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-    v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
-                mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+    k, v = _key_block(K, V, bh, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D, Dv)
     km_ptr = KM + b * S
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
@@ -245,24 +277,12 @@ def backward_dkdv_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < L
         pos = query_start + offs_m
-        q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        do = tl.load(DO + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
-                     mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-        lse = tl.load(Lse + bh * L + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+        q, do, lse, delta = _query_rows(Q, DO, Lse, Delta, bh, offs_m, row_ok, offs_d, d_ok,
+                                        offs_dv, dv_ok, L, D, Dv)
         qa_ptr = QA + bh * L * R
         doa_ptr = DOA + bh * L * R
-        qa_first = tl.zeros([BLOCK_M], dtype=ACC)
-        qa_last = tl.zeros([BLOCK_M], dtype=ACC)
-        doa_first = tl.zeros([BLOCK_M], dtype=ACC)
-        doa_last = tl.zeros([BLOCK_M], dtype=ACC)
-        if HAS_QA:
-            qa_first = tl.load(qa_ptr + offs_m * R, mask=row_ok, other=0.0)
-            qa_last = tl.load(qa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
-        if HAS_AV:
-            doa_first = tl.load(doa_ptr + offs_m * R, mask=row_ok, other=0.0)
-            doa_last = tl.load(doa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+        qa_first, qa_last = _edge_columns(qa_ptr, offs_m, row_ok, R, HAS_QA, ACC, BLOCK_M)
+        doa_first, doa_last = _edge_columns(doa_ptr, offs_m, row_ok, R, HAS_AV, ACC, BLOCK_M)
         p, ds, _idx, _visible = _tile_grads(
             q, k, v, do, offs_m, offs_n, pos, row_ok, col_ok, lse, delta,
             qa_ptr, qa_first, qa_last, doa_ptr, doa_first, doa_last, km_ptr, R, left, scale,
@@ -298,26 +318,14 @@ def backward_dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < Dv
     pos = query_start + offs_m
-    q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
-                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-    lse = tl.load(Lse + bh * L + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+    q, do, lse, delta = _query_rows(Q, DO, Lse, Delta, bh, offs_m, row_ok, offs_d, d_ok,
+                                    offs_dv, dv_ok, L, D, Dv)
     qa_ptr = QA + bh * L * R
     doa_ptr = DOA + bh * L * R
     dsb_ptr = DSb + bh * L * R
     km_ptr = KM + b * S
-    qa_first = tl.zeros([BLOCK_M], dtype=ACC)
-    qa_last = tl.zeros([BLOCK_M], dtype=ACC)
-    doa_first = tl.zeros([BLOCK_M], dtype=ACC)
-    doa_last = tl.zeros([BLOCK_M], dtype=ACC)
-    if HAS_QA:
-        qa_first = tl.load(qa_ptr + offs_m * R, mask=row_ok, other=0.0)
-        qa_last = tl.load(qa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
-    if HAS_AV:
-        doa_first = tl.load(doa_ptr + offs_m * R, mask=row_ok, other=0.0)
-        doa_last = tl.load(doa_ptr + offs_m * R + R - 1, mask=row_ok, other=0.0)
+    qa_first, qa_last = _edge_columns(qa_ptr, offs_m, row_ok, R, HAS_QA, ACC, BLOCK_M)
+    doa_first, doa_last = _edge_columns(doa_ptr, offs_m, row_ok, R, HAS_AV, ACC, BLOCK_M)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
     ds_left = tl.zeros([BLOCK_M], dtype=ACC)
     ds_right = tl.zeros([BLOCK_M], dtype=ACC)
@@ -328,10 +336,7 @@ def backward_dq_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < S
-        k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
-                    mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
-        v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
-                    mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+        k, v = _key_block(K, V, bh, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D, Dv)
         _p, ds, idx, visible = _tile_grads(
             q, k, v, do, offs_m, offs_n, pos, row_ok, col_ok, lse, delta,
             qa_ptr, qa_first, qa_last, doa_ptr, doa_first, doa_last, km_ptr, R, left, scale,

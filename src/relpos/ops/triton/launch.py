@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype
+from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.triton import configs
 from relpos.ops.triton.kernels import backward_dkdv_kernel, backward_dq_kernel, forward_kernel
 

@@ -30,6 +30,14 @@
 // GEMMs: MKL's sgemm_/dgemm_ as exported by libtorch (RELPOS_HAVE_BLAS; inside the tasks'
 // OpenMP region MKL runs on the calling thread, as in torch's own flash kernel); a plain C++
 // fallback otherwise.
+//
+// The file, top down: block sizes; GEMM, exp and the dropout hash; the call's options and
+// geometry; the row primitives; the phases of a row that both directions share (masks, band
+// key term, exp by segment, bucket sums); the forward's phases (online-softmax step with its
+// rescale, dropout and bucket update, epilogue) and its loops; the backward's phases (delta,
+// recompute P, dS by segment, bucket gradients, dQ/dK/dV and table-gradient GEMMs) and its
+// loops; the entry points. Each phase is one function, forced inline into the loop that calls
+// it, so the compiled loops are those of a single loop body.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,9 +49,44 @@
 #include <limits>
 #include <vector>
 
+#if defined(_MSC_VER)
+#define RELPOS_INLINE __forceinline
+#else
+#define RELPOS_INLINE inline __attribute__((always_inline))
+#endif
+
 namespace relpos_native {
 
 using at::Tensor;
+
+// ------------------------------------------------------------------------------------------
+// Block sizes
+//
+// No measurement that chose these is recorded (git history or benchmarks/): the query block has
+// been 64 rows since the kernels' first version, one of the sizes torch's CPU flash kernel picks
+// by length (32 / 64 / 256), and the key block is that kernel's 512. What they trade: a
+// 64 x 512 tile is 128 KiB of float scores (the backward holds two, dP beside S), about an L2;
+// larger query blocks read each K/V tile for more rows but leave fewer forward tasks for
+// at::parallel_for, which runs over (batch, head, query block).
+
+constexpr int64_t kQueryBlock = 64;       // rows of Q per block
+constexpr int64_t kWholeQueryRows = 32;   // up to this many queries: all rows in one block
+constexpr int64_t kKeyBlock = 512;        // keys per tile
+// A decode step (at most kDecodeQueryRows queries) takes its whole rows in one key block of at
+// most kDecodeScores scores, so its softmax never rescales (no measurement recorded either).
+constexpr int64_t kDecodeQueryRows = 8;
+constexpr int64_t kDecodeScores = 65536;
+
+static int64_t query_block_size(int64_t L) {
+  return L <= kWholeQueryRows ? std::max<int64_t>(L, 1) : kQueryBlock;
+}
+
+static int64_t key_block_size(int64_t L, int64_t S) {
+  if (L <= kDecodeQueryRows)
+    return std::min<int64_t>(
+        S, std::max<int64_t>(kKeyBlock, kDecodeScores / std::max<int64_t>(L, 1)));
+  return std::min<int64_t>(S, kKeyBlock);
+}
 
 // ------------------------------------------------------------------------------------------
 // GEMM: row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C
@@ -107,6 +150,30 @@ static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alp
 #else
   gemm_fallback(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
+}
+
+// The three forms the kernels use, on packed row-major matrices (each row's stride is its
+// width), named by which operand is read transposed; beta is 0 (overwrite C) or 1 (add to C).
+
+// C (M, N) = alpha · A (M, K) @ B (K, N) + beta · C
+template <typename T>
+static inline void gemm_nn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
+                           T beta, T* C) {
+  gemm<T>(false, false, M, N, K, alpha, A, K, B, N, beta, C, N);
+}
+
+// C (M, N) = alpha · A (M, K) @ B^T + beta · C, B (N, K)
+template <typename T>
+static inline void gemm_nt(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
+                           T beta, T* C) {
+  gemm<T>(false, true, M, N, K, alpha, A, K, B, K, beta, C, N);
+}
+
+// C (M, N) = alpha · A^T @ B (K, N) + beta · C, A (K, M)
+template <typename T>
+static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
+                           T beta, T* C) {
+  gemm<T>(true, false, M, N, K, alpha, A, M, B, N, beta, C, N);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -208,7 +275,26 @@ struct Dropout {
 };
 
 // ------------------------------------------------------------------------------------------
-// Problem geometry
+// The call: its scalar options (relpos.ops.native.op builds them once per set of values) and
+// the problem geometry derived from them and the tensors' shapes.
+
+struct AttentionOptions {
+  int64_t left = 0, right = 0;  // offsets clipped to [-left, +right]; table row r + left
+  bool is_causal = false;
+  double scale = 1.0;           // multiplies q . k and q . aK alike
+  int64_t query_start = 0;      // position of query 0 (bottom-right alignment: S - L)
+  double dropout_p = 0.0;       // attention dropout; its stream is the `seed` tensor
+};
+
+// Where row i (position p = query_start + i) meets key block [j0, j1): far-left [j0, fl), band
+// [fl, bd), far-right [bd, end); the causal mask hides [end, j1). The row's tile entries are
+// indexed from j0, so its far-left scores start at 0, its band at n_left, its far-right at
+// n_left + n_band.
+struct RowSegments {
+  int64_t p, j0, fl, bd, end;
+  int64_t n_left, n_band, n_right, n_visible;  // fl - j0, bd - fl, end - bd, end - j0
+  int64_t band_row;                            // table row of key fl: fl - p + left
+};
 
 struct Geometry {
   int64_t B, H, L, S, D, Dv, R, left, right, query_start, Hr_k, Hr_v;
@@ -216,14 +302,21 @@ struct Geometry {
   // A dense additive mask (B, H, L, S) in any strides (0 where broadcast), or none.
   int64_t mB = 0, mH = 0, mL = 0, mS = 0;
 
-  // Segments of row position p within key block [j0, j1): far-left [j0, fl), band [fl, bd),
-  // far-right [bd, end). end < j1 where the causal mask hides the rest.
-  inline void segments(int64_t p, int64_t j0, int64_t j1, int64_t& fl, int64_t& bd,
-                       int64_t& end) const {
-    end = causal ? std::min(j1, p + 1) : j1;
-    if (end < j0) end = j0;
-    fl = std::min(std::max(p - left + 1, j0), end);
-    bd = std::min(std::max(p + right, fl), end);
+  // The segments of the row at position p within key block [j0, j1).
+  inline RowSegments segments(int64_t p, int64_t j0, int64_t j1) const {
+    RowSegments seg;
+    seg.p = p;
+    seg.j0 = j0;
+    seg.end = causal ? std::min(j1, p + 1) : j1;
+    if (seg.end < j0) seg.end = j0;
+    seg.fl = std::min(std::max(p - left + 1, j0), seg.end);
+    seg.bd = std::min(std::max(p + right, seg.fl), seg.end);
+    seg.n_left = seg.fl - j0;
+    seg.n_band = seg.bd - seg.fl;
+    seg.n_right = seg.end - seg.bd;
+    seg.n_visible = seg.end - j0;
+    seg.band_row = left - p + seg.fl;
+    return seg;
   }
 
   // Whether any row of query block [i0, i1) sees a key of the block starting at j0.
@@ -239,61 +332,57 @@ struct Geometry {
   }
 };
 
-static int64_t query_block_size(int64_t L) {
-  return L <= 32 ? std::max<int64_t>(L, 1) : 64;
+// The call's tensors as contiguous raw pointers (nullptr for an absent optional one).
+template <typename T>
+struct Inputs {
+  const T* q;          // (B, H, L, D)
+  const T* k;          // (B, H, S, D)
+  const T* v;          // (B, H, S, Dv)
+  const T* ak;         // (Hr_k, R, D) or nullptr
+  const T* av;         // (Hr_v, R, Dv) or nullptr
+  const T* key_bias;   // (B, S) or nullptr
+  const T* attn_bias;  // (B, H, L, S) in the strides of Geometry::mB.. or nullptr
+};
+
+// What one (batch, head) reads: its keys, values, tables (shared or its own) and key bias.
+template <typename T>
+struct Head {
+  int64_t bh, b, h;
+  const T* k;         // (S, D)
+  const T* v;         // (S, Dv)
+  const T* ak;        // (R, D) or nullptr
+  const T* av;        // (R, Dv) or nullptr
+  const T* key_bias;  // (S) or nullptr
+};
+
+template <typename T>
+static inline Head<T> head_of(const Geometry& g, const Inputs<T>& in, int64_t bh) {
+  Head<T> hd;
+  hd.bh = bh;
+  hd.b = bh / g.H;
+  hd.h = bh % g.H;
+  hd.k = in.k + bh * g.S * g.D;
+  hd.v = in.v + bh * g.S * g.Dv;
+  hd.ak = in.ak ? in.ak + (g.Hr_k == 1 ? 0 : hd.h) * g.R * g.D : nullptr;
+  hd.av = in.av ? in.av + (g.Hr_v == 1 ? 0 : hd.h) * g.R * g.Dv : nullptr;
+  hd.key_bias = in.key_bias ? in.key_bias + hd.b * g.S : nullptr;
+  return hd;
 }
 
-// Keys per block: 512 (torch's flash kernel's size); a few queries over many keys (a decode
-// step) take their whole rows in one block of at most 64K scores (no online rescaling).
-static int64_t key_block_size(int64_t L, int64_t S) {
-  if (L <= 8) return std::min<int64_t>(S, std::max<int64_t>(512, 65536 / std::max<int64_t>(L, 1)));
-  return std::min<int64_t>(S, 512);
+// Row i of the dense mask of head (b, h) (read as mrow[j * mS]), or nullptr.
+template <typename T>
+static inline const T* mask_row(const Geometry& g, const T* attn_bias, int64_t b, int64_t h,
+                                int64_t i) {
+  return attn_bias ? attn_bias + b * g.mB + h * g.mH + i * g.mL : nullptr;
 }
 
 // ------------------------------------------------------------------------------------------
-// Score rows of one tile. `s` holds scale * q . k for keys [j0, j1) of the row at position p.
-// The relative key term is added to the band only: a far segment's constant (QA[i, 0] or
-// QA[i, R-1]) is folded into its max and its exp offset, so far keys cost no extra pass.
-
-template <typename T>
-static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, const T* kb,
-                             const T* mrow) {
-  const T ninf = -std::numeric_limits<T>::infinity();
-  if (kb != nullptr) {
-#pragma omp simd
-    for (int64_t j = j0; j < end; ++j) {
-      const T b = kb[j];
-      s[j - j0] = b == ninf ? ninf : s[j - j0] + b;
-    }
-  }
-  if (mrow != nullptr) {  // row of a dense mask: mrow[j * mS]
-    const int64_t st = g.mS;
-    for (int64_t j = j0; j < end; ++j) {
-      const T b = mrow[j * st];
-      s[j - j0] = b == ninf ? ninf : s[j - j0] + b;
-    }
-  }
-}
+// Row primitives
 
 // max(a, b), NaN if either is.
 template <typename T>
 static inline T nan_max(T a, T b) {
   return (std::isnan(a) || a > b) ? a : b;
-}
-
-// Bucket sums of one row of `x` (keys [j0, end)) into pb (R entries).
-template <typename T>
-static inline void bucket_row(const T* x, const Geometry& g, int64_t p, int64_t j0, int64_t fl,
-                              int64_t bd, int64_t end, T* pb) {
-  T sum_l = 0, sum_r = 0;
-#pragma omp simd reduction(+ : sum_l)
-  for (int64_t j = j0; j < fl; ++j) sum_l += x[j - j0];
-  T* band = pb + (g.left - p);
-  for (int64_t j = fl; j < bd; ++j) band[j] += x[j - j0];
-#pragma omp simd reduction(+ : sum_r)
-  for (int64_t j = bd; j < end; ++j) sum_r += x[j - j0];
-  pb[0] += sum_l;
-  pb[g.R - 1] += sum_r;
 }
 
 // The largest of x[0..n) (-inf for n = 0; NaN entries are skipped), in 16 independent lanes so
@@ -326,287 +415,508 @@ static inline T exp_sum(T* x, int64_t n, T offset) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Forward
+// Phases of a row that both directions share. `s` is the row's tile of scores, entry x for key
+// j0 + x, holding scale * q_i . k_j from the tile's GEMM.
+
+// The relative term of a row's far segments: one constant per segment, the first and last entry
+// of its (R) row of QA (key term) or dOA (value term); 0 without the table.
+template <typename T>
+struct FarConstants {
+  T left, right;
+};
 
 template <typename T>
-static void forward_impl(const Geometry& g, const T* q, const T* k, const T* v, const T* ak,
-                         const T* av, const T* kbias, const T* mask, T scale, const Dropout& drop,
-                         T* out, T* lse) {
-  const int64_t B = g.B, H = g.H, L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
-  const int64_t nqb = (L + BQ - 1) / BQ;
+static inline FarConstants<T> far_constants(const T* table_row, int64_t R) {
+  return {table_row ? table_row[0] : T(0), table_row ? table_row[R - 1] : T(0)};
+}
+
+// Tile masks: the key bias and the row of a dense mask, added to the visible keys [j0, end)
+// (-inf hides a key whatever its score).
+template <typename T>
+static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, const T* kb,
+                             const T* mrow) {
   const T ninf = -std::numeric_limits<T>::infinity();
+  if (kb != nullptr) {
+#pragma omp simd
+    for (int64_t j = j0; j < end; ++j) {
+      const T b = kb[j];
+      s[j - j0] = b == ninf ? ninf : s[j - j0] + b;
+    }
+  }
+  if (mrow != nullptr) {  // row of a dense mask: mrow[j * mS]
+    const int64_t st = g.mS;
+    for (int64_t j = j0; j < end; ++j) {
+      const T b = mrow[j * st];
+      s[j - j0] = b == ninf ? ninf : s[j - j0] + b;
+    }
+  }
+}
+
+// Band key term: s_ij += QA[i, j - p + left] for the band's keys. The far segments' constants
+// QA[i, 0] and QA[i, R-1] are not added here: they are folded into the max and the exp offset,
+// so far keys cost no extra pass.
+template <typename T>
+static RELPOS_INLINE void add_band_key_term(T* s, const RowSegments& seg, const T* qa_row) {
+  if (qa_row == nullptr) return;
+  T* band_scores = s + seg.n_left;
+  const T* band = qa_row + seg.band_row;  // band[x] = QA[i, (fl + x) - p + left]
+  for (int64_t x = 0; x < seg.n_band; ++x) band_scores[x] += band[x];
+}
+
+template <typename T>
+struct SegmentSums {
+  T left, band, right;
+};
+
+// s = exp(s + far constant - offset), segment by segment; returns each segment's sum.
+template <typename T>
+static RELPOS_INLINE SegmentSums<T> exp_segments(T* s, const RowSegments& seg,
+                                                 FarConstants<T> qa_far, T offset) {
+  T* band_scores = s + seg.n_left;
+  SegmentSums<T> sum;
+  sum.left = exp_sum<T>(s, seg.n_left, offset - qa_far.left);
+  sum.band = exp_sum<T>(band_scores, seg.n_band, offset);
+  sum.right = exp_sum<T>(band_scores + seg.n_band, seg.n_right, offset - qa_far.right);
+  return sum;
+}
+
+// Bucket update: adds a row's bucket sums to its R table rows, the far segments' (known) sums to
+// rows 0 and R-1, the band entry by entry.
+template <typename T>
+static RELPOS_INLINE void add_to_buckets(T* buckets, int64_t R, const RowSegments& seg,
+                                         T far_left_sum, const T* band, T far_right_sum) {
+  buckets[0] += far_left_sum;
+  buckets[R - 1] += far_right_sum;
+  T* band_buckets = buckets + seg.band_row;
+  for (int64_t x = 0; x < seg.n_band; ++x) band_buckets[x] += band[x];
+}
+
+// Bucket update of a row whose far sums are not known (after dropout): sums them first.
+template <typename T>
+static RELPOS_INLINE void bucket_row(const T* x, int64_t R, const RowSegments& seg,
+                                     T* buckets) {
+  T sum_l = 0, sum_r = 0;
+#pragma omp simd reduction(+ : sum_l)
+  for (int64_t j = 0; j < seg.n_left; ++j) sum_l += x[j];
+  const T* right = x + seg.n_left + seg.n_band;
+#pragma omp simd reduction(+ : sum_r)
+  for (int64_t j = 0; j < seg.n_right; ++j) sum_r += right[j];
+  add_to_buckets(buckets, R, seg, sum_l, x + seg.n_left, sum_r);
+}
+
+// ------------------------------------------------------------------------------------------
+// Forward phases
+
+// One thread's state for the query block it works on.
+template <typename T>
+struct ForwardBlock {
+  std::vector<T> scores;  // (BQ, BK): S of the current tile, then P (row stride nk)
+  std::vector<T> qa;      // (BQ, R): QA = scale · Q_I @ aK^T
+  std::vector<T> pb;      // (BQ, R): Pb, each row's probability mass per table row
+  std::vector<T> acc;     // (BQ, Dv): sum_j p_ij v_j
+  std::vector<T> m, l;    // (BQ): the online softmax's running max and sum
+
+  ForwardBlock(int64_t BQ, int64_t BK, int64_t R, int64_t Dv, bool keys, bool values)
+      : scores(BQ * BK), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv),
+        m(BQ), l(BQ) {}
+};
+
+// The row's max over its visible scores, far constants included. row_max skips NaN; a row whose
+// visible scores are all NaN must stay NaN, not look empty (other NaNs reach the row through
+// exp and its sum).
+template <typename T>
+static RELPOS_INLINE T segments_max(const T* s, const RowSegments& seg, FarConstants<T> qa_far) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const T* band_scores = s + seg.n_left;
+  T mx = ninf;
+  if (seg.n_left > 0) mx = nan_max<T>(mx, row_max<T>(s, seg.n_left) + qa_far.left);
+  if (seg.n_band > 0) mx = nan_max<T>(mx, row_max<T>(band_scores, seg.n_band));
+  if (seg.n_right > 0)
+    mx = nan_max<T>(mx, row_max<T>(band_scores + seg.n_band, seg.n_right) + qa_far.right);
+  if (mx == ninf) {
+    for (int64_t j = 0; j < seg.n_visible; ++j)
+      if (std::isnan(s[j])) mx = std::numeric_limits<T>::quiet_NaN();
+  }
+  return mx;
+}
+
+// RESCALE: the row's running sum, output accumulator and bucket masses, all relative to the old
+// max, times alpha = exp(m_old - m_new).
+template <typename T>
+static RELPOS_INLINE void rescale_row(ForwardBlock<T>& w, int64_t r, T alpha, int64_t Dv,
+                                      int64_t R, bool values) {
+  w.l[r] *= alpha;
+  T* a = w.acc.data() + r * Dv;
+  for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+  if (values) {
+    T* pr = w.pb.data() + r * R;
+    for (int64_t x = 0; x < R; ++x) pr[x] *= alpha;
+  }
+}
+
+// Online-softmax step of row r over one tile: the new max, the rescale of the row's state, then
+// s = exp(s - m_new) (far constants folded in; the hidden tail [n_visible, nk) set to 0) and
+// l += its sum. Returns false, with the row's tile zeroed, while the row has seen no key.
+template <typename T>
+static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T>& w, int64_t r, T* s, int64_t nk,
+                                              const RowSegments& seg, FarConstants<T> qa_far,
+                                              int64_t Dv, int64_t R, bool values,
+                                              SegmentSums<T>& p_sums) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const T mx = segments_max<T>(s, seg, qa_far);
+  const T m_old = w.m[r];
+  const T m_new = std::isnan(mx) ? mx : std::max(m_old, mx);
+  if (m_new == ninf) {  // nothing visible yet in this row
+    std::fill(s, s + nk, T(0));
+    return false;
+  }
+  const T alpha = m_old == ninf ? T(0) : exp_<T>(m_old - m_new);
+  if (alpha != T(1)) rescale_row<T>(w, r, alpha, Dv, R, values);  // RESCALE to the new max
+  w.m[r] = m_new;
+  p_sums = exp_segments<T>(s, seg, qa_far, m_new);
+  for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
+  w.l[r] += p_sums.left + p_sums.band + p_sums.right;
+  return true;
+}
+
+// Dropout of one row of P (forward): dropped entries 0, kept ones times 1 / (1 - p).
+template <typename T>
+static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& drop, int64_t bh,
+                                   int64_t i, T inv_keep) {
+  uint32_t k1, k2;
+  drop.row_keys(bh, i, k1, k2);
+  const uint32_t th = drop.threshold;
+  const int64_t j0 = seg.j0;
+#pragma omp simd
+  for (int64_t j = 0; j < seg.n_visible; ++j) {
+    const bool kept = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th);
+    s[j] = kept ? s[j] * inv_keep : T(0);
+  }
+}
+
+// Prologue of a query block: QA of its rows; the online softmax's state emptied.
+template <typename T>
+static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T>& hd,
+                                           ForwardBlock<T>& w, int64_t nq, T scale,
+                                           const T* q_block) {
+  const int64_t R = g.R;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T
+  if (hd.ak) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
+  if (hd.av) std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
+  std::fill(w.acc.begin(), w.acc.begin() + nq * g.Dv, T(0));
+  std::fill(w.m.begin(), w.m.end(), ninf);
+  std::fill(w.l.begin(), w.l.end(), T(0));
+}
+
+// Row r of one tile: masks, band key term, online-softmax step, then dropout and the bucket
+// update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) in the row's tile for the P @ V GEMM.
+template <typename T>
+static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, const T* attn_bias,
+                                      const Dropout& drop, T inv_keep, ForwardBlock<T>& w,
+                                      int64_t r, int64_t i, int64_t j0, int64_t j1) {
+  const int64_t nk = j1 - j0, R = g.R;
+  T* s = w.scores.data() + r * nk;
+  const RowSegments seg = g.segments(g.query_start + i, j0, j1);
+  add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
+  const T* qa_row = hd.ak ? w.qa.data() + r * R : nullptr;
+  const FarConstants<T> qa_far = far_constants(qa_row, R);
+  add_band_key_term<T>(s, seg, qa_row);
+  SegmentSums<T> p_sums;
+  if (!online_softmax_step<T>(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums))
+    return;
+  T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
+  if (drop.on) {
+    drop_row<T>(s, seg, drop, hd.bh, i, inv_keep);
+    if (pb_row) bucket_row<T>(s, R, seg, pb_row);
+  } else if (pb_row) {
+    add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
+  }
+}
+
+// Epilogue of a query block: acc += Pb @ aV, out = acc / l, lse = m + log l. A row that sees no
+// key gets zeros and lse = +inf, so the backward's P is 0.
+template <typename T>
+static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T>& hd,
+                                           ForwardBlock<T>& w, int64_t nq, T* out_block,
+                                           T* lse_block) {
+  const int64_t Dv = g.Dv;
+  // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv)
+  if (hd.av) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
+  for (int64_t r = 0; r < nq; ++r) {
+    const T row_sum = w.l[r];
+    T* o = out_block + r * Dv;
+    const T* a = w.acc.data() + r * Dv;
+    if (row_sum > T(0) || std::isnan(row_sum) || std::isnan(w.m[r])) {
+      const T inv = T(1) / row_sum;
+      for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
+      lse_block[r] = w.m[r] + std::log(row_sum);
+    } else {
+      for (int64_t d = 0; d < Dv; ++d) o[d] = T(0);
+      lse_block[r] = std::numeric_limits<T>::infinity();
+    }
+  }
+}
+
+// Tasks: (batch, head, query block). Each streams its key blocks through the online softmax.
+template <typename T>
+static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const Dropout& drop,
+                         T* out, T* lse) {
+  const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
+  const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
+  const int64_t n_query_blocks = (L + BQ - 1) / BQ;
   const T inv_keep = static_cast<T>(drop.inv_keep);
 
-  at::parallel_for(0, B * H * nqb, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<T> sbuf(BQ * BK), qa(ak ? BQ * R : 0), pb(av ? BQ * R : 0), acc(BQ * Dv);
-    std::vector<T> m(BQ), l(BQ);
+  at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
+    ForwardBlock<T> w(BQ, BK, R, Dv, in.ak != nullptr, in.av != nullptr);
     for (int64_t task = begin; task < stop; ++task) {
-      const int64_t bh = task / nqb, qb = task % nqb;
-      const int64_t b = bh / H, h = bh % H;
+      const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
+      const Head<T> hd = head_of(g, in, bh);
       const int64_t i0 = qb * BQ, i1 = std::min(L, i0 + BQ), nq = i1 - i0;
-      const T* qp = q + (bh * L + i0) * D;
-      const T* kp = k + bh * S * D;
-      const T* vp = v + bh * S * Dv;
-      const T* akp = ak ? ak + (g.Hr_k == 1 ? 0 : h) * R * D : nullptr;
-      const T* avp = av ? av + (g.Hr_v == 1 ? 0 : h) * R * Dv : nullptr;
-      const T* kb = kbias ? kbias + b * S : nullptr;
-      if (akp) gemm<T>(false, true, nq, R, D, scale, qp, D, akp, D, T(0), qa.data(), R);
-      if (avp) std::fill(pb.begin(), pb.begin() + nq * R, T(0));
-      std::fill(acc.begin(), acc.begin() + nq * Dv, T(0));
-      std::fill(m.begin(), m.end(), ninf);
-      std::fill(l.begin(), l.end(), T(0));
+      const T* q_block = in.q + (bh * L + i0) * D;
+      forward_prologue<T>(g, hd, w, nq, scale, q_block);
       for (int64_t j0 = 0; j0 < S; j0 += BK) {
         if (!g.block_visible(i1, j0)) break;
         const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
-        gemm<T>(false, true, nq, nk, D, scale, qp, D, kp + j0 * D, D, T(0), sbuf.data(), nk);
-        for (int64_t r = 0; r < nq; ++r) {
-          const int64_t i = i0 + r, p = g.query_start + i;
-          T* s = sbuf.data() + r * nk;
-          int64_t fl, bd, end;
-          g.segments(p, j0, j1, fl, bd, end);
-          const T* mrow = mask ? mask + b * g.mB + h * g.mH + i * g.mL : nullptr;
-          add_masks<T>(s, g, j0, end, kb, mrow);
-          const T* qar = akp ? qa.data() + r * R : nullptr;
-          const T c0 = qar ? qar[0] : T(0), c1 = qar ? qar[R - 1] : T(0);
-          const int64_t nl = fl - j0, nb = bd - fl, nr = end - bd, nv = end - j0;
-          T* sb = s + nl;  // the band's scores
-          if (qar != nullptr) {
-            const T* band = qar + (g.left - p + fl);  // band[x] = QA[i, (fl + x) - p + left]
-            for (int64_t x = 0; x < nb; ++x) sb[x] += band[x];
-          }
-          T mx = ninf;
-          if (nl > 0) mx = nan_max<T>(mx, row_max<T>(s, nl) + c0);
-          if (nb > 0) mx = nan_max<T>(mx, row_max<T>(sb, nb));
-          if (nr > 0) mx = nan_max<T>(mx, row_max<T>(sb + nb, nr) + c1);
-          // row_max skips NaN; a row whose visible scores are all NaN must stay NaN, not look
-          // empty (other NaNs reach the row through exp and its sum).
-          if (mx == ninf) {
-            for (int64_t j = 0; j < nv; ++j)
-              if (std::isnan(s[j])) mx = std::numeric_limits<T>::quiet_NaN();
-          }
-          const T m_old = m[r];
-          const T m_new = std::isnan(mx) ? mx : std::max(m_old, mx);
-          if (m_new == ninf) {  // nothing visible yet in this row
-            std::fill(s, s + nk, T(0));
-            continue;
-          }
-          const T alpha = m_old == ninf ? T(0) : exp_<T>(m_old - m_new);
-          if (alpha != T(1)) {
-            l[r] *= alpha;
-            T* a = acc.data() + r * Dv;
-            for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-            if (avp) {
-              T* pr = pb.data() + r * R;
-              for (int64_t x = 0; x < R; ++x) pr[x] *= alpha;
-            }
-          }
-          m[r] = m_new;
-          const T sum_l = exp_sum<T>(s, nl, m_new - c0);
-          const T sum_b = exp_sum<T>(sb, nb, m_new);
-          const T sum_r = exp_sum<T>(sb + nb, nr, m_new - c1);
-          for (int64_t j = nv; j < nk; ++j) s[j] = T(0);
-          l[r] += sum_l + sum_b + sum_r;
-          if (drop.on) {
-            uint32_t k1, k2;
-            drop.row_keys(bh, i, k1, k2);
-            const uint32_t th = drop.threshold;
-#pragma omp simd
-            for (int64_t j = 0; j < nv; ++j) {
-              const bool kp_ = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th);
-              s[j] = kp_ ? s[j] * inv_keep : T(0);
-            }
-            if (avp) bucket_row<T>(s, g, p, j0, fl, bd, end, pb.data() + r * R);
-          } else if (avp) {
-            T* pr = pb.data() + r * R;
-            pr[0] += sum_l;
-            pr[R - 1] += sum_r;
-            T* band = pr + (g.left - p + fl);
-            for (int64_t x = 0; x < nb; ++x) band[x] += sb[x];
-          }
-        }
-        gemm<T>(false, false, nq, Dv, nk, T(1), sbuf.data(), nk, vp + j0 * Dv, Dv, T(1),
-                acc.data(), Dv);
+        // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
+        gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+        for (int64_t r = 0; r < nq; ++r)
+          forward_row<T>(g, hd, in.attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
+        // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
+        gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), hd.v + j0 * Dv, T(1), w.acc.data());
       }
-      if (avp) gemm<T>(false, false, nq, Dv, R, T(1), pb.data(), R, avp, Dv, T(1), acc.data(), Dv);
-      T* op = out + (bh * L + i0) * Dv;
-      T* lp = lse + bh * L + i0;
-      for (int64_t r = 0; r < nq; ++r) {
-        const T lr = l[r];
-        T* o = op + r * Dv;
-        const T* a = acc.data() + r * Dv;
-        if (lr > T(0) || std::isnan(lr) || std::isnan(m[r])) {
-          const T inv = T(1) / lr;
-          for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
-          lp[r] = m[r] + std::log(lr);
-        } else {  // a row that sees no key: zeros, and +inf so the backward's P is 0
-          for (int64_t d = 0; d < Dv; ++d) o[d] = T(0);
-          lp[r] = std::numeric_limits<T>::infinity();
-        }
-      }
+      forward_epilogue<T>(g, hd, w, nq, out + (bh * L + i0) * Dv, lse + bh * L + i0);
     }
   });
 }
 
 // ------------------------------------------------------------------------------------------
-// Backward
+// Backward phases
 
+// One thread's state for the query block it works on.
 template <typename T>
-static void backward_impl(const Geometry& g, const T* dout, const T* q, const T* k, const T* v,
-                          const T* ak, const T* av, const T* kbias, const T* mask, const T* out,
-                          const T* lse,
-                          T scale, const Dropout& drop, T* dq, T* dk, T* dv, T* dak_part,
-                          T* dav_part) {
-  const int64_t B = g.B, H = g.H, L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
+struct BackwardBlock {
+  std::vector<T> scores;     // (BQ, BK): S of the current tile, then P (row stride nk)
+  std::vector<T> dp;         // (BQ, BK): dP = dO @ V_J^T (+ dOA), then dS
+  std::vector<T> p_dropped;  // (BQ, BK), with dropout only: P times the keep mask / (1 - p)
+  std::vector<T> qa;         // (BQ, R): QA = scale · Q_I @ aK^T
+  std::vector<T> doa;        // (BQ, R): dOA = dO_I @ aV^T
+  std::vector<T> pb;         // (BQ, R): Pb, bucket sums of the (dropped) P
+  std::vector<T> dsb;        // (BQ, R): dSb, bucket sums of dS
+  std::vector<T> dq_acc;     // (BQ, D): dS @ K + dSb @ aK, before the scale
+  std::vector<T> delta;      // (BQ): dO_i . out_i
+
+  BackwardBlock(int64_t BQ, int64_t BK, int64_t R, int64_t D, bool keys, bool values,
+                bool dropout)
+      : scores(BQ * BK), dp(BQ * BK), p_dropped(dropout ? BQ * BK : 0), qa(keys ? BQ * R : 0),
+        doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0),
+        dq_acc(BQ * D), delta(BQ) {}
+};
+
+// delta_i = dO_i . out_i for the rows of a query block.
+template <typename T>
+static RELPOS_INLINE void row_deltas(T* delta, const T* do_block, const T* out_block, int64_t nq,
+                                     int64_t Dv) {
+  for (int64_t r = 0; r < nq; ++r) {
+    T acc = 0;
+    for (int64_t d = 0; d < Dv; ++d) acc += do_block[r * Dv + d] * out_block[r * Dv + d];
+    delta[r] = acc;
+  }
+}
+
+// dS = P (dP - delta') over a far segment, where delta' = delta - the segment's dOA constant;
+// dS over dp in place. Returns the segment's sum of dS (its dSb bucket).
+template <typename T>
+static RELPOS_INLINE T far_segment_ds(const T* p, T* dp, int64_t n, T far_delta) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const T x = p[j] * (dp[j] - far_delta);
+    dp[j] = x;
+    sum += x;
+  }
+  return sum;
+}
+
+// Without dropout: dS = P (dO . (v_j + aV[r]) - delta) over a row, in place of dP. The band
+// gathers its dOA term; each far segment's is a constant, folded into its delta. Returns the
+// far segments' dS sums (the band's are added entry by entry in the bucket update).
+template <typename T>
+static RELPOS_INLINE SegmentSums<T> ds_row(const T* s, T* dp, const RowSegments& seg,
+                                           const T* doa_row, FarConstants<T> doa_far,
+                                           T row_delta) {
+  SegmentSums<T> ds;
+  ds.left = far_segment_ds<T>(s, dp, seg.n_left, row_delta - doa_far.left);
+  const T* band_p = s + seg.n_left;
+  T* band_dp = dp + seg.n_left;
+  const T* doa_band = doa_row ? doa_row + seg.band_row : nullptr;
+  for (int64_t x = 0; x < seg.n_band; ++x)
+    band_dp[x] = band_p[x] * (band_dp[x] + (doa_band ? doa_band[x] : T(0)) - row_delta);
+  ds.band = T(0);  // not summed
+  ds.right = far_segment_ds<T>(band_p + seg.n_band, band_dp + seg.n_band, seg.n_right,
+                               row_delta - doa_far.right);
+  return ds;
+}
+
+// With dropout: dP += dOA (gathered in the band, constants in the far segments), then with the
+// row's keep weights w (0 or 1 / (1 - p)): p_dropped = P w, and dS = P (dP w - delta) in place
+// of dP. The hidden tail of p_dropped is set to 0.
+template <typename T>
+static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_t nk,
+                                         const RowSegments& seg, const T* doa_row,
+                                         FarConstants<T> doa_far, T row_delta,
+                                         const Dropout& drop, int64_t bh, int64_t i,
+                                         T inv_keep) {
+  const int64_t nl = seg.n_left, nb = seg.n_band, nr = seg.n_right, nv = seg.n_visible;
+  if (doa_row != nullptr) {
+    T* band_dp = dp + nl;
+    for (int64_t j = 0; j < nl; ++j) dp[j] += doa_far.left;
+    const T* doa_band = doa_row + seg.band_row;
+    for (int64_t x = 0; x < nb; ++x) band_dp[x] += doa_band[x];
+    for (int64_t j = 0; j < nr; ++j) band_dp[nb + j] += doa_far.right;
+  }
+  uint32_t k1, k2;
+  drop.row_keys(bh, i, k1, k2);
+  const uint32_t th = drop.threshold;
+  const int64_t j0 = seg.j0;
+#pragma omp simd
+  for (int64_t j = 0; j < nv; ++j) {
+    const T w = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th) ? inv_keep : T(0);
+    p_dropped[j] = s[j] * w;
+    dp[j] = s[j] * (dp[j] * w - row_delta);  // dS
+  }
+  for (int64_t j = nv; j < nk; ++j) p_dropped[j] = T(0);
+}
+
+// Row r of one tile: recompute P = exp(s - lse) (masks, band key term, far constants in the
+// offsets), turn dP into dS, and add the row's bucket sums to Pb (for daV) and dSb (for dq and
+// daK). Leaves P (or P dropped) and dS, both 0 where hidden, for the tile's GEMMs.
+template <typename T>
+static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T>& hd, const T* attn_bias,
+                                       const Dropout& drop, T inv_keep, BackwardBlock<T>& w,
+                                       T* pd, T row_lse, int64_t r, int64_t i, int64_t j0,
+                                       int64_t j1) {
+  const int64_t nk = j1 - j0, R = g.R;
+  T* s = w.scores.data() + r * nk;
+  T* dp = w.dp.data() + r * nk;
+  T* pd_row = pd + r * nk;
+  const RowSegments seg = g.segments(g.query_start + i, j0, j1);
+  add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
+  const T* qa_row = hd.ak ? w.qa.data() + r * R : nullptr;
+  const T* doa_row = hd.av ? w.doa.data() + r * R : nullptr;
+  const FarConstants<T> qa_far = far_constants(qa_row, R);
+  const FarConstants<T> doa_far = far_constants(doa_row, R);
+  add_band_key_term<T>(s, seg, qa_row);
+  const T row_delta = w.delta[r];
+  // P, segment by segment (the far constants folded into the offsets)
+  const SegmentSums<T> p_sums = exp_segments<T>(s, seg, qa_far, row_lse);
+  T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
+  T* dsb_row = hd.ak ? w.dsb.data() + r * R : nullptr;
+  if (!drop.on) {
+    const SegmentSums<T> ds_sums = ds_row<T>(s, dp, seg, doa_row, doa_far, row_delta);
+    if (pb_row) add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
+    if (dsb_row) add_to_buckets<T>(dsb_row, R, seg, ds_sums.left, dp + seg.n_left, ds_sums.right);
+  } else {
+    ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop, hd.bh, i,
+                      inv_keep);
+    if (pb_row) bucket_row<T>(pd_row, R, seg, pb_row);
+    if (dsb_row) bucket_row<T>(dp, R, seg, dsb_row);
+  }
+  // the hidden tail is 0 in both buffers
+  for (int64_t j = seg.n_visible; j < nk; ++j) {
+    dp[j] = T(0);
+    s[j] = T(0);
+  }
+}
+
+// Prologue of a query block: delta, QA and dOA of its rows; Pb, dSb and dq_acc zeroed.
+template <typename T>
+static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T>& hd,
+                                            BackwardBlock<T>& w, int64_t nq, T scale,
+                                            const T* q_block, const T* do_block,
+                                            const T* out_block) {
+  const int64_t D = g.D, Dv = g.Dv, R = g.R;
+  row_deltas<T>(w.delta.data(), do_block, out_block, nq, Dv);
+  if (hd.ak) {
+    // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T
+    gemm_nt<T>(nq, R, D, scale, q_block, hd.ak, T(0), w.qa.data());
+    std::fill(w.dsb.begin(), w.dsb.begin() + nq * R, T(0));
+  }
+  if (hd.av) {
+    // dOA_I (nq, R) = dO_I (nq, Dv) @ aV^T
+    gemm_nt<T>(nq, R, Dv, T(1), do_block, hd.av, T(0), w.doa.data());
+    std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
+  }
+  std::fill(w.dq_acc.begin(), w.dq_acc.begin() + nq * D, T(0));
+}
+
+// Epilogue of a query block: its relative terms of dq, its shares of the table gradients
+// (into this head's partials), and dq = scale · dq_acc.
+template <typename T>
+static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T>& hd,
+                                            BackwardBlock<T>& w, int64_t nq, T scale,
+                                            const T* q_block, const T* do_block, T* dak_head,
+                                            T* dav_head, T* dq_block) {
+  const int64_t D = g.D, Dv = g.Dv, R = g.R;
+  if (hd.ak) {
+    // dq_acc_I (nq, D) += dSb_I (nq, R) @ aK (R, D)
+    gemm_nn<T>(nq, D, R, T(1), w.dsb.data(), hd.ak, T(1), w.dq_acc.data());
+    // daK (R, D) += scale · dSb_I^T @ Q_I (nq, D)
+    gemm_tn<T>(R, D, nq, scale, w.dsb.data(), q_block, T(1), dak_head);
+  }
+  // daV (R, Dv) += Pb_I^T @ dO_I (nq, Dv)
+  if (hd.av) gemm_tn<T>(R, Dv, nq, T(1), w.pb.data(), do_block, T(1), dav_head);
+  for (int64_t x = 0; x < nq * D; ++x) dq_block[x] = scale * w.dq_acc[x];
+}
+
+// Tasks: (batch, head), which own their dk, dv and table-gradient partials. Each walks its
+// query blocks, and in each the key blocks, as the forward did.
+template <typename T>
+static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout, const T* out,
+                          const T* lse, T scale, const Dropout& drop, T* dq, T* dk, T* dv,
+                          T* dak_part, T* dav_part) {
+  const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
   const T inv_keep = static_cast<T>(drop.inv_keep);
 
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<T> sbuf(BQ * BK), dpbuf(BQ * BK), pdbuf(drop.on ? BQ * BK : 0);
-    std::vector<T> qa(ak ? BQ * R : 0), doa(av ? BQ * R : 0), pb(av ? BQ * R : 0);
-    std::vector<T> dsb(ak ? BQ * R : 0), dqacc(BQ * D), delta(BQ);
+  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
+    BackwardBlock<T> w(BQ, BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on);
     for (int64_t bh = begin; bh < stop; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const T* kp = k + bh * S * D;
-      const T* vp = v + bh * S * Dv;
-      T* dkp = dk + bh * S * D;
-      T* dvp = dv + bh * S * Dv;
-      std::fill(dkp, dkp + S * D, T(0));
-      std::fill(dvp, dvp + S * Dv, T(0));
-      const T* akp = ak ? ak + (g.Hr_k == 1 ? 0 : h) * R * D : nullptr;
-      const T* avp = av ? av + (g.Hr_v == 1 ? 0 : h) * R * Dv : nullptr;
-      T* dakp = ak ? dak_part + bh * R * D : nullptr;
-      T* davp = av ? dav_part + bh * R * Dv : nullptr;
-      if (dakp) std::fill(dakp, dakp + R * D, T(0));
-      if (davp) std::fill(davp, davp + R * Dv, T(0));
-      const T* kb = kbias ? kbias + b * S : nullptr;
+      const Head<T> hd = head_of(g, in, bh);
+      T* dk_head = dk + bh * S * D;
+      T* dv_head = dv + bh * S * Dv;
+      std::fill(dk_head, dk_head + S * D, T(0));
+      std::fill(dv_head, dv_head + S * Dv, T(0));
+      T* dak_head = hd.ak ? dak_part + bh * R * D : nullptr;
+      T* dav_head = hd.av ? dav_part + bh * R * Dv : nullptr;
+      if (dak_head) std::fill(dak_head, dak_head + R * D, T(0));
+      if (dav_head) std::fill(dav_head, dav_head + R * Dv, T(0));
       for (int64_t i0 = 0; i0 < L; i0 += BQ) {
         const int64_t i1 = std::min(L, i0 + BQ), nq = i1 - i0;
-        const T* qp = q + (bh * L + i0) * D;
-        const T* dop = dout + (bh * L + i0) * Dv;
-        const T* op = out + (bh * L + i0) * Dv;
-        const T* lp = lse + bh * L + i0;
-        for (int64_t r = 0; r < nq; ++r) {
-          T acc = 0;
-          for (int64_t d = 0; d < Dv; ++d) acc += dop[r * Dv + d] * op[r * Dv + d];
-          delta[r] = acc;
-        }
-        if (akp) {
-          gemm<T>(false, true, nq, R, D, scale, qp, D, akp, D, T(0), qa.data(), R);
-          std::fill(dsb.begin(), dsb.begin() + nq * R, T(0));
-        }
-        if (avp) {
-          gemm<T>(false, true, nq, R, Dv, T(1), dop, Dv, avp, Dv, T(0), doa.data(), R);
-          std::fill(pb.begin(), pb.begin() + nq * R, T(0));
-        }
-        std::fill(dqacc.begin(), dqacc.begin() + nq * D, T(0));
+        const T* q_block = in.q + (bh * L + i0) * D;
+        const T* do_block = dout + (bh * L + i0) * Dv;
+        const T* lse_block = lse + bh * L + i0;
+        backward_prologue<T>(g, hd, w, nq, scale, q_block, do_block, out + (bh * L + i0) * Dv);
         for (int64_t j0 = 0; j0 < S; j0 += BK) {
           if (!g.block_visible(i1, j0)) break;
           const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
-          gemm<T>(false, true, nq, nk, D, scale, qp, D, kp + j0 * D, D, T(0), sbuf.data(), nk);
-          gemm<T>(false, true, nq, nk, Dv, T(1), dop, Dv, vp + j0 * Dv, Dv, T(0), dpbuf.data(),
-                  nk);
-          T* pd = drop.on ? pdbuf.data() : sbuf.data();
-          for (int64_t r = 0; r < nq; ++r) {
-            const int64_t i = i0 + r, p = g.query_start + i;
-            T* s = sbuf.data() + r * nk;
-            T* dp = dpbuf.data() + r * nk;
-            T* pdr = pd + r * nk;
-            int64_t fl, bd, end;
-            g.segments(p, j0, j1, fl, bd, end);
-            const T* mrow = mask ? mask + b * g.mB + h * g.mH + i * g.mL : nullptr;
-            add_masks<T>(s, g, j0, end, kb, mrow);
-            const T* qar = akp ? qa.data() + r * R : nullptr;
-            const T* doar = avp ? doa.data() + r * R : nullptr;
-            const T c0 = qar ? qar[0] : T(0), c1 = qar ? qar[R - 1] : T(0);
-            const T e0 = doar ? doar[0] : T(0), e1 = doar ? doar[R - 1] : T(0);
-            const int64_t nl = fl - j0, nb = bd - fl, nr = end - bd, nv = end - j0;
-            T* sb = s + nl;
-            T* dpb = dp + nl;
-            if (qar != nullptr) {
-              const T* band = qar + (g.left - p + fl);
-              for (int64_t x = 0; x < nb; ++x) sb[x] += band[x];
-            }
-            const T lr = lp[r], dl = delta[r];
-            // P, segment by segment (the far constants folded into the offsets)
-            const T p_l = exp_sum<T>(s, nl, lr - c0);
-            exp_sum<T>(sb, nb, lr);
-            const T p_r = exp_sum<T>(sb + nb, nr, lr - c1);
-            if (!drop.on) {
-              // dS = P (dO . (v_j + aV[r]) - delta): the far segments' dO . aV is a constant
-              T ds_l = 0, ds_r = 0;
-              const T dl_l = dl - e0, dl_r = dl - e1;
-#pragma omp simd reduction(+ : ds_l)
-              for (int64_t j = 0; j < nl; ++j) {
-                const T x = s[j] * (dp[j] - dl_l);
-                dp[j] = x;
-                ds_l += x;
-              }
-              const T* doab = doar ? doar + (g.left - p + fl) : nullptr;
-              for (int64_t x = 0; x < nb; ++x)
-                dpb[x] = sb[x] * (dpb[x] + (doab ? doab[x] : T(0)) - dl);
-              T* dpr = dpb + nb;
-              const T* sr = sb + nb;
-#pragma omp simd reduction(+ : ds_r)
-              for (int64_t j = 0; j < nr; ++j) {
-                const T x = sr[j] * (dpr[j] - dl_r);
-                dpr[j] = x;
-                ds_r += x;
-              }
-              if (avp) {
-                T* pr = pb.data() + r * R;
-                pr[0] += p_l;
-                pr[R - 1] += p_r;
-                T* band = pr + (g.left - p + fl);
-                for (int64_t x = 0; x < nb; ++x) band[x] += sb[x];
-              }
-              if (akp) {
-                T* dr = dsb.data() + r * R;
-                dr[0] += ds_l;
-                dr[R - 1] += ds_r;
-                T* band = dr + (g.left - p + fl);
-                for (int64_t x = 0; x < nb; ++x) band[x] += dpb[x];
-              }
-            } else {
-              if (doar != nullptr) {
-                for (int64_t j = 0; j < nl; ++j) dp[j] += e0;
-                const T* doab = doar + (g.left - p + fl);
-                for (int64_t x = 0; x < nb; ++x) dpb[x] += doab[x];
-                for (int64_t j = 0; j < nr; ++j) dpb[nb + j] += e1;
-              }
-              uint32_t k1, k2;
-              drop.row_keys(bh, i, k1, k2);
-              const uint32_t th = drop.threshold;
-#pragma omp simd
-              for (int64_t j = 0; j < nv; ++j) {
-                const T w = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th) ? inv_keep
-                                                                                     : T(0);
-                pdr[j] = s[j] * w;
-                dp[j] = s[j] * (dp[j] * w - dl);  // dS
-              }
-              for (int64_t j = nv; j < nk; ++j) pdr[j] = T(0);
-              if (avp) bucket_row<T>(pdr, g, p, j0, fl, bd, end, pb.data() + r * R);
-              if (akp) bucket_row<T>(dp, g, p, j0, fl, bd, end, dsb.data() + r * R);
-            }
-            // the masked tail is 0 in both buffers
-            for (int64_t j = nv; j < nk; ++j) {
-              dp[j] = T(0);
-              s[j] = T(0);
-            }
-          }
-          // dv += P^T @ dO, dq += dS @ K, dk += scale * dS^T @ Q
-          gemm<T>(true, false, nk, Dv, nq, T(1), pd, nk, dop, Dv, T(1), dvp + j0 * Dv, Dv);
-          gemm<T>(false, false, nq, D, nk, T(1), dpbuf.data(), nk, kp + j0 * D, D, T(1),
-                  dqacc.data(), D);
-          gemm<T>(true, false, nk, D, nq, scale, dpbuf.data(), nk, qp, D, T(1), dkp + j0 * D, D);
+          // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
+          gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+          // dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
+          gemm_nt<T>(nq, nk, Dv, T(1), do_block, hd.v + j0 * Dv, T(0), w.dp.data());
+          T* pd = drop.on ? w.p_dropped.data() : w.scores.data();  // what multiplies V
+          for (int64_t r = 0; r < nq; ++r)
+            backward_row<T>(g, hd, in.attn_bias, drop, inv_keep, w, pd, lse_block[r], r,
+                            i0 + r, j0, j1);
+          // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)
+          gemm_tn<T>(nk, Dv, nq, T(1), pd, do_block, T(1), dv_head + j0 * Dv);
+          // dq_acc_I (nq, D) += dS_IJ (nq, nk) @ K_J (nk, D)
+          gemm_nn<T>(nq, D, nk, T(1), w.dp.data(), hd.k + j0 * D, T(1), w.dq_acc.data());
+          // dK_J (nk, D) += scale · dS_IJ^T @ Q_I (nq, D)
+          gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_block, T(1), dk_head + j0 * D);
         }
-        if (akp) {
-          gemm<T>(false, false, nq, D, R, T(1), dsb.data(), R, akp, D, T(1), dqacc.data(), D);
-          gemm<T>(true, false, R, D, nq, scale, dsb.data(), R, qp, D, T(1), dakp, D);
-        }
-        if (avp) gemm<T>(true, false, R, Dv, nq, T(1), pb.data(), R, dop, Dv, T(1), davp, Dv);
-        T* dqp = dq + (bh * L + i0) * D;
-        for (int64_t x = 0; x < nq * D; ++x) dqp[x] = scale * dqacc[x];
+        backward_epilogue<T>(g, hd, w, nq, scale, q_block, do_block, dak_head, dav_head,
+                             dq + (bh * L + i0) * D);
       }
     }
   });
@@ -617,8 +927,7 @@ static void backward_impl(const Geometry& g, const T* dout, const T* q, const T*
 
 static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
                          const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
-                         const c10::optional<Tensor>& mask, int64_t left, int64_t right,
-                         bool causal, int64_t query_start) {
+                         const c10::optional<Tensor>& mask, const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "query, key, value must be 4-D");
   Geometry g;
   g.B = q.size(0);
@@ -627,11 +936,11 @@ static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
   g.D = q.size(3);
   g.S = k.size(2);
   g.Dv = v.size(3);
-  g.left = left;
-  g.right = right;
-  g.R = left + right + 1;
-  g.causal = causal;
-  g.query_start = query_start;
+  g.left = options.left;
+  g.right = options.right;
+  g.R = options.left + options.right + 1;
+  g.causal = options.is_causal;
+  g.query_start = options.query_start;
   g.Hr_k = ak.has_value() ? ak->size(0) : 1;
   g.Hr_v = av.has_value() ? av->size(0) : 1;
   TORCH_CHECK(g.R * std::max(g.D, g.Dv) < (int64_t(1) << 31), "table too large");
@@ -658,74 +967,80 @@ static c10::optional<Tensor> contig(const c10::optional<Tensor>& t) {
   return t->contiguous();
 }
 
+template <typename T>
+static Inputs<T> inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
+                        const c10::optional<Tensor>& kb, const c10::optional<Tensor>& attn_bias) {
+  return {q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), ptr_or_null<T>(ak),
+          ptr_or_null<T>(av), ptr_or_null<T>(kb), ptr_or_null<T>(attn_bias)};
+}
+
+// Sums the per-(batch, head) partials (B, H, R, width) of a table gradient into (Hr, R, width),
+// in a fixed order.
+template <typename T>
+static Tensor reduce_table_gradient(const Tensor& part, const Geometry& g, int64_t Hr,
+                                    int64_t width) {
+  auto res = at::zeros({Hr, g.R, width}, part.options());
+  const T* src = part.data_ptr<T>();
+  T* dst = res.data_ptr<T>();
+  const int64_t n = g.R * width;
+  for (int64_t b = 0; b < g.B; ++b)
+    for (int64_t h = 0; h < g.H; ++h) {
+      T* d = dst + (Hr == 1 ? 0 : h) * n;
+      const T* s = src + (b * g.H + h) * n;
+      for (int64_t x = 0; x < n; ++x) d[x] += s[x];
+    }
+  return res;
+}
+
+// Returns out (B, H, L, Dv) and the logsumexp (B, H, L) (+inf where a row sees no key).
 std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor& value,
                             const c10::optional<Tensor>& rel_keys,
                             const c10::optional<Tensor>& rel_values,
                             const c10::optional<Tensor>& key_bias,
-                            const c10::optional<Tensor>& attn_bias, int64_t left, int64_t right,
-                            bool is_causal, double scale, int64_t query_start, double dropout_p,
-                            const c10::optional<Tensor>& seed) {
+                            const c10::optional<Tensor>& attn_bias,
+                            const c10::optional<Tensor>& seed, const AttentionOptions& options) {
   auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values), kb = contig(key_bias);
-  Geometry g = geometry(q, k, v, ak, av, attn_bias, left, right, is_causal, query_start);
+  const Geometry g = geometry(q, k, v, ak, av, attn_bias, options);
   auto out = at::empty({g.B, g.H, g.L, g.Dv}, q.options());
   auto lse = at::empty({g.B, g.H, g.L}, q.options());
-  Dropout drop(dropout_p, seed, g.L);
+  const Dropout drop(options.dropout_p, seed, g.L);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward", [&] {
-    forward_impl<scalar_t>(g, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                           v.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(ak),
-                           ptr_or_null<scalar_t>(av), ptr_or_null<scalar_t>(kb),
-                           ptr_or_null<scalar_t>(attn_bias), static_cast<scalar_t>(scale), drop,
-                           out.data_ptr<scalar_t>(),
-                           lse.data_ptr<scalar_t>());
+    const auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
+    forward_impl<scalar_t>(g, in, static_cast<scalar_t>(options.scale), drop,
+                           out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
   });
   return {out, lse};
 }
 
+// Returns dq, dk, dv, d rel_keys, d rel_values (the last two empty for absent tables).
 std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const Tensor& key,
                              const Tensor& value, const c10::optional<Tensor>& rel_keys,
                              const c10::optional<Tensor>& rel_values,
                              const c10::optional<Tensor>& key_bias,
-                             const c10::optional<Tensor>& attn_bias, const Tensor& out,
-                             const Tensor& lse, int64_t left, int64_t right, bool is_causal,
-                             double scale, int64_t query_start, double dropout_p,
-                             const c10::optional<Tensor>& seed) {
+                             const c10::optional<Tensor>& attn_bias,
+                             const c10::optional<Tensor>& seed, const Tensor& out,
+                             const Tensor& lse, const AttentionOptions& options) {
   auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   auto go = grad_out.contiguous(), o = out.contiguous(), ls = lse.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values), kb = contig(key_bias);
-  Geometry g = geometry(q, k, v, ak, av, attn_bias, left, right, is_causal, query_start);
+  const Geometry g = geometry(q, k, v, ak, av, attn_bias, options);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   Tensor dak_part, dav_part, dak, dav;
   if (ak) dak_part = at::empty({g.B, g.H, g.R, g.D}, q.options());
   if (av) dav_part = at::empty({g.B, g.H, g.R, g.Dv}, q.options());
-  Dropout drop(dropout_p, seed, g.L);
+  const Dropout drop(options.dropout_p, seed, g.L);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward", [&] {
-    backward_impl<scalar_t>(g, go.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                            k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
-                            ptr_or_null<scalar_t>(ak), ptr_or_null<scalar_t>(av),
-                            ptr_or_null<scalar_t>(kb), ptr_or_null<scalar_t>(attn_bias),
-                            o.data_ptr<scalar_t>(),
-                            ls.data_ptr<scalar_t>(), static_cast<scalar_t>(scale), drop,
+    const auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
+    backward_impl<scalar_t>(g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
+                            ls.data_ptr<scalar_t>(), static_cast<scalar_t>(options.scale), drop,
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
                             dv.data_ptr<scalar_t>(),
                             ak ? dak_part.data_ptr<scalar_t>() : nullptr,
                             av ? dav_part.data_ptr<scalar_t>() : nullptr);
-    // Fixed-order reduction of the per-(batch, head) partials.
-    auto reduce = [&](const Tensor& part, int64_t Hr, int64_t width) {
-      auto res = at::zeros({Hr, g.R, width}, q.options());
-      const scalar_t* src = part.data_ptr<scalar_t>();
-      scalar_t* dst = res.data_ptr<scalar_t>();
-      const int64_t n = g.R * width;
-      for (int64_t b = 0; b < g.B; ++b)
-        for (int64_t h = 0; h < g.H; ++h) {
-          scalar_t* d = dst + (Hr == 1 ? 0 : h) * n;
-          const scalar_t* s = src + (b * g.H + h) * n;
-          for (int64_t x = 0; x < n; ++x) d[x] += s[x];
-        }
-      return res;
-    };
-    if (ak) dak = reduce(dak_part, g.Hr_k, g.D);
-    if (av) dav = reduce(dav_part, g.Hr_v, g.Dv);
+    if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, g, g.Hr_k, g.D);
+    if (av) dav = reduce_table_gradient<scalar_t>(dav_part, g, g.Hr_v, g.Dv);
   });
   return {dq, dk, dv, ak ? dak : at::empty({0}, q.options()),
           av ? dav : at::empty({0}, q.options())};
@@ -733,7 +1048,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
 
 Tensor dropout_mask(const Tensor& seed, int64_t B, int64_t H, int64_t L, int64_t S,
                     double dropout_p) {
-  Dropout drop(dropout_p, seed, L);
+  const Dropout drop(dropout_p, seed, L);
   auto mask = at::empty({B, H, L, S}, at::TensorOptions().dtype(at::kBool));
   bool* mp = mask.data_ptr<bool>();
   for (int64_t bh = 0; bh < B * H; ++bh)
@@ -759,8 +1074,37 @@ std::string build_info() {
 }  // namespace relpos_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &relpos_native::forward, "relpos native forward");
-  m.def("backward", &relpos_native::backward, "relpos native backward");
+  namespace py = pybind11;
+  using relpos_native::AttentionOptions;
+  py::class_<AttentionOptions>(m, "AttentionOptions",
+                               "The scalar options of one call (keywords only, read-only).")
+      .def(py::init([](int64_t left, int64_t right, bool is_causal, double scale,
+                       int64_t query_start, double dropout_p) {
+             return AttentionOptions{left, right, is_causal, scale, query_start, dropout_p};
+           }),
+           py::kw_only(), py::arg("left"), py::arg("right"), py::arg("is_causal"),
+           py::arg("scale"), py::arg("query_start"), py::arg("dropout_p"))
+      .def_readonly("left", &AttentionOptions::left)
+      .def_readonly("right", &AttentionOptions::right)
+      .def_readonly("is_causal", &AttentionOptions::is_causal)
+      .def_readonly("scale", &AttentionOptions::scale)
+      .def_readonly("query_start", &AttentionOptions::query_start)
+      .def_readonly("dropout_p", &AttentionOptions::dropout_p)
+      .def("__repr__", [](const AttentionOptions& o) {
+        return "AttentionOptions(left=" + std::to_string(o.left) +
+               ", right=" + std::to_string(o.right) +
+               ", is_causal=" + (o.is_causal ? "True" : "False") +
+               ", scale=" + std::to_string(o.scale) +
+               ", query_start=" + std::to_string(o.query_start) +
+               ", dropout_p=" + std::to_string(o.dropout_p) + ")";
+      });
+  m.def("forward", &relpos_native::forward, "relpos native forward", py::arg("query"),
+        py::arg("key"), py::arg("value"), py::arg("rel_keys"), py::arg("rel_values"),
+        py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"), py::arg("options"));
+  m.def("backward", &relpos_native::backward, "relpos native backward", py::arg("grad_out"),
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("rel_keys"),
+        py::arg("rel_values"), py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"),
+        py::arg("out"), py::arg("lse"), py::arg("options"));
   m.def("dropout_mask", &relpos_native::dropout_mask, "the keep mask of a dropout seed");
   m.def("build_info", &relpos_native::build_info, "how the kernels were built");
 }

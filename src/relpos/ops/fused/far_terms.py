@@ -1,13 +1,14 @@
-"""Merging partial attentions by logsumexp, and the far rows' closed-form terms.
+"""The far regions' closed-form relative terms, and the row-wise products around them.
 
-A region ``X`` of a query row contributes its plain output ``o^X``, its log-mass ``z^X``
-(logsumexp of its scores, plus its constant relative key term for a far region) and, for a
-far region, its value row ``aV[-left]`` (the table's first row) or ``aV[+right]`` (its last
-row) (DESIGN.md §3)::
+A far region ``X`` of a query row adds one constant to every score, ``scale * q . aK^X``, and
+one value row ``aV^X`` to its output: the table's first row (offset ``-left``, far-left) or
+its last (``+right``, far-right). Merged by logsumexp (:mod:`relpos.ops._lse`) with the
+region's log-mass ``z^X`` and mass ``m^X`` (DESIGN.md §3)::
 
-    LSE = logsumexp_X z^X,   m^X = exp(z^X - LSE),   out = sum_X m^X (o^X + aV^X)
+    out = sum_X m^X (o^X + aV^X)
 
-Used by the fused backend (far-left, far-right, band) and the decode backend (far keys, band).
+so the forward adds ``masses @ aV[first, last]`` and the backward the matching table and
+query gradients, heads in chunks (no full-size temporary).
 
 Shape legend: B batch, H heads, L queries, D head dim, Dv value head dim, K clip distance,
 F far regions (1 or 2), Hr table heads (1 or H).
@@ -15,55 +16,12 @@ F far regions (1 or 2), Hr table heads (1 or H).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from relpos.ops.call import accumulation_dtype, exp_
+from relpos.ops._numerics import accumulation_dtype
 
-__all__ = [
-    "add_far_rows",
-    "add_rows_times_table",
-    "combine_log_masses",
-    "far_key_terms",
-    "merge_rows",
-    "row_dot",
-]
-
-_INF = math.inf
-
-
-def combine_log_masses(log_masses: Tensor) -> tuple[Tensor, Tensor]:
-    """Merged logsumexp and the regions' masses from their log-masses.
-
-    Args:
-        log_masses: ``(..., regions)``; ``-inf`` for an empty region.
-
-    Returns:
-        ``lse (...)``, ``+inf`` where every region is empty (so that ``exp(s - lse)`` is 0
-        there, never NaN), and ``masses (..., regions)``, 0 for empty regions.
-    """
-    lse = torch.logsumexp(log_masses, -1).nan_to_num_(neginf=_INF)
-    return lse, exp_(log_masses - lse[..., None])
-
-
-def merge_rows(
-    o: Tensor, lam: Tensor, rows: slice, po: Tensor, pl: Tensor, first: bool
-) -> None:
-    """Merge a partial output ``po`` with logsumexp ``pl`` into ``o[:, :, rows]`` and
-    ``lam[:, :, rows]`` in place (``first``: overwrite instead)."""
-    if first:
-        o[:, :, rows] = po
-        lam[:, :, rows] = pl
-        return
-    old_o, old_l = o[:, :, rows], lam[:, :, rows]
-    new_l = torch.logaddexp(old_l, pl)
-    safe = new_l.nan_to_num(neginf=_INF)
-    w_old = exp_(old_l - safe)[..., None]
-    w_new = exp_(pl - safe)[..., None]
-    o[:, :, rows] = (old_o * w_old + po * w_new).to(o.dtype)
-    lam[:, :, rows] = new_l
+__all__ = ["add_far_rows", "add_rows_times_table", "far_key_terms", "row_dot"]
 
 
 def far_key_terms(q: Tensor, rel_keys: Tensor, scale: float) -> Tensor:

@@ -1,8 +1,9 @@
-"""Plain-attention building blocks of the fused backend: flash kernels that return logsumexp.
+"""torch's flash kernels that return logsumexp, guarded: what the fused and decode backends call.
 
 The fused backend needs, for one "lower region" (query ``i`` sees keys ``j <= i + c``), the
 plain attention output, its logsumexp, and a backward that takes an arbitrary ``out`` and
-``logsumexp``. torch exposes exactly that through internal ops:
+``logsumexp``; the decode backend needs the same forward over a KV cache's far keys. torch
+exposes exactly that through internal ops:
 
 - CPU: ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``;
 - CUDA: ``aten::_efficient_attention_forward`` / ``_efficient_attention_backward``
@@ -15,7 +16,7 @@ dimension (a transposed or otherwise strided input gives silently wrong numbers)
 Both apply ``is_causal`` top-left aligned (query ``a`` sees key ``b <= a``), so a region with
 an offset is cut into at most two pieces (:func:`lower_pieces`). Internal ops change between
 torch releases: :data:`EXPECTED_SCHEMAS` holds the signatures this module was written
-against, and ``tests/test_fused.py`` fails loudly when they differ.
+against, and ``tests/ops/test_fused.py`` fails loudly when they differ.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim.
 """

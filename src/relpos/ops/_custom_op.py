@@ -1,0 +1,167 @@
+"""What the attention custom ops share: the empty call, the backward op and the autograd formula.
+
+Three backends run as custom ops (``relpos::fused_attention``, ``relpos::native_attention``,
+``relpos::triton_attention``), so that ``torch.compile`` and ``torch.export`` trace them. Each
+op takes ``query, key, value, rel_keys, rel_values`` and then inputs of its own (masks, a
+dropout seed), keyword options (``left``, ``right``, ``is_causal``, ...), and returns ``out``,
+the logsumexp, then whatever else its backward needs. A backend's ``op.py`` keeps what is its
+own: the forward, the fake (its outputs' shapes) and the backward's computation;
+:func:`register_attention_autograd` builds the rest from them:
+
+- the backward op ``<name>_backward``: ``grad_out``, the forward's inputs and outputs and the
+  same options in, the five gradients out (an empty tensor for an absent table), with a fake;
+- the autograd formula that saves the inputs and outputs and calls the backward op.
+
+A call with nothing to attend (L, S or B·H is 0) runs no kernel in either direction: the
+forward returns :func:`empty_outputs`, the backward zeros.
+
+Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import Tensor
+
+from relpos.ops.call import AttentionCall
+
+__all__ = [
+    "Gradients", "empty_gradients", "empty_outputs", "is_empty", "register_attention_autograd",
+    "run_key_mask_op",
+]
+
+Gradients = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+"""``dq, dk, dv, drel_keys, drel_values`` as a backward computes them (None: no table)."""
+
+_TABLES = 5  # query, key, value, rel_keys, rel_values: the inputs every op starts with
+_Outputs = TypeVar("_Outputs", bound=tuple[Tensor, ...])
+
+
+def is_empty(query: Tensor, key: Tensor) -> bool:
+    """Whether the call has no (query, key) pair: ``L == 0``, ``S == 0`` or ``B·H == 0``."""
+    B, H, L, _ = query.shape
+    return L == 0 or key.shape[2] == 0 or B * H == 0
+
+
+def empty_outputs(outputs: _Outputs) -> _Outputs:
+    """What a forward op returns for an empty call (:func:`is_empty`), shaped like ``outputs``
+    (its fake's): zeros, and ``+inf`` for the logsumexp (the second output) so that
+    ``exp(score - lse)`` is 0, never NaN."""
+    return cast(_Outputs, tuple(
+        t.new_full(t.shape, math.inf) if i == 1 else t.new_zeros(t.shape)
+        for i, t in enumerate(outputs)
+    ))
+
+
+def run_key_mask_op(op: Callable[..., tuple[Tensor, ...]], call: AttentionCall) -> Tensor:
+    """``out`` of ``op`` for ``call``, an op that takes the call's ``key_mask`` as it is (fused,
+    triton): ``op(query, key, value, rel_keys, rel_values, key_mask, *, left, right,
+    is_causal, scale, query_start)``."""
+    return op(
+        call.query, call.key, call.value, call.rel_keys, call.rel_values, call.key_mask,
+        left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
+        query_start=call.query_start,
+    )[0]
+
+
+def empty_gradients(
+    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Fresh contiguous gradients shaped like the inputs (``torch.empty(0)`` for an absent
+    table), whatever the inputs' strides: what the backward ops return, so their fake."""
+    return (
+        query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+        query.new_empty(0) if rel_keys is None else rel_keys.new_empty(rel_keys.shape),
+        query.new_empty(0) if rel_values is None else rel_values.new_empty(rel_values.shape),
+    )
+
+
+def _zero_gradients(
+    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return cast(tuple[Tensor, Tensor, Tensor, Tensor, Tensor], tuple(
+        t.zero_() for t in empty_gradients(query, key, value, rel_keys, rel_values)))
+
+
+def _table_gradient(grad: Tensor | None, table: Tensor | None, query: Tensor) -> Tensor:
+    """A table's gradient as the backward op returns it: an empty tensor for an absent table."""
+    if table is None:
+        return query.new_empty(0)
+    assert grad is not None, "a backward gave no gradient for a table it was given"
+    return grad
+
+
+def _backward_schema(forward: torch._ops.OpOverload, saved_outputs: Sequence[str]) -> str:
+    """``(Tensor grad_out, <the forward's inputs>, Tensor <output>..., *, <its options>)`` to
+    five tensors, from the forward's schema ``name(<inputs>, *, <options>) -> (...)``."""
+    text = str(forward._schema)
+    inputs, options = text[text.index("(") + 1 : text.index(") -> ")].split(", *, ")
+    saved = ", ".join(f"Tensor {name}" for name in saved_outputs)
+    return f"(Tensor grad_out, {inputs}, {saved}, *, {options}) -> ({', '.join(['Tensor'] * 5)})"
+
+
+def register_attention_autograd(
+    qualname: str, backward: Callable[..., Gradients], *, saved_outputs: Sequence[str],
+) -> torch.library.CustomOpDef:
+    """Give the attention op ``qualname`` its backward op and its autograd formula.
+
+    Args:
+        qualname: the forward op, ``"relpos::<name>"``, registered already: ``query, key,
+            value, rel_keys, rel_values`` and its own inputs, keyword-only options; returns
+            ``out`` first.
+        backward: ``backward(grad_out, *inputs, *outputs, **options)`` -> :data:`Gradients`,
+            called for non-empty calls only.
+        saved_outputs: names for the forward's outputs, in order (all of them are saved; the
+            backward op takes them under these names).
+
+    Returns:
+        The backward op ``relpos::<name>_backward``.
+    """
+    namespace, name = qualname.split("::")
+    forward = getattr(getattr(torch.ops, namespace), name).default
+    assert len(forward._schema.returns) == len(saved_outputs), (qualname, saved_outputs)
+    n_inputs = sum(not a.kwarg_only for a in forward._schema.arguments)
+
+    def run(grad_out: Tensor, *saved: Tensor | None, **options: Any) -> tuple[Tensor, ...]:
+        query, key, value, rel_keys, rel_values = saved[:_TABLES]
+        assert query is not None and key is not None and value is not None
+        if is_empty(query, key):
+            return _zero_gradients(query, key, value, rel_keys, rel_values)
+        dq, dk, dv, drk, drv = backward(grad_out, *saved, **options)
+        return (dq, dk, dv, _table_gradient(drk, rel_keys, query),
+                _table_gradient(drv, rel_values, query))
+
+    backward_op = torch.library.custom_op(
+        f"{qualname}_backward", run, mutates_args=(),
+        schema=_backward_schema(forward, saved_outputs),
+    )
+
+    @backward_op.register_fake
+    def _(grad_out: Tensor, *saved: Any, **options: Any) -> tuple[Tensor, ...]:
+        return empty_gradients(*saved[:_TABLES])
+
+    def setup_context(
+        ctx: Any, inputs: tuple[Any, ...], keyword_only_inputs: dict[str, Any],
+        output: tuple[Tensor, ...],
+    ) -> None:
+        ctx.save_for_backward(*inputs, *output)
+        ctx.set_materialize_grads(False)  # only ``out`` is public
+        ctx.options = dict(keyword_only_inputs)
+
+    def differentiate(ctx: Any, grad_out: Tensor | None, *_unused: Any) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(saved[n_inputs])  # ``out``
+        dq, dk, dv, drk, drv = backward_op(grad_out, *saved, **ctx.options)
+        rel_keys, rel_values = saved[3], saved[4]
+        return (dq, dk, dv, None if rel_keys is None else drk,
+                None if rel_values is None else drv, *[None] * (n_inputs - _TABLES))
+
+    torch.library.register_autograd(qualname, differentiate, setup_context=setup_context)
+    return backward_op
