@@ -449,8 +449,12 @@ def select_backend(call: AttentionCall) -> str:
 
     Example:
         >>> q = torch.randn(1, 2, 5, 8)
-        >>> select_backend(q, q, q, max_distance=2, rel_keys=torch.randn(5, 8))
-        'native'
+        >>> name = select_backend(q, q, q, max_distance=2, rel_keys=torch.randn(5, 8))
+        >>> name in available_backends()  # "native" where the C++ kernels build
+        True
+        >>> reasons = explain_backends(q, q, q, max_distance=2, rel_keys=torch.randn(5, 8))
+        >>> name == next(n for n, why in reasons.items() if why is None)
+        True
     """
     return _backend_for(call)
 

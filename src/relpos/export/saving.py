@@ -196,6 +196,7 @@ def save_module(module: nn.Module, path: str | os.PathLike[str]) -> Path:
         TypeError: if neither argument is a module.
 
     Example:
+        >>> import tempfile
         >>> layer = relpos.RelativeTransformerEncoderLayer(16, 2, 32, max_distance=4)
         >>> path = save_module(layer, Path(tempfile.mkdtemp()) / "layer.pt")
         >>> type(load_module(path)).__name__
