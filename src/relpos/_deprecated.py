@@ -24,10 +24,13 @@ from typing import Any
 
 __all__ = ["MOVED_MODULES", "install_moved_modules", "module_getattr", "moved"]
 
-#: Modules that moved in 0.1 (old path -> new path); the old paths go in 0.2.
-MOVED_MODULES: dict[str, str] = {
+#: Modules that moved in 0.1 (old path -> new path, or the new paths of a module that was split,
+#: searched in order); the old paths go in 0.2.
+MOVED_MODULES: dict[str, str | tuple[str, ...]] = {
     "relpos.bench_decode": "relpos.bench.decode",
     "relpos.integrations.ctranslate2": "relpos.export.ctranslate2",
+    "relpos.ops.fused.kernels": "relpos.ops._flash",
+    "relpos.ops.fused.merge": ("relpos.ops._lse", "relpos.ops.fused.far_terms"),
     "relpos.plotting": "relpos.training.plotting",
     "relpos.tasks": "relpos.training.tasks",
     "relpos.training.experiment.signal": "relpos.training.experiment.row_signal",
@@ -80,28 +83,33 @@ def _caller_stacklevel() -> int:
 
 
 class _MovedModuleLoader(importlib.abc.Loader):
-    def __init__(self, target: str) -> None:
-        self.target = target
+    def __init__(self, targets: str | tuple[str, ...]) -> None:
+        self.targets = (targets,) if isinstance(targets, str) else targets
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return types.ModuleType(spec.name, f"Deprecated: moved to :mod:`{self.target}`.")
+        where = ", ".join(f":mod:`{t}`" for t in self.targets)
+        return types.ModuleType(spec.name, f"Deprecated: moved to {where}.")
 
     def exec_module(self, module: types.ModuleType) -> None:
         warnings.warn(
-            f"{module.__name__} is deprecated; use {self.target}", DeprecationWarning,
-            stacklevel=_caller_stacklevel(),
+            f"{module.__name__} is deprecated; use {' or '.join(self.targets)}",
+            DeprecationWarning, stacklevel=_caller_stacklevel(),
         )
-        target = importlib.import_module(self.target)
+        targets = [importlib.import_module(t) for t in self.targets]
 
         def __getattr__(name: str) -> Any:
-            return getattr(target, name)
+            for target in targets:
+                if hasattr(target, name):
+                    return getattr(target, name)
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
 
         def __dir__() -> list[str]:
-            return dir(target)
+            return sorted({n for target in targets for n in dir(target)})
 
         module.__getattr__ = __getattr__  # type: ignore[method-assign]
         module.__dir__ = __dir__  # type: ignore[method-assign]
-        module.__dict__["__all__"] = list(getattr(target, "__all__", ()))
+        module.__dict__["__all__"] = [
+            n for target in targets for n in getattr(target, "__all__", ())]
 
 
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from relpos._deprecated import module_getattr, moved
+
 __all__ = [
     "AttentionCall", "Reason", "ensure_served", "needs_backward", "no_dropout_or_dense_mask",
 ]
@@ -142,3 +144,11 @@ def no_dropout_or_dense_mask(call: AttentionCall, backend: str) -> Reason | str 
                          "backend; use key_mask (B, S) for padding and is_causal",
                          shape=tuple(call.attn_mask.shape), backend=backend)
     return None
+
+
+# Moved in 0.1 (the numerics and the custom-op scaffolding have homes of their own).
+__getattr__ = module_getattr(__name__, {
+    "accumulation_dtype": moved("relpos.ops._numerics.accumulation_dtype"),
+    "exp_": moved("relpos.ops._numerics.exp_"),
+    "empty_gradients": moved("relpos.ops._custom_op.empty_gradients"),
+})
