@@ -118,7 +118,7 @@ def test_missing_extra_is_one_line(tmp_path, monkeypatch, capsys):
     def fake_find_spec(name, *args, **kwargs):
         return None if name == "onnxruntime" else real(name, *args, **kwargs)
 
-    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)  # as relpos.export.onnx sees it
+    monkeypatch.setattr(importlib.util, "find_spec", fake_find_spec)  # what export.onnx calls
     layer = relpos.RelativeTransformerEncoderLayer(E, HEADS, 32, max_distance=K)
     path = save_module(layer, tmp_path / "m.pt")
     with pytest.raises(ImportError, match=r"pip install 'relpos\[onnx\]' \(missing: onnxruntime\)"):
