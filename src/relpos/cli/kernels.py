@@ -1,5 +1,6 @@
-"""``relpos kernels``: the native CPU kernels — whether they are built on this machine, where,
-for which instruction set — and ``--build`` to compile them now rather than on first use."""
+"""``relpos kernels``: the native CPU kernels — whether they are built on this machine (and
+sound: a cached library whose checksum does not match is reported as damaged), where, for
+which instruction set — and ``--build`` to compile them now rather than on first use."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ SUMMARY = "show (or build) the native CPU kernels"
 DESCRIPTION = """\
 Print whether relpos's native CPU kernels are built for this machine, where they are cached,
 for which instruction set and torch version, and how their GEMMs run. They compile on first
-use (once per machine, cached); --build compiles them now. RELPOS_NATIVE=0 turns them off;
+use (once per machine, cached); --build compiles them now. A cached library that does not
+match the checksum recorded when it was built is reported as damaged, never loaded, and
+rebuilt (where the cache is writable). RELPOS_NATIVE=0 turns them off;
 RELPOS_CACHE_DIR moves the cache.
 """
 
@@ -30,10 +33,19 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("the native kernels are turned off (RELPOS_NATIVE=0); unset it to "
                            "build them")
         if build.load() is None:
-            raise CLIError(f"the native kernels could not be built: {build.failure()}")
+            log = build.failure_log()
+            raise CLIError(f"the native kernels could not be built: {build.failure()}"
+                           + (f" (the full output: {log})" if log else ""))
     s = build.status()
-    state = ("off (RELPOS_NATIVE=0)" if not s.enabled else "built" if s.built else
-             "not built yet (they compile on first use, or now with --build)")
+    if not s.enabled:
+        state = "off (RELPOS_NATIVE=0)"
+    elif s.built:
+        state = "built"
+    elif s.damaged:
+        state = (f"damaged: {s.damaged}; not loaded (rebuilt on first use where the cache is "
+                 "writable, or now with --build)")
+    else:
+        state = "not built yet (they compile on first use, or now with --build)"
     print(f"native kernels: {state}")
     print(f"cache:          {s.directory}")
     print(f"ISA:            {s.isa}")

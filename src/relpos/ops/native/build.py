@@ -4,11 +4,31 @@ The C++ sources (``csrc/``) travel with the package. The first call that needs t
 them with ``torch.utils.cpp_extension.load`` (ninja, ``-O3 -march=native``, OpenMP as torch
 uses it) into a cache directory keyed by the torch version, the sources' hash and the CPU's
 instruction set; later calls, and later processes, load the compiled module from there. A file
-lock makes concurrent processes (torchrun ranks, pytest-xdist workers) compile once: the others
-wait and load the result.
+lock (``build.lock``) makes concurrent processes (torchrun ranks, pytest-xdist workers)
+compile once: the others wait and load the result.
 
-Where the build cannot happen (no C++ compiler, no ninja, a failing build), relpos says so in
-one warning and the other backends serve every call: relpos never fails for want of a
+What keeps a cache sound:
+
+- The compiled library's sha256 is recorded beside it (``<library>.sha256``, written
+  atomically once the build has loaded it) and checked before every load: a library without
+  it (a build killed while linking) or that no longer matches it (truncated, overwritten) is
+  never loaded: it is rebuilt from scratch, announced as a first build is.
+- The compile runs in a child process (``_builder.py``) that leads a session of its own,
+  with ninja and every compiler process in it; when the child or this process dies (SIGTERM,
+  SIGINT, SIGHUP; on Linux SIGKILL too, through ``PR_SET_PDEATHSIG``) the whole session is
+  killed, so no compiler runs on as an orphan. Its id is kept in ``build.session`` while it
+  runs; a later build kills what is left of a session recorded there (those processes that
+  work in the build directory), should both processes have been killed at once.
+- A build killed midway leaves torch's ``FileBaton`` (``lock`` in the build directory),
+  on which every later ``cpp_extension.load`` would wait forever. Builds take relpos's lock
+  first, so whoever holds it removes a leftover baton: nobody else can be building.
+- A cache that cannot be written (a read-only image or shared directory) holding a complete,
+  verified build is loaded as it is, without the lock and without writing anything.
+
+Where the build cannot happen (no C++ compiler, no ninja, a failing build, a read-only cache
+without a usable build), relpos says so in one warning, the cause first (the missing
+compiler, the compiler's first error), and where the full output is (``build.log`` in the
+build directory); the other backends serve every call: relpos never fails for want of a
 compiler. ``RELPOS_NATIVE=0`` turns the kernels off (no build, no warning).
 
 Environment:
@@ -19,11 +39,18 @@ Environment:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
+import json
 import os
 import platform
+import re
+import shlex
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -32,13 +59,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from relpos._io import atomic_write_text
 from relpos._sysinfo import cpuinfo
+from relpos.ops.native._builder import kill_session
 
 __all__ = [
     "BUILD_SECONDS",
+    "BuildError",
     "KernelStatus",
     "build_directory",
     "disabled",
+    "failure",
+    "failure_log",
+    "library_path",
     "load",
     "status",
 ]
@@ -48,11 +81,6 @@ SOURCES = (_CSRC / "relpos_native.cpp",)
 
 BUILD_SECONDS = 45
 """About how long one build takes on 2 cores (said in the message printed while it builds)."""
-
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_failure: str | None = None
-
 
 def disabled() -> bool:
     """Whether ``RELPOS_NATIVE=0`` (or ``false``/``off``/``no``) turns the kernels off."""
@@ -141,64 +169,331 @@ def _module_name() -> str:
     return f"relpos_native_{_key()}"
 
 
-def _built(directory: Path) -> bool:
-    return any(directory.glob(_module_name() + "*.so")) or any(
-        directory.glob(_module_name() + "*.pyd"))
+def library_path(directory: Path | None = None) -> Path:
+    """The compiled library in ``directory`` (default :func:`build_directory`)."""
+    directory = build_directory() if directory is None else directory
+    return directory / (_module_name() + (".pyd" if os.name == "nt" else ".so"))
+
+
+_BUILDER = Path(__file__).with_name("_builder.py")
+_BATON = "lock"  # torch.utils.file_baton.FileBaton's file in the build directory
+_SESSION = "build.session"  # the builder's session id while it runs
+_LOG = "build.log"
+_NOT_BUILT = "not built yet"
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be built or loaded: ``cause`` in one line; ``output`` the build's
+    output; ``log`` the file that holds it (None when none was written)."""
+
+    def __init__(self, cause: str, *, output: str = "", log: Path | None = None) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.output = output
+        self.log = log
+
+
+def _checksum_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _problem(library: Path) -> str | None:
+    """Why ``library`` must not be loaded (``_NOT_BUILT`` when absent); None when it is
+    complete: its sha256 is the one recorded when it was built."""
+    if not library.is_file():
+        return _NOT_BUILT
+    try:
+        recorded = _checksum_path(library).read_text(encoding="ascii").split()[0]
+    except (OSError, UnicodeDecodeError, IndexError):
+        return (f"{library.name} has no recorded checksum (a build that was interrupted, or "
+                "one by an older relpos)")
+    try:
+        actual = _sha256(library)
+    except OSError as error:
+        return f"{library.name} cannot be read ({error.strerror or error})"
+    if actual != recorded:
+        return (f"{library.name} is damaged (its sha256 is not the one recorded when it was "
+                "built)")
+    return None
 
 
 class _FileLock:
-    """An exclusive lock on ``path`` across processes (fcntl where it exists)."""
+    """An exclusive lock on ``path`` across processes (fcntl where it exists; ``exclusive``
+    says whether it is held as such)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd: int | None = None
+        self.exclusive = False
 
-    def __enter__(self) -> _FileLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def acquire(self) -> None:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             import fcntl
         except ImportError:  # pragma: no cover - not POSIX: cpp_extension's own baton remains
-            return self
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.fd)
+            self.fd = None
+            raise
+        self.exclusive = True
 
-    def __exit__(self, *exc: object) -> None:
+    def release(self) -> None:
         if self.fd is not None:
-            try:
+            if self.exclusive:
                 import fcntl
 
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
-            except ImportError:  # pragma: no cover
-                pass
             os.close(self.fd)
             self.fd = None
+            self.exclusive = False
+
+    def __enter__(self) -> _FileLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
-def _compile(directory: Path, *, quiet: bool) -> ModuleType:
+def _import(library: Path) -> ModuleType:
+    """Load ``library`` as the kernels' Python module (as ``cpp_extension.load`` does)."""
+    import importlib.util
+
+    import torch  # noqa: F401  (the library links against libtorch: torch loads it first)
+
+    spec = importlib.util.spec_from_file_location(_module_name(), library)
+    if spec is None or spec.loader is None:  # pragma: no cover - a .so path always has one
+        raise BuildError(f"{library} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _read_only(error: OSError) -> bool:
+    return isinstance(error, PermissionError) or error.errno in (
+        errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _load_or_build(directory: Path, *, quiet: bool) -> ModuleType:
+    library = library_path(directory)
+    lock = _FileLock(directory / "build.lock")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as error:
+        if not _read_only(error):
+            raise
+        # A cache this process cannot write: a complete, verified build is used as it is
+        # (no lock, nothing written); nothing else can be done here.
+        problem = _problem(library)
+        if problem is None:
+            return _import(library)
+        raise BuildError(f"the cache {directory} cannot be written "
+                         f"({error.strerror or error}) and holds no usable build: "
+                         f"{problem}") from error
+    try:
+        return _load_or_build_locked(directory, library, quiet=quiet,
+                                     exclusive=lock.exclusive)
+    finally:
+        lock.release()
+
+
+def _load_or_build_locked(directory: Path, library: Path, *, quiet: bool,
+                          exclusive: bool) -> ModuleType:
+    """Under relpos's lock (``exclusive``: one that excludes every other process): load the
+    verified library, or build it from scratch, record its checksum and load it."""
+    _clear_killed_build(directory, baton=exclusive)
+    problem = _problem(library)
+    if problem is None:
+        return _import(library)
+    _preflight()
+    if not quiet:
+        why = "" if problem == _NOT_BUILT else f"; rebuilding: {problem}"
+        print(f"relpos: compiling the native CPU kernels, once, about {BUILD_SECONDS} s "
+              f"(into {directory}{why})", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    _clean(directory, library)
+    try:
+        output = _compile(directory)
+    except BuildError as error:
+        error.log = _write_log(directory, error.output)
+        raise
+    log = _write_log(directory, output)
+    if not library.is_file():
+        raise BuildError(f"the build finished without {library.name}", output=output, log=log)
+    atomic_write_text(_checksum_path(library), f"{_sha256(library)}  {library.name}\n")
+    module = _import(library)
+    if not quiet:
+        print(f"relpos: native kernels built in {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    return module
+
+
+def _clear_killed_build(directory: Path, *, baton: bool) -> None:
+    """What a killed build left (relpos's lock held): the processes of its session that still
+    work in ``directory``, and torch's baton (``baton``: only where relpos's lock excludes
+    every other builder)."""
+    session = directory / _SESSION
+    with contextlib.suppress(OSError, ValueError):
+        kill_session(int(session.read_text(encoding="ascii")), cwd=str(directory))
+    with contextlib.suppress(OSError):
+        session.unlink()
+    if baton:
+        with contextlib.suppress(FileNotFoundError):
+            (directory / _BATON).unlink()
+
+
+def _clean(directory: Path, library: Path) -> None:
+    """Remove every output of an earlier build: each build in a keyed directory starts from
+    scratch (an object file written by a killed compiler is as suspect as the library)."""
+    paths = [library, _checksum_path(library), directory / ".ninja_log",
+             directory / ".ninja_deps", *directory.glob("*.o"), *directory.glob("*.obj"),
+             *directory.glob(_module_name() + "*")]
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _preflight() -> None:
+    """The causes ninja and torch would bury in their output: no compiler, no ninja."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    program = (shlex.split(compiler) or [compiler])[0]
+    if shutil.which(program) is None:
+        raise BuildError(
+            f"the C++ compiler was not found: CXX names {program!r}, which is no program "
+            "here; set CXX to an installed C++ compiler (g++ or clang++)" if "CXX" in os.environ
+            else f"the C++ compiler was not found: {program!r} (the default; CXX names "
+            "another) is not on PATH; install g++ or clang++, or set CXX")
+    if not cpp_extension.is_ninja_available():
+        raise BuildError("ninja was not found (pip install ninja)")
+
+
+def _spec(directory: Path) -> dict[str, object]:
+    cflags, ldflags = _flags()
+    return {"name": _module_name(), "sources": [str(s) for s in SOURCES],
+            "directory": str(directory), "cflags": cflags, "ldflags": ldflags,
+            "parent": os.getpid()}
+
+
+def _compile(directory: Path) -> str:
+    """Compile the kernels into ``directory`` in a child process (``_builder.py``) whose
+    session is killed whole if either process dies; the build's output. Raises
+    :class:`BuildError` (the cause, and the output) when it fails."""
+    if os.name != "posix" or not sys.executable:  # pragma: no cover - no session to own
+        return _compile_here(directory)
+    child = subprocess.Popen(
+        [sys.executable, str(_BUILDER), json.dumps(_spec(directory))], cwd=directory,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    session = directory / _SESSION
+    try:
+        with contextlib.suppress(OSError):
+            atomic_write_text(session, f"{child.pid}\n")
+        out, _ = child.communicate()
+    except BaseException:  # KeyboardInterrupt, SystemExit from a signal handler, ...
+        child.terminate()  # the builder kills its session, then exits
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=10)
+        child.kill()
+        child.wait()
+        raise
+    finally:
+        # What is left of a builder that was killed itself (those of its processes that
+        # work in the build directory: its pid may be another's once it is reaped).
+        kill_session(child.pid, cwd=str(directory))
+        with contextlib.suppress(OSError):
+            session.unlink()
+    output = out.decode("utf-8", errors="replace")
+    if child.returncode < 0:
+        raise BuildError(f"the build process was killed by signal {-child.returncode}",
+                         output=output)
+    if child.returncode != 0:
+        raise BuildError(_cause(output), output=output)
+    return output
+
+
+def _compile_here(directory: Path) -> str:  # pragma: no cover - not POSIX
     from torch.utils import cpp_extension
 
     cflags, ldflags = _flags()
-    with _FileLock(directory / "build.lock"):
-        fresh = not _built(directory)
-        if fresh and not quiet:
-            print(f"relpos: compiling the native CPU kernels, once, about {BUILD_SECONDS} s "
-                  f"(into {directory})", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        module = cpp_extension.load(
-            name=_module_name(), sources=[str(s) for s in SOURCES], build_directory=str(directory),
-            extra_cflags=cflags, extra_ldflags=ldflags, verbose=False,
-        )
-        if fresh and not quiet:
-            print(f"relpos: native kernels built in {time.perf_counter() - start:.0f} s",
-                  file=sys.stderr, flush=True)
-    return module
+    try:
+        cpp_extension.load(name=_module_name(), sources=[str(s) for s in SOURCES],
+                           build_directory=str(directory), extra_cflags=cflags,
+                           extra_ldflags=ldflags, verbose=False)
+    except Exception as error:
+        output = f"{type(error).__name__}: {error}"
+        raise BuildError(_cause(output), output=output) from error
+    return ""
+
+
+# Lines of a build's output that are no cause: ninja's progress and failed command lines,
+# its summary, the compiler's context lines.
+_NOISE = re.compile(r"^(\[\d+/\d+\]|FAILED:|ninja: build stopped|In file included from|"
+                    r"from |\d+ \| |\| |\S+: In (function|member function|instantiation))")
+_ERROR = re.compile(r"\b(error|fatal|not found|no such file|undefined reference|cannot|"
+                    r"killed|permission denied)\b", re.IGNORECASE)
+_TORCH_PREFIX = re.compile(r"^(\w+Error: )?Error building extension '[^']*':? ?")
+_CAUSE_CHARS = 500
+
+
+def _cause(output: str) -> str:
+    """The line of a failed build's output that says why: the first error after torch's
+    "Error building extension" (the compiler's first error, a missing program), else the
+    last meaningful line; one line, at most ``_CAUSE_CHARS`` characters (errors say their
+    cause first)."""
+    text = output
+    marker = re.search(r"(\w+Error: )?Error building extension", text)
+    if marker:  # torch's own warnings (its compiler checks) come before it
+        text = text[marker.start():]
+    lines: list[str] = []
+    skip_command = False
+    for raw in text.splitlines():
+        line = _TORCH_PREFIX.sub("", raw.strip())
+        if skip_command:  # the command line ninja prints after "FAILED: <output>"
+            skip_command = False
+            continue
+        if raw.startswith("FAILED:"):
+            skip_command = True
+        if line and not _NOISE.match(line):
+            lines.append(line)
+    cause = next((line for line in lines if _ERROR.search(line)), lines[-1] if lines else "")
+    cause = cause or "the build failed without saying why"
+    return cause if len(cause) <= _CAUSE_CHARS else cause[:_CAUSE_CHARS - 1] + "…"
+
+
+def _write_log(directory: Path, output: str) -> Path | None:
+    """The build's full output in ``directory/build.log`` (None when it cannot be written)."""
+    try:
+        return atomic_write_text(directory / _LOG, output)
+    except OSError:
+        return None
+
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None
+_failure_log: Path | None = None
 
 
 def load(*, quiet: bool = False) -> ModuleType | None:
     """The compiled kernels, building them first if this machine has none; None when they are
-    off (``RELPOS_NATIVE=0``) or cannot be built (then one warning says why)."""
-    global _module, _failure
+    off (``RELPOS_NATIVE=0``) or cannot be built or loaded (then one warning says why)."""
+    global _module, _failure, _failure_log
     if disabled():
         return None
     if _module is not None:
@@ -210,14 +505,17 @@ def load(*, quiet: bool = False) -> ModuleType | None:
             return _module
         directory = build_directory()
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            _module = _compile(directory, quiet=quiet)
+            _module = _load_or_build(directory, quiet=quiet)
         except Exception as error:  # no compiler, no ninja, a failing build: fall back
-            first = str(error).strip().splitlines()
-            _failure = f"{type(error).__name__}: {first[0] if first else ''}"[:300]
+            if isinstance(error, BuildError):
+                _failure, _failure_log = error.cause, error.log
+            else:
+                _failure = f"{type(error).__name__}: {_cause(str(error))}"
+            more = f"; the build's full output is in {_failure_log}" if _failure_log else ""
             warnings.warn(
-                f"relpos: the native CPU kernels could not be built ({_failure}); the PyTorch "
-                "backends serve every call instead (set RELPOS_NATIVE=0 to skip the attempt)",
+                f"relpos: the native CPU kernels could not be built: {_failure}\n"
+                f"The PyTorch backends serve every call instead{more} (set RELPOS_NATIVE=0 to "
+                "skip the attempt).",
                 RuntimeWarning, stacklevel=3,
             )
             return None
@@ -225,13 +523,20 @@ def load(*, quiet: bool = False) -> ModuleType | None:
 
 
 def failure() -> str | None:
-    """Why the last build attempt failed, or None."""
+    """Why the last build attempt failed (one line), or None."""
     return _failure
+
+
+def failure_log() -> Path | None:
+    """The file with the full output of the last failed build, or None."""
+    return _failure_log
 
 
 @dataclass(frozen=True)
 class KernelStatus:
-    """What ``relpos kernels`` prints."""
+    """What ``relpos kernels`` prints. ``built``: a complete, verified library is cached;
+    ``damaged``: why the cached library must not be loaded (None when there is none, or it is
+    sound)."""
 
     enabled: bool
     built: bool
@@ -240,16 +545,19 @@ class KernelStatus:
     blas: str
     torch_version: str
     failure: str | None
+    damaged: str | None = None
 
 
 def status() -> KernelStatus:
-    """Whether the kernels are built for this machine, where, and for which instruction set
-    (builds nothing)."""
+    """Whether the kernels are built for this machine (and sound), where, and for which
+    instruction set (builds and loads nothing)."""
     import torch
 
     directory = build_directory()
+    problem = _problem(library_path(directory))
     return KernelStatus(
-        enabled=not disabled(), built=_built(directory), directory=directory, isa=isa(),
+        enabled=not disabled(), built=problem is None, directory=directory, isa=isa(),
         blas="mkl (libtorch's sgemm_/dgemm_)" if have_blas() else "plain C++ loops",
         torch_version=torch.__version__, failure=_failure,
+        damaged=None if problem in (None, _NOT_BUILT) else problem,
     )

@@ -1,0 +1,427 @@
+"""The native kernels' build under faults: killed builds, damaged libraries, read-only caches,
+no compiler (relpos.ops.native.build).
+
+No test compiles: the cached build of the suite (tests/conftest.py, build/relpos-cache) is
+copied into a temporary cache, and where a build must run, a stand-in ``g++`` (FAKE_GXX)
+"compiles" under ninja and torch's cpp_extension as a real one would, its "link" copying the
+suite's library into place. Every call that could crash or hang runs in a child process
+under a hard timeout, whose numbers are compared with the reference backend in float64.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from relpos.ops.native import build
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Seconds any child process of these tests may take: a call that hangs (waiting on a baton
+#: nobody will release) fails the test instead of hanging CI. With a build faked, a call
+#: takes a few seconds (two interpreters importing torch).
+TIMEOUT = 60
+LINUX = sys.platform.startswith("linux")
+
+# A stand-in for g++ that torch accepts (named g++, version 12.2.0): a compile writes an empty
+# object and its dependency file, a link copies $FAKE_CXX_LIBRARY (the suite's real library)
+# to its output. $FAKE_CXX_PIDS collects the pid of every compile or link; $FAKE_CXX_SLEEP
+# makes each take that long.
+FAKE_GXX = """\
+#!/bin/sh
+for arg in "$@"; do
+  case "$arg" in -dumpfullversion|-dumpversion) echo 12.2.0; exit 0;; esac
+done
+[ -n "$FAKE_CXX_PIDS" ] && echo $$ >> "$FAKE_CXX_PIDS"
+[ -n "$FAKE_CXX_SLEEP" ] && sleep "$FAKE_CXX_SLEEP"
+out=; dep=; prev=; shared=
+for arg in "$@"; do
+  [ "$prev" = "-o" ] && out=$arg
+  [ "$prev" = "-MF" ] && dep=$arg
+  [ "$arg" = "-shared" ] && shared=1
+  prev=$arg
+done
+if [ -n "$shared" ]; then
+  cp "$FAKE_CXX_LIBRARY" "$out"
+else
+  : > "$out"
+  [ -n "$dep" ] && echo "$out:" > "$dep"
+fi
+exit 0
+"""
+
+# One call through auto-selection, checked against the reference in float64; prints the
+# backend that served it and the warnings it raised (JSON, the last line of stdout).
+CALL = textwrap.dedent("""
+    import json, warnings, torch, relpos
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    t = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = relpos.relative_attention(q, k, v, max_distance=2, rel_keys=t, rel_values=t)
+        backend = relpos.select_backend(q, k, v, max_distance=2, rel_keys=t, rel_values=t)
+    ref = relpos.relative_attention(q, k, v, max_distance=2, rel_keys=t, rel_values=t,
+                                    implementation="reference")
+    assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
+    print(json.dumps({"backend": backend, "warnings": [str(w.message) for w in caught]}))
+""")
+
+
+def _run(env: dict[str, str], prelude: str = "",
+         **kwargs: object) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """CALL (after ``prelude``) in a child process (``env`` added to this one's), under
+    TIMEOUT; its result."""
+    try:
+        done = subprocess.run([sys.executable, "-c", prelude + CALL], capture_output=True,
+                              text=True,
+                              env={**os.environ, **env}, cwd=ROOT, timeout=TIMEOUT,
+                              **kwargs)  # type: ignore[call-overload]
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the call did not finish within {TIMEOUT} s: {hung.stderr!r}")
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def built() -> Path:
+    """The suite's build directory: built (once for the suite) and verified."""
+    assert build.load(quiet=True) is not None, build.failure()
+    assert build.status().built
+    return build.build_directory()
+
+
+@pytest.fixture
+def library(built: Path, tmp_path: Path) -> Path:
+    """A private copy of the suite's library (what FAKE_GXX links)."""
+    return Path(shutil.copy2(build.library_path(built), tmp_path / "good.so"))
+
+
+@pytest.fixture
+def fake_gxx(tmp_path: Path, library: Path) -> dict[str, str]:
+    """The environment of a child process whose C++ compiler is FAKE_GXX."""
+    (tmp_path / "bin").mkdir()
+    gxx = tmp_path / "bin" / "g++"
+    gxx.write_text(FAKE_GXX)
+    gxx.chmod(0o755)
+    return {"CXX": str(gxx), "FAKE_CXX_LIBRARY": str(library)}
+
+
+def _copy(built: Path, cache: Path) -> Path:
+    """The suite's build directory copied whole (ninja's state too, mtimes kept) into the
+    cache ``cache``; the copy's path."""
+    target = cache / "kernels" / built.name
+    shutil.copytree(built, target, ignore=shutil.ignore_patterns("lock", "build.session"))
+    return target
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.fixture
+def in_process_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """RELPOS_CACHE_DIR at a fresh cache for calls in this process, no build loaded yet."""
+    monkeypatch.setenv("RELPOS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_module", None)
+    monkeypatch.setattr(build, "_failure", None)
+    monkeypatch.setattr(build, "_failure_log", None)
+    return tmp_path / "cache"
+
+
+# ------------------------------------------------------------------------------------------
+# 1. A killed build: no hang, no compiler left running
+
+
+def test_what_a_build_killed_by_sigterm_leaves_does_not_block_the_next_call(
+        tmp_path: Path, built: Path, fake_gxx: dict[str, str]) -> None:
+    # `kill -TERM -- -PID` of a first build: ninja stopped its compiles and Python died
+    # holding torch's baton, a file torch creates with O_CREAT | O_EXCL and every later
+    # cpp_extension.load waits on until it is gone.
+    directory = tmp_path / "cache" / "kernels" / built.name
+    directory.mkdir(parents=True)
+    shutil.copy2(built / "build.ninja", directory)
+    (directory / "build.lock").touch()
+    os.close(os.open(directory / "lock", os.O_CREAT | os.O_EXCL))
+    done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
+    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert "compiling the native CPU kernels" in done.stderr
+    assert not (directory / "lock").exists()
+
+
+@pytest.mark.skipif(not LINUX, reason="the build dies with its parent on Linux (PDEATHSIG)")
+def test_a_build_killed_with_sigkill_takes_its_compiler_along_and_the_next_call_works(
+        tmp_path: Path, built: Path, fake_gxx: dict[str, str]) -> None:
+    cache = tmp_path / "cache"
+    pids = tmp_path / "compiler.pids"
+    slow = {**os.environ, **fake_gxx, "RELPOS_CACHE_DIR": str(cache),
+            "FAKE_CXX_PIDS": str(pids), "FAKE_CXX_SLEEP": "120"}
+    first = subprocess.Popen([sys.executable, "-c", CALL], env=slow, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    compiler: int | None = None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (pids.exists() and pids.read_text().strip()):
+            assert first.poll() is None, "the first call ended before its compile began"
+            assert time.monotonic() < deadline, "the compile never began"
+            time.sleep(0.05)
+        compiler = int(pids.read_text().split()[0])
+        os.kill(first.pid, signal.SIGKILL)  # the process alone, as `kill -9 PID` does
+        first.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(compiler):  # ninja put it in a process group of its own
+            assert time.monotonic() < deadline, "the compiler runs on as an orphan"
+            time.sleep(0.05)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait(timeout=10)
+        if compiler is not None and _alive(compiler):
+            os.killpg(os.getpgid(compiler), signal.SIGKILL)
+    assert (cache / "kernels" / built.name / "lock").exists()  # torch's baton, left behind
+    done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(cache)})
+    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert "compiling the native CPU kernels" in done.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# 2. A damaged library is never loaded
+
+
+def _damage(library: Path, how: str) -> None:
+    size = library.stat().st_size
+    with open(library, "r+b") as handle:
+        if how == "truncated":  # dlopen: SIGBUS
+            handle.truncate(size // 2)
+        else:  # the ELF header kept, the rest overwritten: dlopen: SIGSEGV
+            handle.seek(4096)
+            handle.write(bytes(range(251)) * ((size - 8192) // 251))
+
+
+def test_a_damaged_library_is_rebuilt_never_loaded(
+        tmp_path: Path, built: Path, fake_gxx: dict[str, str]) -> None:
+    # ninja's state is copied too: to ninja the truncated library is up to date.
+    directory = _copy(built, tmp_path / "cache")
+    _damage(build.library_path(directory), "truncated")
+    done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
+    assert result == {"backend": "native", "warnings": []}, done.stderr
+    # 5. a rebuild is announced as a first build is, with the reason
+    assert "compiling the native CPU kernels" in done.stderr and "damaged" in done.stderr
+    assert build._problem(build.library_path(directory)) is None  # rebuilt and recorded
+
+
+def test_a_rebuild_is_announced_like_a_first_build(
+        in_process_cache: Path, built: Path, library: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A library without its checksum (a link killed midway) is rebuilt, and that is said.
+    directory = in_process_cache / "kernels" / built.name
+    directory.mkdir(parents=True)
+    shutil.copy2(library, build.library_path(directory))
+    compiled: list[Path] = []
+
+    def compile_(into: Path) -> str:
+        compiled.append(into)
+        shutil.copy2(library, build.library_path(into))
+        return "a faked build\n"
+
+    monkeypatch.setattr(build, "_compile", compile_)
+    assert build.load() is not None
+    err = capsys.readouterr().err
+    assert compiled == [directory]
+    assert "compiling the native CPU kernels" in err and "no recorded checksum" in err
+    assert build._problem(build.library_path(directory)) is None
+
+
+def test_relpos_kernels_reports_a_damaged_library(
+        in_process_cache: Path, built: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from relpos.cli import main
+
+    _damage(build.library_path(_copy(built, in_process_cache)), "overwritten")
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "native kernels: damaged" in out and "not loaded" in out, out
+
+
+# ------------------------------------------------------------------------------------------
+# 3. A read-only cache with a complete build is used as it is
+
+
+@pytest.fixture
+def read_only_cache(built: Path) -> Iterator[Path]:
+    """A cache holding what a shipped image holds (the library, its checksum, the lock file),
+    in a directory any user can read (as root, tests run the child as ``nobody``, whom
+    ``chmod a-w`` stops); made read-only by the test."""
+    root = Path(tempfile.mkdtemp(prefix="relpos-read-only-"))
+    try:
+        root.chmod(0o755)
+        directory = root / "kernels" / built.name
+        directory.mkdir(parents=True)
+        library = build.library_path(built)
+        for path in (library, build._checksum_path(library), built / "build.lock"):
+            shutil.copy2(path, directory)
+        yield root
+    finally:
+        for folder, _, files in os.walk(root):
+            os.chmod(folder, 0o755)
+            for name in files:
+                os.chmod(os.path.join(folder, name), 0o644)
+        shutil.rmtree(root)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes() if p.is_file()
+                     else b"") for p in sorted(root.rglob("*"))}
+
+
+# What a read-only directory does to a process that chmod does not stop (root): every call
+# that would write under RELPOS_CACHE_DIR fails with EACCES (the snapshots of the tests check
+# that nothing else writes).
+READ_ONLY = textwrap.dedent("""
+    import builtins, errno, io, os
+    _cache = os.path.realpath(os.environ["RELPOS_CACHE_DIR"]) + os.sep
+    def _inside(path):
+        return (isinstance(path, (str, bytes, os.PathLike))
+                and os.path.realpath(os.fsdecode(path)).startswith(_cache))
+    def _refuse(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+    def _guard(name, writes=lambda *args, **kwargs: True):
+        real = getattr(os, name)
+        def guarded(path, *args, **kwargs):
+            if _inside(path) and writes(*args, **kwargs):
+                _refuse(path)
+            return real(path, *args, **kwargs)
+        setattr(os, name, guarded)
+    _guard("open", lambda flags, *args, **kwargs: flags & (
+        os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+    for _name in ("mkdir", "unlink", "remove", "rmdir", "replace", "rename", "chmod"):
+        _guard(_name)
+    _open = io.open
+    def _guarded_open(file, mode="r", *args, **kwargs):
+        if _inside(file) and any(c in mode for c in "wax+"):
+            _refuse(file)
+        return _open(file, mode, *args, **kwargs)
+    builtins.open = io.open = _guarded_open
+""")
+
+
+@functools.cache
+def _nobody_can_run_python() -> bool:
+    try:
+        return subprocess.run([sys.executable, "-c", "import torch, relpos"], user="nobody",
+                              cwd=ROOT, capture_output=True, timeout=TIMEOUT).returncode == 0
+    except (OSError, subprocess.SubprocessError, KeyError):  # no such user, cannot exec
+        return False
+
+
+def _read_only_child() -> tuple[str, dict[str, object]]:
+    """The prelude and subprocess.run arguments of a child that a read-only cache stops: this
+    user (not root: chmod a-w stops it), else ``nobody`` where it can run this Python, else
+    root with READ_ONLY."""
+    if os.geteuid() != 0:
+        return "", {}
+    if _nobody_can_run_python():
+        return "", {"user": "nobody"}
+    return READ_ONLY, {}
+
+
+def _make_read_only(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            os.chmod(os.path.join(folder, name), stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+        os.chmod(folder, 0o555)
+
+
+def test_a_read_only_cache_with_a_verified_build_is_used_without_writing(
+        read_only_cache: Path) -> None:
+    _make_read_only(read_only_cache)
+    before = _snapshot(read_only_cache)
+    prelude, kwargs = _read_only_child()
+    done, result = _run({"RELPOS_CACHE_DIR": str(read_only_cache)}, prelude, **kwargs)
+    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert "compiling" not in done.stderr
+    assert _snapshot(read_only_cache) == before
+
+
+def test_a_read_only_cache_with_a_damaged_build_warns_once_and_falls_back(
+        read_only_cache: Path, built: Path) -> None:
+    _damage(build.library_path(read_only_cache / "kernels" / built.name), "overwritten")
+    _make_read_only(read_only_cache)
+    before = _snapshot(read_only_cache)
+    prelude, kwargs = _read_only_child()
+    _, result = _run({"RELPOS_CACHE_DIR": str(read_only_cache)}, prelude, **kwargs)
+    assert result["backend"] != "native" and len(result["warnings"]) == 1, result
+    assert "cannot be written" in result["warnings"][0] and "damaged" in result["warnings"][0]
+    assert _snapshot(read_only_cache) == before
+
+
+def test_a_lock_that_cannot_be_opened_does_not_stop_a_verified_build(
+        in_process_cache: Path, built: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same in this process, for any user: opening build.lock fails as it does for an
+    # unprivileged user on a read-only copy.
+    directory = _copy(built, in_process_cache)
+    before = _snapshot(in_process_cache)
+
+    def refuse(self: object) -> None:
+        raise PermissionError(13, "Permission denied", str(directory / "build.lock"))
+
+    monkeypatch.setattr(build._FileLock, "acquire", refuse)
+    module = build.load()
+    assert module is not None and module.__spec__ is not None
+    assert Path(str(module.__spec__.origin)).parent == directory
+    assert _snapshot(in_process_cache) == before
+
+
+# ------------------------------------------------------------------------------------------
+# 4. A build that cannot run says why first
+
+
+def test_without_a_compiler_the_warning_says_the_cause_first(tmp_path: Path) -> None:
+    done, result = _run({"CXX": "/nonexistent", "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
+    assert result["backend"] != "native" and len(result["warnings"]) == 1, result
+    first_line = result["warnings"][0].splitlines()[0]
+    assert "could not be built" in first_line, first_line
+    assert "C++ compiler was not found: CXX names '/nonexistent'" in first_line, first_line
+    assert "compiling" not in done.stderr and "!! WARNING" not in done.stderr
+
+
+def test_the_cause_of_a_failed_build_is_its_first_error() -> None:
+    long_command = "c++ -MMD -MF relpos_native.o.d -Wno-error " + "-isystem /x " * 100
+    cases = {
+        # torch's message with a missing compiler, as the builder prints it
+        f"RuntimeError: Error building extension 'relpos_native_0': [1/2] {long_command}\n"
+        "/bin/sh: 1: /nonexistent: not found\nninja: build stopped: subcommand failed.\n":
+            "/bin/sh: 1: /nonexistent: not found",
+        # a compile error: the command after FAILED: names -Wno-error, then context lines
+        "W1203 torch/utils/cpp_extension.py: Error checking compiler version for c++\n"
+        "RuntimeError: Error building extension 'relpos_native_0': [1/2] c++ x.cpp\n"
+        f"FAILED: relpos_native.o \n{long_command}\n"
+        "/src/relpos_native.cpp: In function 'void f()':\n"
+        "/src/relpos_native.cpp:10:5: error: 'g' was not declared in this scope\n"
+        "   10 |     g();\n      |     ^\n"
+        "/src/relpos_native.cpp:11:5: error: 'h' was not declared in this scope\n"
+        "ninja: build stopped: subcommand failed.\n":
+            "/src/relpos_native.cpp:10:5: error: 'g' was not declared in this scope",
+        "RuntimeError: Ninja is required to load C++ extensions (pip install ninja to get it)\n":
+            "RuntimeError: Ninja is required to load C++ extensions (pip install ninja to get "
+            "it)",
+    }
+    for output, cause in cases.items():
+        assert build._cause(output) == cause
+    assert len(build._cause("x.cpp:1:1: error: " + "y" * 2000)) <= 500
