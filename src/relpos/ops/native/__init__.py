@@ -138,6 +138,17 @@ def dropout_mask(seed: Tensor, shape: tuple[int, int, int, int], dropout_p: floa
     return mask(seed, shape, dropout_p)
 
 
+def _kernel_window(call: AttentionCall) -> tuple[int, int]:
+    """The window ``(left, right)`` the kernels get. With a table it is the call's (the table has
+    ``left + right + 1`` rows). Without tables a window changes nothing, and the kernels get
+    ``(0, 0)``: the same in eager and under ``torch.compile``, where :func:`relpos.validate_call`
+    does not narrow a window to the sequence, so ``max_distance=10**30`` never reaches the op
+    (an int64) or the kernels' arithmetic."""
+    if call.rel_keys is None and call.rel_values is None:
+        return 0, 0
+    return call.left, call.right
+
+
 def attention(call: AttentionCall) -> Tensor:
     """Native backend: see :func:`relpos.relative_attention` for the meaning of the call.
 
@@ -151,8 +162,9 @@ def attention(call: AttentionCall) -> Tensor:
     key_bias, attn_bias = masks(call)
     args = (call.query, call.key, call.value, call.rel_keys, call.rel_values, key_bias,
             attn_bias, seed)
+    left, right = _kernel_window(call)
     options: dict[str, Any] = dict(
-        left=call.left, right=call.right, is_causal=call.is_causal, scale=call.scale,
+        left=left, right=right, is_causal=call.is_causal, scale=call.scale,
         query_start=call.query_start, dropout_p=call.dropout_p,
     )
     if not needs_backward(call) and not (

@@ -27,16 +27,18 @@
 // Table gradients: one partial per (batch, head) task, reduced afterwards in a fixed order:
 // deterministic whatever the thread count. dk and dv are owned by their (batch, head) task.
 //
-// GEMMs: MKL's sgemm_/dgemm_ as exported by libtorch (RELPOS_HAVE_BLAS; inside the tasks'
-// OpenMP region MKL runs on the calling thread, as in torch's own flash kernel); a plain C++
-// fallback otherwise.
+// GEMMs: MKL's sgemm_/dgemm_ as exported by libtorch (RELPOS_HAVE_BLAS; MKL runs on the task's
+// thread, as in torch's own flash kernel, also for a lone task that at::parallel_for runs
+// inline: SingleThreadedBlas); a plain C++ fallback otherwise.
+//
+// The entry points release the GIL: nothing below them touches a Python object.
 //
 // The file, top down: block sizes; GEMM, exp and the dropout hash; the call's options and
 // geometry; the row primitives; the phases of a row that both directions share (masks, band
 // key term, exp by segment, bucket sums); the forward's phases (online-softmax step with its
 // rescale, dropout and bucket update, epilogue) and its loops; the backward's phases (delta,
-// recompute P, dS by segment, bucket gradients, dQ/dK/dV and table-gradient GEMMs) and its
-// loops; the entry points. Each phase is one function, forced inline into the loop that calls
+// recompute P, NaN rows, dS by segment, bucket gradients, dQ/dK/dV and table-gradient GEMMs)
+// and its loops; the entry points. Each phase is one function, forced inline into the loop that calls
 // it, so the compiled loops are those of a single loop body.
 
 #include <torch/extension.h>
@@ -99,8 +101,42 @@ void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const in
 void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
             const double* alpha, const double* a, const int* lda, const double* b,
             const int* ldb, const double* beta, double* c, const int* ldc);
+#if defined(__GNUC__)
+// MKL's thread count for the calling thread only (libtorch's x86 builds export it): the C entry
+// that mkl_service.h names mkl_set_num_threads_local (the lower-case symbol is the Fortran one,
+// which takes a pointer). Weak: a libtorch whose BLAS lacks it still loads the kernels, which
+// then leave the count alone.
+int MKL_Set_Num_Threads_Local(int nt) __attribute__((weak));
+#endif
 }
 #endif
+
+// Keeps the BLAS on the calling thread while it lives; each task of at::parallel_for holds one.
+// Inside torch's OpenMP region MKL already does, but at::parallel_for runs a lone task (B = H =
+// 1) inline, outside any region, where MKL would thread a GEMM itself and round it otherwise:
+// with the guard a task computes the same bits at every thread count.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas() {
+#if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
+    if (MKL_Set_Num_Threads_Local != nullptr) {
+      previous_ = MKL_Set_Num_Threads_Local(1);
+      set_ = true;
+    }
+#endif
+  }
+  ~SingleThreadedBlas() {
+#if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
+    if (set_) MKL_Set_Num_Threads_Local(previous_);  // 0: back to the global count
+#endif
+  }
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool set_ = false;
+};
 
 template <typename T>
 static void gemm_fallback(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha,
@@ -179,20 +215,24 @@ static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A,
 // ------------------------------------------------------------------------------------------
 // exp: a vectorizable exp for float (Cody-Waite reduction, degree-6 polynomial; relative error
 // about 2 ulp), exact std::exp for double. exp(-inf) = 0 and exp of anything below the float
-// range is 0, at full speed (no slow underflow path).
+// range is 0, at full speed (no slow underflow path); exp(+inf) = +inf, exp(NaN) = NaN.
 
 static inline float exp_float(float x) {
+  // NaN passes through the clamps and the polynomial (y is NaN, so is y * scale); the exponent
+  // arithmetic below is unsigned, so its bits (garbage for NaN) are well-defined too.
   const float hi = 88.3762626647949f, lo = -87.3365447504019f;
   const bool under = x < lo;  // -inf included
+  const float inf = std::numeric_limits<float>::infinity();
+  const bool over = x == inf;  // the clamp below would saturate it at exp(hi)
   x = std::min(std::max(x, lo), hi);
   // Round x * log2(e) to the nearest integer n with the 1.5 * 2^23 trick (vectorizes; no
   // call to roundf): the low bits of t hold n.
   const float magic = 12582912.0f;
   const float t = x * 1.44269504088896341f + magic;
   const float n = t - magic;
-  int32_t tb;
+  uint32_t tb;
   std::memcpy(&tb, &t, sizeof(tb));
-  const int32_t ni = tb - 0x4B400000;  // the bits of 1.5 * 2^23
+  const uint32_t ni = tb - 0x4B400000u;  // n modulo 2^32 (0x4B400000: the bits of 1.5 * 2^23)
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float y = 1.9875691500e-4f;
@@ -202,11 +242,12 @@ static inline float exp_float(float x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const int32_t e = (ni + 127) << 23;
+  // 2^n as a float: the biased exponent n + 127 (1..255 for finite x) in bits 23..30.
+  const uint32_t e = (ni + 127u) << 23;
   float scale;
   std::memcpy(&scale, &e, sizeof(scale));
   const float out = y * scale;
-  return under ? 0.0f : out;
+  return under ? 0.0f : over ? inf : out;
 }
 
 template <typename T>
@@ -330,6 +371,14 @@ struct Geometry {
     const int64_t j1 = std::min(S, j0 + BK);
     return causal ? std::min(j1, query_start + i1) : j1;
   }
+
+  // The table rows [lo, hi] that the row at position p can read (its keys' clipped offsets,
+  // hidden keys included); lo > hi when it has no key.
+  inline void table_rows(int64_t p, int64_t& lo, int64_t& hi) const {
+    const int64_t end = causal ? std::min(S, p + 1) : S;
+    lo = std::min(std::max(-p, -left), right) + left;
+    hi = end <= 0 ? lo - 1 : std::min(std::max(end - 1 - p, -left), right) + left;
+  }
 };
 
 // The call's tensors as contiguous raw pointers (nullptr for an absent optional one).
@@ -342,6 +391,7 @@ struct Inputs {
   const T* av;         // (Hr_v, R, Dv) or nullptr
   const T* key_bias;   // (B, S) or nullptr
   const T* attn_bias;  // (B, H, L, S) in the strides of Geometry::mB.. or nullptr
+  bool ak_finite = true;  // (backward) every entry of ak is finite
 };
 
 // What one (batch, head) reads: its keys, values, tables (shared or its own) and key bias.
@@ -414,6 +464,22 @@ static inline T exp_sum(T* x, int64_t n, T offset) {
   return sum;
 }
 
+// x[j] = exp(x[j] + far - offset) over a far segment, whose relative term is the one constant
+// `far`; returns their sum. A hidden key (-inf) gives 0 even where the constant is not finite
+// (-inf + inf, -inf + NaN): a non-finite table row reaches no row through keys it does not see.
+template <typename T>
+static inline T far_exp_sum(T* x, int64_t n, T offset, T far) {
+  if (std::isfinite(far)) return exp_sum<T>(x, n, offset - far);
+  const T ninf = -std::numeric_limits<T>::infinity();
+  T sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const T e = x[j] == ninf ? T(0) : exp_<T>(x[j] - (offset - far));
+    x[j] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // ------------------------------------------------------------------------------------------
 // Phases of a row that both directions share. `s` is the row's tile of scores, entry x for key
 // j0 + x, holding scale * q_i . k_j from the tile's GEMM.
@@ -431,7 +497,7 @@ static inline FarConstants<T> far_constants(const T* table_row, int64_t R) {
 }
 
 // Tile masks: the key bias and the row of a dense mask, added to the visible keys [j0, end)
-// (-inf hides a key whatever its score).
+// (-inf hides a key whatever its score, band key term included: added after it).
 template <typename T>
 static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, const T* kb,
                              const T* mrow) {
@@ -452,9 +518,10 @@ static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, c
   }
 }
 
-// Band key term: s_ij += QA[i, j - p + left] for the band's keys. The far segments' constants
+// Band key term: s_ij += QA[i, j - p + left] for the band's keys, before the masks (so that a
+// hidden key is -inf even where its table row is not finite). The far segments' constants
 // QA[i, 0] and QA[i, R-1] are not added here: they are folded into the max and the exp offset,
-// so far keys cost no extra pass.
+// so far keys cost no extra pass (hidden far keys then stay out: far_segment_max, far_exp_sum).
 template <typename T>
 static RELPOS_INLINE void add_band_key_term(T* s, const RowSegments& seg, const T* qa_row) {
   if (qa_row == nullptr) return;
@@ -474,9 +541,9 @@ static RELPOS_INLINE SegmentSums<T> exp_segments(T* s, const RowSegments& seg,
                                                  FarConstants<T> qa_far, T offset) {
   T* band_scores = s + seg.n_left;
   SegmentSums<T> sum;
-  sum.left = exp_sum<T>(s, seg.n_left, offset - qa_far.left);
+  sum.left = far_exp_sum<T>(s, seg.n_left, offset, qa_far.left);
   sum.band = exp_sum<T>(band_scores, seg.n_band, offset);
-  sum.right = exp_sum<T>(band_scores + seg.n_band, seg.n_right, offset - qa_far.right);
+  sum.right = far_exp_sum<T>(band_scores + seg.n_band, seg.n_right, offset, qa_far.right);
   return sum;
 }
 
@@ -521,6 +588,14 @@ struct ForwardBlock {
         m(BQ), l(BQ) {}
 };
 
+// The max of a far segment's scores plus its constant; -inf where the segment has no visible
+// score (hidden keys are -inf), whatever the constant (-inf + NaN would make the row NaN).
+template <typename T>
+static inline T far_segment_max(const T* s, int64_t n, T far) {
+  const T mx = row_max<T>(s, n);
+  return mx == -std::numeric_limits<T>::infinity() ? mx : mx + far;
+}
+
 // The row's max over its visible scores, far constants included. row_max skips NaN; a row whose
 // visible scores are all NaN must stay NaN, not look empty (other NaNs reach the row through
 // exp and its sum).
@@ -529,10 +604,11 @@ static RELPOS_INLINE T segments_max(const T* s, const RowSegments& seg, FarConst
   const T ninf = -std::numeric_limits<T>::infinity();
   const T* band_scores = s + seg.n_left;
   T mx = ninf;
-  if (seg.n_left > 0) mx = nan_max<T>(mx, row_max<T>(s, seg.n_left) + qa_far.left);
+  if (seg.n_left > 0) mx = nan_max<T>(mx, far_segment_max<T>(s, seg.n_left, qa_far.left));
   if (seg.n_band > 0) mx = nan_max<T>(mx, row_max<T>(band_scores, seg.n_band));
   if (seg.n_right > 0)
-    mx = nan_max<T>(mx, row_max<T>(band_scores + seg.n_band, seg.n_right) + qa_far.right);
+    mx = nan_max<T>(mx, far_segment_max<T>(band_scores + seg.n_band, seg.n_right,
+                                           qa_far.right));
   if (mx == ninf) {
     for (int64_t j = 0; j < seg.n_visible; ++j)
       if (std::isnan(s[j])) mx = std::numeric_limits<T>::quiet_NaN();
@@ -609,7 +685,7 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T>& hd,
   std::fill(w.l.begin(), w.l.end(), T(0));
 }
 
-// Row r of one tile: masks, band key term, online-softmax step, then dropout and the bucket
+// Row r of one tile: band key term, masks, online-softmax step, then dropout and the bucket
 // update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) in the row's tile for the P @ V GEMM.
 template <typename T>
 static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, const T* attn_bias,
@@ -618,10 +694,10 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, cons
   const int64_t nk = j1 - j0, R = g.R;
   T* s = w.scores.data() + r * nk;
   const RowSegments seg = g.segments(g.query_start + i, j0, j1);
-  add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   const T* qa_row = hd.ak ? w.qa.data() + r * R : nullptr;
   const FarConstants<T> qa_far = far_constants(qa_row, R);
   add_band_key_term<T>(s, seg, qa_row);
+  add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   SegmentSums<T> p_sums;
   if (!online_softmax_step<T>(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums))
     return;
@@ -668,6 +744,7 @@ static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const 
   const T inv_keep = static_cast<T>(drop.inv_keep);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
+    const SingleThreadedBlas one_thread;
     ForwardBlock<T> w(BQ, BK, R, Dv, in.ak != nullptr, in.av != nullptr);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
@@ -788,9 +865,26 @@ static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_
   for (int64_t j = nv; j < nk; ++j) p_dropped[j] = T(0);
 }
 
-// Row r of one tile: recompute P = exp(s - lse) (masks, band key term, far constants in the
+// A row that the forward left NaN (lse NaN; `s` its scores with the masks applied): P and dS
+// are NaN at its keys but 0 at the keys its masks hide (-inf), as the reference's masked softmax
+// gives, so that the row reaches neither a hidden key's dk nor a table row it reads only
+// through hidden keys.
+template <typename T>
+static RELPOS_INLINE void nan_row(T* s, T* dp, int64_t n_visible) {
+  const T ninf = -std::numeric_limits<T>::infinity();
+  const T nan = std::numeric_limits<T>::quiet_NaN();
+  for (int64_t j = 0; j < n_visible; ++j) {
+    const T x = s[j] == ninf ? T(0) : nan;
+    s[j] = x;
+    dp[j] = x;
+  }
+}
+
+// Row r of one tile: recompute P = exp(s - lse) (band key term, masks, far constants in the
 // offsets), turn dP into dS, and add the row's bucket sums to Pb (for daV) and dSb (for dq and
-// daK). Leaves P (or P dropped) and dS, both 0 where hidden, for the tile's GEMMs.
+// daK). Leaves P (or P dropped) and dS, both 0 where hidden, for the tile's GEMMs. A row that
+// sees no key (lse = +inf) leaves zeros and no bucket sums, whatever the tables hold; a NaN
+// row (lse NaN) NaN except at hidden keys (nan_row).
 template <typename T>
 static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T>& hd, const T* attn_bias,
                                        const Dropout& drop, T inv_keep, BackwardBlock<T>& w,
@@ -800,23 +894,38 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T>& hd, con
   T* s = w.scores.data() + r * nk;
   T* dp = w.dp.data() + r * nk;
   T* pd_row = pd + r * nk;
+  if (row_lse == std::numeric_limits<T>::infinity()) {
+    std::fill(s, s + nk, T(0));
+    std::fill(dp, dp + nk, T(0));
+    if (drop.on) std::fill(pd_row, pd_row + nk, T(0));
+    return;
+  }
   const RowSegments seg = g.segments(g.query_start + i, j0, j1);
-  add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   const T* qa_row = hd.ak ? w.qa.data() + r * R : nullptr;
   const T* doa_row = hd.av ? w.doa.data() + r * R : nullptr;
   const FarConstants<T> qa_far = far_constants(qa_row, R);
   const FarConstants<T> doa_far = far_constants(doa_row, R);
   add_band_key_term<T>(s, seg, qa_row);
+  add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   const T row_delta = w.delta[r];
-  // P, segment by segment (the far constants folded into the offsets)
-  const SegmentSums<T> p_sums = exp_segments<T>(s, seg, qa_far, row_lse);
   T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   T* dsb_row = hd.ak ? w.dsb.data() + r * R : nullptr;
-  if (!drop.on) {
+  if (std::isnan(row_lse)) {
+    nan_row<T>(s, dp, seg.n_visible);
+    if (drop.on) {
+      std::copy(s, s + seg.n_visible, pd_row);
+      std::fill(pd_row + seg.n_visible, pd_row + nk, T(0));
+    }
+    if (pb_row) bucket_row<T>(s, R, seg, pb_row);
+    if (dsb_row) bucket_row<T>(dp, R, seg, dsb_row);
+  } else if (!drop.on) {
+    // P, segment by segment (the far constants folded into the offsets)
+    const SegmentSums<T> p_sums = exp_segments<T>(s, seg, qa_far, row_lse);
     const SegmentSums<T> ds_sums = ds_row<T>(s, dp, seg, doa_row, doa_far, row_delta);
     if (pb_row) add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
     if (dsb_row) add_to_buckets<T>(dsb_row, R, seg, ds_sums.left, dp + seg.n_left, ds_sums.right);
   } else {
+    exp_segments<T>(s, seg, qa_far, row_lse);
     ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop, hd.bh, i,
                       inv_keep);
     if (pb_row) bucket_row<T>(pd_row, R, seg, pb_row);
@@ -850,17 +959,41 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T>& hd
   std::fill(w.dq_acc.begin(), w.dq_acc.begin() + nq * D, T(0));
 }
 
+// The relative key term of dq: dq_acc_I += dSb_I @ aK. With a non-finite aK, row by row over
+// the table rows each query can read (a row's other buckets are 0, but 0 · inf is NaN, and the
+// reference never multiplies them), none for a row that sees no key (lse = +inf).
+template <typename T>
+static RELPOS_INLINE void dq_table_term(const Geometry& g, const Head<T>& hd,
+                                        BackwardBlock<T>& w, int64_t i0, int64_t nq,
+                                        const T* lse_block, bool ak_finite) {
+  const int64_t D = g.D, R = g.R;
+  if (ak_finite) {
+    // dq_acc_I (nq, D) += dSb_I (nq, R) @ aK (R, D)
+    gemm_nn<T>(nq, D, R, T(1), w.dsb.data(), hd.ak, T(1), w.dq_acc.data());
+    return;
+  }
+  for (int64_t r = 0; r < nq; ++r) {
+    if (lse_block[r] == std::numeric_limits<T>::infinity()) continue;
+    int64_t lo, hi;
+    g.table_rows(g.query_start + i0 + r, lo, hi);
+    // dq_acc_i (1, D) += dSb_i[lo..hi] (1, n) @ aK[lo..hi] (n, D)
+    if (lo <= hi)
+      gemm_nn<T>(1, D, hi - lo + 1, T(1), w.dsb.data() + r * R + lo, hd.ak + lo * D, T(1),
+                 w.dq_acc.data() + r * D);
+  }
+}
+
 // Epilogue of a query block: its relative terms of dq, its shares of the table gradients
 // (into this head's partials), and dq = scale · dq_acc.
 template <typename T>
 static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T>& hd,
-                                            BackwardBlock<T>& w, int64_t nq, T scale,
+                                            BackwardBlock<T>& w, int64_t i0, int64_t nq,
+                                            T scale, bool ak_finite, const T* lse_block,
                                             const T* q_block, const T* do_block, T* dak_head,
                                             T* dav_head, T* dq_block) {
   const int64_t D = g.D, Dv = g.Dv, R = g.R;
   if (hd.ak) {
-    // dq_acc_I (nq, D) += dSb_I (nq, R) @ aK (R, D)
-    gemm_nn<T>(nq, D, R, T(1), w.dsb.data(), hd.ak, T(1), w.dq_acc.data());
+    dq_table_term<T>(g, hd, w, i0, nq, lse_block, ak_finite);
     // daK (R, D) += scale · dSb_I^T @ Q_I (nq, D)
     gemm_tn<T>(R, D, nq, scale, w.dsb.data(), q_block, T(1), dak_head);
   }
@@ -880,6 +1013,7 @@ static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout,
   const T inv_keep = static_cast<T>(drop.inv_keep);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
+    const SingleThreadedBlas one_thread;
     BackwardBlock<T> w(BQ, BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on);
     for (int64_t bh = begin; bh < stop; ++bh) {
       const Head<T> hd = head_of(g, in, bh);
@@ -915,8 +1049,8 @@ static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout,
           // dK_J (nk, D) += scale · dS_IJ^T @ Q_I (nq, D)
           gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_block, T(1), dk_head + j0 * D);
         }
-        backward_epilogue<T>(g, hd, w, nq, scale, q_block, do_block, dak_head, dav_head,
-                             dq + (bh * L + i0) * D);
+        backward_epilogue<T>(g, hd, w, i0, nq, scale, in.ak_finite, lse_block, q_block,
+                             do_block, dak_head, dav_head, dq + (bh * L + i0) * D);
       }
     }
   });
@@ -924,6 +1058,43 @@ static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout,
 
 // ------------------------------------------------------------------------------------------
 // Entry points
+
+// Positions the kernels' int64 arithmetic on positions and offsets (p - left + 1, p + right,
+// left + right + 1) stays exact for: |query_start|, L and S up to this, and windows narrowed to
+// at most about twice this.
+constexpr int64_t kMaxPosition = int64_t(1) << 60;
+
+// The window (left, right) as the kernels use it. With a table it is the table's: R = left +
+// right + 1 rows (checked without overflow). Without tables it changes nothing but where each
+// row's segments split, and any int64 window is legal: it is narrowed to the offsets j - p the
+// call has, [-(query_start + L - 1), S - 1 - query_start], before R is computed.
+static void set_window(Geometry& g, const c10::optional<Tensor>& ak,
+                       const c10::optional<Tensor>& av, const AttentionOptions& options) {
+  const int64_t left = options.left, right = options.right;
+  TORCH_CHECK(left >= 0 && right >= 0, "the window (left=", left, ", right=", right,
+              ") must not be negative");
+  TORCH_CHECK(g.L <= kMaxPosition && g.S <= kMaxPosition &&
+                  options.query_start >= -kMaxPosition && options.query_start <= kMaxPosition,
+              "query_start=", options.query_start, " is out of range");
+  const c10::optional<Tensor>& table = ak.has_value() ? ak : av;
+  if (table.has_value()) {
+    for (const c10::optional<Tensor>* t : {&ak, &av})
+      TORCH_CHECK(!t->has_value() || (*t)->dim() == 3, "tables must be 3-D (Hr, R, D)");
+    const int64_t rows = table->size(1);
+    TORCH_CHECK(left < rows && right == rows - 1 - left &&
+                    (!ak.has_value() || !av.has_value() || av->size(1) == rows),
+                "the window (left=", left, ", right=", right, ") needs left + right + 1 table "
+                "rows, got ", rows);
+    g.left = left;
+    g.right = right;
+  } else {
+    g.left = std::min(left, std::max<int64_t>(g.query_start + g.L - 1, 0));
+    g.right = std::min(right, std::max<int64_t>(g.S - 1 - g.query_start, 0));
+  }
+  g.R = g.left + g.right + 1;
+  TORCH_CHECK(!table.has_value() || g.R * std::max(g.D, g.Dv) < (int64_t(1) << 31),
+              "table too large");
+}
 
 static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
                          const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
@@ -936,14 +1107,11 @@ static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
   g.D = q.size(3);
   g.S = k.size(2);
   g.Dv = v.size(3);
-  g.left = options.left;
-  g.right = options.right;
-  g.R = options.left + options.right + 1;
   g.causal = options.is_causal;
   g.query_start = options.query_start;
+  set_window(g, ak, av, options);
   g.Hr_k = ak.has_value() ? ak->size(0) : 1;
   g.Hr_v = av.has_value() ? av->size(0) : 1;
-  TORCH_CHECK(g.R * std::max(g.D, g.Dv) < (int64_t(1) << 31), "table too large");
   if (mask.has_value()) {
     TORCH_CHECK(mask->dim() == 4 && mask->size(0) == g.B && mask->size(1) == g.H &&
                     mask->size(2) == g.L && mask->size(3) == g.S,
@@ -955,6 +1123,13 @@ static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
     g.mS = mask->stride(3);
   }
   return g;
+}
+
+template <typename T>
+static bool all_finite(const T* x, int64_t n) {
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) finite &= std::isfinite(x[i]);
+  return finite;
 }
 
 template <typename T>
@@ -1032,7 +1207,8 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   if (av) dav_part = at::empty({g.B, g.H, g.R, g.Dv}, q.options());
   const Dropout drop(options.dropout_p, seed, g.L);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward", [&] {
-    const auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
+    auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
+    if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
     backward_impl<scalar_t>(g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
                             ls.data_ptr<scalar_t>(), static_cast<scalar_t>(options.scale), drop,
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
@@ -1098,13 +1274,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                ", query_start=" + std::to_string(o.query_start) +
                ", dropout_p=" + std::to_string(o.dropout_p) + ")";
       });
+  // The kernels run without the GIL (arguments are converted before, results after), so
+  // Python threads calling them run concurrently.
+  using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("forward", &relpos_native::forward, "relpos native forward", py::arg("query"),
         py::arg("key"), py::arg("value"), py::arg("rel_keys"), py::arg("rel_values"),
-        py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"), py::arg("options"));
+        py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"), py::arg("options"),
+        no_gil());
   m.def("backward", &relpos_native::backward, "relpos native backward", py::arg("grad_out"),
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("rel_keys"),
         py::arg("rel_values"), py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"),
-        py::arg("out"), py::arg("lse"), py::arg("options"));
-  m.def("dropout_mask", &relpos_native::dropout_mask, "the keep mask of a dropout seed");
+        py::arg("out"), py::arg("lse"), py::arg("options"), no_gil());
+  m.def("dropout_mask", &relpos_native::dropout_mask, "the keep mask of a dropout seed",
+        no_gil());
   m.def("build_info", &relpos_native::build_info, "how the kernels were built");
 }
