@@ -77,7 +77,7 @@ def forward(
     out, lse = _kernels().forward(
         q, k, v, rk, rv, kb, _expanded(mb, query, key), seed,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale,
-                 query_start=query_start, dropout_p=dropout_p),
+                        query_start=query_start, dropout_p=dropout_p),
     )
     return out.to(query.dtype), lse
 
@@ -134,7 +134,7 @@ def _backward(
     dq, dk, dv, drk, drv = _kernels().backward(
         go, q, k, v, rk, rv, kb, _expanded(mb, query, key), seed, o, lse,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale,
-                 query_start=query_start, dropout_p=dropout_p),
+                        query_start=query_start, dropout_p=dropout_p),
     )
     dtype = query.dtype
     return (
