@@ -1,6 +1,6 @@
 """The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
-encoder_variants): they import no optional package until they run, and the launchers in
-``benchmarks/`` still start them with the same options."""
+encoder_variants, kernel_variants): they import no optional package until they run, and the
+launchers in ``benchmarks/`` still start them with the same options."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ SCRIPTS = {
     "ct2_decode.py": "relpos.bench.ct2_decode",
     "eole_bench.py": "relpos.bench.eole",
     "encoder_variants.py": "relpos.bench.encoder_variants",
+    "kernel_variants.py": "relpos.bench.kernel_variants",
 }
 OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
 

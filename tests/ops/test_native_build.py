@@ -1,11 +1,13 @@
 """The native kernels' build under faults: killed builds, damaged libraries, read-only caches,
-no compiler (relpos.ops.native.build).
+no compiler, and prebuilt kernels in a read-only directory (relpos.ops.native.build).
 
-No test compiles: the cached build of the suite (tests/conftest.py, build/relpos-cache) is
-copied into a temporary cache, and where a build must run, a stand-in ``g++`` (FAKE_GXX)
-"compiles" under ninja and torch's cpp_extension as a real one would, its "link" copying the
-suite's library into place. Every call that could crash or hang runs in a child process
-under a hard timeout, whose numbers are compared with the reference backend in float64.
+One build is real: the suite's baseline variant in build/relpos-prebuilt (``relpos kernels
+--build --into``, once for the suite). Otherwise no test compiles: the cached build of the
+suite (tests/conftest.py, build/relpos-cache) is copied into a temporary cache, and where a
+build must run, a stand-in ``g++`` (FAKE_GXX) "compiles" under ninja and torch's
+cpp_extension as a real one would, its "link" copying the suite's library into place. Every
+call that could crash or hang runs in a child process under a hard timeout, whose numbers are
+compared with the reference backend in float64.
 """
 
 from __future__ import annotations
@@ -76,7 +78,11 @@ CALL = textwrap.dedent("""
     ref = relpos.relative_attention(q, k, v, max_distance=2, rel_keys=t, rel_values=t,
                                     implementation="reference")
     assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
-    print(json.dumps({"backend": backend, "warnings": [str(w.message) for w in caught]}))
+    from relpos.ops.native import build
+    module = build.load(quiet=True)
+    library = module.__file__ if module is not None and backend == "native" else None
+    print(json.dumps({"backend": backend, "warnings": [str(w.message) for w in caught],
+                      "library": library}))
 """)
 
 
@@ -93,6 +99,10 @@ def _run(env: dict[str, str], prelude: str = "",
         pytest.fail(f"the call did not finish within {TIMEOUT} s: {hung.stderr!r}")
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
     return done, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _native_without_warnings(result: dict) -> bool:
+    return result["backend"] == "native" and result["warnings"] == []
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +170,7 @@ def test_what_a_build_killed_by_sigterm_leaves_does_not_block_the_next_call(
     (directory / "build.lock").touch()
     os.close(os.open(directory / "lock", os.O_CREAT | os.O_EXCL))
     done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
-    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert _native_without_warnings(result), (result, done.stderr)
     assert "compiling the native CPU kernels" in done.stderr
     assert not (directory / "lock").exists()
 
@@ -197,7 +207,7 @@ def test_a_build_killed_with_sigkill_takes_its_compiler_along_and_the_next_call_
             os.killpg(os.getpgid(compiler), signal.SIGKILL)
     assert (cache / "kernels" / built.name / "lock").exists()  # torch's baton, left behind
     done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(cache)})
-    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert _native_without_warnings(result), (result, done.stderr)
     assert "compiling the native CPU kernels" in done.stderr
 
 
@@ -221,7 +231,7 @@ def test_a_damaged_library_is_rebuilt_never_loaded(
     directory = _copy(built, tmp_path / "cache")
     _damage(build.library_path(directory), "truncated")
     done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
-    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert _native_without_warnings(result), (result, done.stderr)
     # 5. a rebuild is announced as a first build is, with the reason
     assert "compiling the native CPU kernels" in done.stderr and "damaged" in done.stderr
     assert build._problem(build.library_path(directory)) is None  # rebuilt and recorded
@@ -236,7 +246,7 @@ def test_a_rebuild_is_announced_like_a_first_build(
     shutil.copy2(library, build.library_path(directory))
     compiled: list[Path] = []
 
-    def compile_(into: Path) -> str:
+    def compile_(into: Path, target: build.Target) -> str:
         compiled.append(into)
         shutil.copy2(library, build.library_path(into))
         return "a faked build\n"
@@ -278,11 +288,16 @@ def read_only_cache(built: Path) -> Iterator[Path]:
             shutil.copy2(path, directory)
         yield root
     finally:
-        for folder, _, files in os.walk(root):
-            os.chmod(folder, 0o755)
-            for name in files:
-                os.chmod(os.path.join(folder, name), 0o644)
-        shutil.rmtree(root)
+        _remove(root)
+
+
+def _remove(root: Path) -> None:
+    """``root`` made writable again, and removed."""
+    for folder, _, files in os.walk(root):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
+    shutil.rmtree(root)
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int, bytes]]:
@@ -291,14 +306,15 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int, bytes]]:
 
 
 # What a read-only directory does to a process that chmod does not stop (root): every call
-# that would write under RELPOS_CACHE_DIR fails with EACCES (the snapshots of the tests check
-# that nothing else writes).
+# that would write under RELPOS_CACHE_DIR (or RELPOS_KERNELS_DIR) fails with EACCES (the
+# snapshots of the tests check that nothing else writes).
 READ_ONLY = textwrap.dedent("""
     import builtins, errno, io, os
-    _cache = os.path.realpath(os.environ["RELPOS_CACHE_DIR"]) + os.sep
+    _roots = [os.path.realpath(os.environ[name]) + os.sep
+              for name in ("RELPOS_CACHE_DIR", "RELPOS_KERNELS_DIR") if os.environ.get(name)]
     def _inside(path):
         return (isinstance(path, (str, bytes, os.PathLike))
-                and os.path.realpath(os.fsdecode(path)).startswith(_cache))
+                and any(os.path.realpath(os.fsdecode(path)).startswith(r) for r in _roots))
     def _refuse(path):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
     def _guard(name, writes=lambda *args, **kwargs: True):
@@ -354,7 +370,7 @@ def test_a_read_only_cache_with_a_verified_build_is_used_without_writing(
     before = _snapshot(read_only_cache)
     prelude, kwargs = _read_only_child()
     done, result = _run({"RELPOS_CACHE_DIR": str(read_only_cache)}, prelude, **kwargs)
-    assert result == {"backend": "native", "warnings": []}, done.stderr
+    assert _native_without_warnings(result), (result, done.stderr)
     assert "compiling" not in done.stderr
     assert _snapshot(read_only_cache) == before
 
@@ -425,3 +441,165 @@ def test_the_cause_of_a_failed_build_is_its_first_error() -> None:
     for output, cause in cases.items():
         assert build._cause(output) == cause
     assert len(build._cause("x.cpp:1:1: error: " + "y" * 2000)) <= 500
+
+
+# ------------------------------------------------------------------------------------------
+# 6. Prebuilt kernels: a directory of portable variants, searched first, never written to
+
+PREBUILT = ROOT / "build" / "relpos-prebuilt"
+BUILD_INTO = ["kernels", "--build", "--into", str(PREBUILT), "--variants", "baseline"]
+
+
+@pytest.fixture(scope="session")
+def prebuilt_dir() -> Path:
+    """The suite's kernels directory: the baseline variant (every CPU of this architecture runs
+    it) built by ``relpos kernels --build --into`` (once for the suite, under its lock)."""
+    from relpos.cli import main
+
+    assert main(BUILD_INTO) == 0
+    return PREBUILT
+
+
+def _baseline(root: Path) -> build.Prebuilt:
+    (entry,) = [p for p in build.prebuilt(root) if p.variant == "baseline"]
+    return entry
+
+
+@pytest.fixture
+def shipped(prebuilt_dir: Path) -> Iterator[Path]:
+    """A kernels directory as an image ships it: the suite's baseline build (library, checksum,
+    log) alone, in a directory any user can read; made read-only by the test."""
+    root = Path(tempfile.mkdtemp(prefix="relpos-prebuilt-"))
+    try:
+        root.chmod(0o755)
+        variant = _baseline(prebuilt_dir).library.parent
+        shutil.copytree(variant, root / variant.name)
+        yield root
+    finally:
+        _remove(root)
+
+
+def test_build_into_leaves_a_verified_variant_and_keeps_it(
+        prebuilt_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from relpos.cli import main
+
+    entry = _baseline(prebuilt_dir)
+    assert entry.problem is None and entry.runs and entry.state == "built"
+    directory = entry.library.parent
+    assert directory.name.startswith("torch") and "-baseline-" in directory.name
+    names = {p.name for p in entry.library.parent.iterdir()}
+    assert {entry.library.name, entry.library.name + ".sha256", "build.log"} <= names
+    assert not [n for n in names if n.endswith((".o", ".obj"))]  # no object files shipped
+    before = entry.library.stat().st_mtime_ns
+    assert main(BUILD_INTO) == 0  # a second time: kept, not rebuilt
+    out, err = capsys.readouterr()
+    assert "compiling" not in err and entry.library.stat().st_mtime_ns == before
+    assert "baseline:" in out and f"RELPOS_KERNELS_DIR={PREBUILT}" in out, out
+
+
+def test_a_read_only_prebuilt_directory_serves_a_machine_without_compiler_or_cache(
+        shipped: Path) -> None:
+    # What a container image without a compiler does: RELPOS_KERNELS_DIR read-only, the user
+    # cache impossible to create (inside the read-only directory), no C++ compiler.
+    _make_read_only(shipped)
+    before = _snapshot(shipped)
+    prelude, kwargs = _read_only_child()
+    done, result = _run({"RELPOS_KERNELS_DIR": str(shipped), "CXX": "/nonexistent",
+                         "RELPOS_CACHE_DIR": str(shipped / "cache")}, prelude, **kwargs)
+    assert _native_without_warnings(result), (result, done.stderr)
+    assert Path(result["library"]).parent.parent == shipped, result
+    assert "-baseline-" in result["library"] and "compiling" not in done.stderr
+    assert _snapshot(shipped) == before
+
+
+def test_a_damaged_prebuilt_variant_is_skipped_with_one_warning_and_the_cache_serves(
+        shipped: Path, built: Path, tmp_path: Path) -> None:
+    _damage(_baseline(shipped).library, "truncated")
+    _make_read_only(shipped)
+    before = _snapshot(shipped)
+    cache = tmp_path / "cache"
+    _copy(built, cache)  # the user cache holds this machine's build
+    prelude, kwargs = _read_only_child()
+    _, result = _run({"RELPOS_KERNELS_DIR": str(shipped), "RELPOS_CACHE_DIR": str(cache)},
+                     prelude, **kwargs)
+    assert result["backend"] == "native" and len(result["warnings"]) == 1, result
+    warning = result["warnings"][0]
+    assert "RELPOS_KERNELS_DIR" in warning and "baseline" in warning, warning
+    assert "damaged" in warning and "user cache" in warning, warning
+    assert Path(result["library"]).parent == cache / "kernels" / built.name
+    assert _snapshot(shipped) == before
+
+
+def test_a_damaged_prebuilt_variant_without_compiler_says_both_in_one_warning(
+        shipped: Path, tmp_path: Path) -> None:
+    _damage(_baseline(shipped).library, "overwritten")
+    _, result = _run({"RELPOS_KERNELS_DIR": str(shipped), "CXX": "/nonexistent",
+                      "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
+    assert result["backend"] != "native" and len(result["warnings"]) == 1, result
+    warning = result["warnings"][0].splitlines()[0]
+    assert "baseline" in warning and "damaged" in warning, warning
+    assert "C++ compiler was not found" in warning, warning
+
+
+def test_a_prebuilt_directory_without_a_build_for_this_torch_warns_once(
+        tmp_path: Path, built: Path) -> None:
+    empty = tmp_path / "prebuilt"
+    empty.mkdir()
+    cache = tmp_path / "cache"
+    _copy(built, cache)
+    _, result = _run({"RELPOS_KERNELS_DIR": str(empty), "RELPOS_CACHE_DIR": str(cache)})
+    assert result["backend"] == "native" and len(result["warnings"]) == 1, result
+    assert "holds no build of this relpos for torch" in result["warnings"][0], result
+
+
+def test_the_best_variant_this_cpu_runs_serves_and_a_damaged_better_one_is_said(
+        shipped: Path, built: Path, monkeypatch: pytest.MonkeyPatch,
+        in_process_cache: Path) -> None:
+    # As on a CPU that runs every variant: avx512 is damaged, avx2 absent, baseline sound.
+    monkeypatch.setattr(build, "runnable", lambda variant: True)
+    avx512 = build.Target("avx512")
+    damaged = build.library_path(shipped / avx512.directory_name, avx512)
+    damaged.parent.mkdir()
+    shutil.copy2(build.library_path(built), damaged)
+    damaged.with_name(damaged.name + ".sha256").write_text("0" * 64 + "\n")
+    monkeypatch.setenv("RELPOS_KERNELS_DIR", str(shipped))
+    with pytest.warns(RuntimeWarning, match="skipped avx512: .* damaged.*the baseline build "
+                                             "serves"):
+        module = build.load()
+    assert module is not None and Path(str(module.__file__)) == _baseline(shipped).library
+    states = {p.variant: p.state for p in build.status().prebuilt}
+    assert states["avx2"] == "absent" and states["baseline"] == "built"
+    assert states["avx512"].startswith("damaged"), states
+    assert build.status().serving == _baseline(shipped)
+
+
+def test_relpos_kernels_lists_the_prebuilt_variants(
+        shipped: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from relpos.cli import main
+
+    monkeypatch.setenv("RELPOS_KERNELS_DIR", str(shipped))
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert f"prebuilt:       {shipped}" in out and "the baseline build serves" in out, out
+    assert "  baseline:       built" in out, out
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["kernels", "--into", "DIR"], "--into and --variants go with --build"),
+    (["kernels", "--build", "--variants", "baseline"], "--variants goes with --into DIR"),
+    (["kernels", "--build", "--into", "DIR", "--variants", "avx9"],
+     "unknown variant(s) ['avx9']; allowed: avx512, avx2, baseline"),
+    (["kernels", "--build", "--into", "FILE"], "that is a file, not a directory"),
+])
+def test_relpos_kernels_refuses_bad_options_in_one_line(
+        argv: list[str], fragment: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from relpos.cli import main
+
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / a) if a in ("DIR", "FILE") else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("relpos: error: ") and fragment in err, err
+    assert not (tmp_path / "DIR").exists()

@@ -26,6 +26,8 @@ packages they compare against load only when they run:
         (``benchmarks/eole_bench.py``).
     :mod:`relpos.bench.encoder_variants`: the ``--preset encoder`` models in eval mode, on
         padded batches and with dropout.
+    :mod:`relpos.bench.kernel_variants`: the native kernels' portable variants (``relpos
+        kernels --build --into``) against this CPU's own build.
 
 Benchmarks are not tests. The names below load on first use (PEP 562): importing
 ``relpos.bench`` or :mod:`relpos.bench.common` does not import torch.

@@ -1,12 +1,15 @@
 """``relpos kernels``: the native CPU kernels — whether they are built on this machine (and
 sound: a cached library whose checksum does not match is reported as damaged), where, for
-which instruction set — and ``--build`` to compile them now rather than on first use."""
+which instruction set — ``--build`` to compile them now rather than on first use, and
+``--build --into DIR`` to make a directory of prebuilt kernels for ``RELPOS_KERNELS_DIR``."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from relpos.cli import CLIError
+from relpos.cli._args import name_list
 
 SUMMARY = "show (or build) the native CPU kernels"
 DESCRIPTION = """\
@@ -16,6 +19,11 @@ use (once per machine, cached); --build compiles them now. A cached library that
 match the checksum recorded when it was built is reported as damaged, never loaded, and
 rebuilt (where the cache is writable). RELPOS_NATIVE=0 turns them off;
 RELPOS_CACHE_DIR moves the cache.
+
+For machines that cannot compile (a container image without a compiler, a read-only
+software tree), --build --into DIR compiles portable variants (avx512, avx2, baseline on
+x86-64) into DIR; with RELPOS_KERNELS_DIR=DIR every process loads the best variant its CPU
+runs from there (checksum first) and never writes there.
 """
 
 
@@ -23,11 +31,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``relpos kernels``."""
     p.add_argument("--build", action="store_true",
                    help="compile the kernels now if this machine has none (about a minute)")
+    p.add_argument("--into", metavar="DIR",
+                   help="with --build: compile portable variants into DIR, a directory of "
+                        "prebuilt kernels for RELPOS_KERNELS_DIR (about a minute each)")
+    p.add_argument("--variants", metavar="NAMES",
+                   type=name_list(VARIANTS, "variant(s)", distinct=True),
+                   help="with --into: the variants to build, comma-separated (default: all "
+                        "of this architecture's: avx512,avx2,baseline on x86-64, baseline "
+                        "elsewhere)")
+
+
+#: Every variant name of every architecture (relpos.ops.native.variants: which exist here).
+VARIANTS = ("avx512", "avx2", "baseline")
 
 
 def run(args: argparse.Namespace) -> int:
     from relpos.ops.native import build
 
+    if (args.into or args.variants) and not args.build:
+        raise CLIError("--into and --variants go with --build (relpos kernels --build --into "
+                       "DIR)")
+    if args.variants and not args.into:
+        raise CLIError("--variants goes with --into DIR (the user cache holds one build, for "
+                       "this CPU)")
+    if args.into:
+        return _build_into(Path(args.into), list(args.variants) if args.variants else None)
     if args.build:
         if build.disabled():
             raise CLIError("the native kernels are turned off (RELPOS_NATIVE=0); unset it to "
@@ -51,6 +79,39 @@ def run(args: argparse.Namespace) -> int:
     print(f"ISA:            {s.isa}")
     print(f"torch:          {s.torch_version}")
     print(f"GEMMs:          {s.blas}")
+    if s.prebuilt_root is not None:
+        serving = s.serving
+        print(f"prebuilt:       {s.prebuilt_root} (RELPOS_KERNELS_DIR; "
+              + (f"the {serving.variant} build serves)" if serving else
+                 "nothing here serves this machine: the cache does)"))
+        for p in s.prebuilt:
+            print(f"  {p.variant + ':':15s} {p.state}")
     if s.failure:
         print(f"last failure:   {s.failure}")
+    return 0
+
+
+def _build_into(root: Path, names: list[str] | None) -> int:
+    from relpos.ops.native import build
+
+    if root.exists() and not root.is_dir():
+        raise CLIError(f"--into {root}: that is a file, not a directory")
+    from relpos.ops.native.variants import variant
+
+    for name in names or ():
+        try:
+            variant(name)
+        except ValueError as error:
+            raise CLIError(f"--variants: {error}") from None
+    try:
+        found = build.build_into(root, names)
+    except build.BuildError as error:
+        raise CLIError(f"the native kernels could not be built: {error.cause}"
+                       + (f" (the full output: {error.log})" if error.log else "")) from None
+    except OSError as error:
+        raise CLIError(f"--into {root}: {error.strerror or error}") from None
+    print(f"prebuilt kernels: {root}")
+    for p in found:
+        print(f"  {p.variant + ':':15s} {p.state}")
+    print(f"use them with: RELPOS_KERNELS_DIR={root}")
     return 0

@@ -1,8 +1,9 @@
 """The build of the native kernels, run by :mod:`.build` in a child process of its own.
 
 ``python _builder.py SPEC`` (SPEC: JSON with the module's name, sources, build directory,
-flags and the parent's pid) compiles the kernels with ``torch.utils.cpp_extension.load``,
-loads them once (a damaged library crashes this process, not the user's), and exits 0.
+flags, the parent's pid and whether to load the result) compiles the kernels with
+``torch.utils.cpp_extension.load``, loads them once (a damaged library crashes this process,
+not the user's; a variant for another CPU is not loaded), and exits 0.
 
 The child is the leader of its own session, and every process of the build (ninja, which
 puts each compile in a process group of its own, the compiler driver, ``cc1plus``, ``as``)
@@ -111,6 +112,14 @@ def main(argv: list[str]) -> int:
     _die_with_parent(int(spec["parent"]))
     from torch.utils import cpp_extension
 
+    if not spec.get("load", True):
+        # A variant for another CPU (relpos kernels --build --into): compiled, never loaded
+        # here, where it might run an instruction this CPU lacks.
+        if not hasattr(cpp_extension, "_import_module_from_library"):
+            print("RuntimeError: this torch cannot build a library without loading it; build "
+                  "this variant on a CPU that runs it", file=sys.stderr, flush=True)
+            return 1
+        cpp_extension._import_module_from_library = lambda *args, **kwargs: None
     try:
         module = cpp_extension.load(
             name=spec["name"], sources=spec["sources"], build_directory=spec["directory"],
@@ -119,7 +128,8 @@ def main(argv: list[str]) -> int:
     except Exception as error:  # the compiler's output is in the message
         print(f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return 1
-    print(f"relpos: built and loaded {module.__file__}", flush=True)
+    print(f"relpos: built {spec['name']}" if module is None
+          else f"relpos: built and loaded {module.__file__}", flush=True)
     return 0
 
 

@@ -25,6 +25,14 @@ What keeps a cache sound:
 - A cache that cannot be written (a read-only image or shared directory) holding a complete,
   verified build is loaded as it is, without the lock and without writing anything.
 
+Prebuilt kernels, for machines that cannot compile (no compiler in a container image, a
+read-only software tree): ``relpos kernels --build --into DIR`` (:func:`build_into`) compiles
+portable variants (``avx512``, ``avx2``, ``baseline``: :mod:`.variants`) into ``DIR``, and
+``RELPOS_KERNELS_DIR=DIR`` makes every process load the best variant this CPU runs from there,
+checksum first, before looking at the per-user cache. That directory is never written to: a
+damaged or missing variant is skipped with one warning, and the per-user cache serves (built
+there if it has to be).
+
 Where the build cannot happen (no C++ compiler, no ninja, a failing build, a read-only cache
 without a usable build), relpos says so in one warning, the cause first (the missing
 compiler, the compiler's first error), and where the full output is (``build.log`` in the
@@ -33,6 +41,7 @@ compiler. ``RELPOS_NATIVE=0`` turns the kernels off (no build, no warning).
 
 Environment:
     RELPOS_NATIVE: ``0`` turns the native kernels off.
+    RELPOS_KERNELS_DIR: a directory of prebuilt kernels, searched first, never written to.
     RELPOS_CACHE_DIR: where compiled kernels live (default ``$XDG_CACHE_HOME/relpos`` or
         ``~/.cache/relpos``), under ``kernels/``.
 """
@@ -62,17 +71,25 @@ from types import ModuleType
 from relpos._io import atomic_write_text
 from relpos._sysinfo import cpuinfo
 from relpos.ops.native._builder import kill_session
+from relpos.ops.native.variants import runnable, variants
+from relpos.ops.native.variants import variant as variant_named
 
 __all__ = [
     "BUILD_SECONDS",
+    "KERNELS_DIR_ENV",
     "BuildError",
     "KernelStatus",
+    "Prebuilt",
+    "Target",
     "build_directory",
+    "build_into",
     "disabled",
     "failure",
     "failure_log",
     "library_path",
     "load",
+    "prebuilt",
+    "prebuilt_root",
     "status",
 ]
 
@@ -134,45 +151,82 @@ def have_blas() -> bool:
         return False
 
 
-def _flags() -> tuple[list[str], list[str]]:
-    cflags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas"]
-    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        cflags.append("-march=native" if platform.machine() in ("x86_64", "AMD64")
-                      else "-mcpu=native")
-    if have_blas():
-        cflags.append("-DRELPOS_HAVE_BLAS")
-    return cflags, ["-fopenmp"]
+def _isa_flags(variant: str) -> tuple[str, ...]:
+    """The compiler flags that choose the instruction set: this CPU's (``native``) or a
+    portable variant's (:mod:`.variants`)."""
+    if variant != NATIVE:
+        return variant_named(variant).flags
+    if platform.machine() in ("x86_64", "AMD64"):
+        return ("-march=native",)
+    if platform.machine() in ("aarch64", "arm64"):
+        return ("-mcpu=native",)
+    return ()
 
 
-def _key() -> str:
-    import torch
+@dataclass(frozen=True)
+class Target:
+    """What one build compiles for: this CPU (``variant`` :data:`NATIVE`, the per-user cache)
+    or a portable variant (``avx512``, ``avx2``, ``baseline``: a kernels directory)."""
 
-    h = hashlib.sha256()
-    for src in SOURCES:
-        h.update(src.read_bytes())
-    h.update(repr(_flags()).encode())
-    h.update(_cpu_flags().encode())
-    h.update(torch.__version__.encode())
-    return h.hexdigest()[:16]
+    variant: str = "native"
+
+    @property
+    def cflags(self) -> list[str]:
+        cflags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-Wno-unknown-pragmas",
+                  *_isa_flags(self.variant)]
+        if have_blas():
+            cflags.append("-DRELPOS_HAVE_BLAS")
+        return cflags
+
+    @property
+    def ldflags(self) -> list[str]:
+        return ["-fopenmp"]
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A hash of the sources, the flags, torch's version and (``native`` only: it compiles
+        for exactly this CPU) the CPU's flags."""
+        import torch
+
+        h = hashlib.sha256()
+        for src in SOURCES:
+            h.update(src.read_bytes())
+        h.update(repr((self.cflags, self.ldflags)).encode())
+        if self.variant == NATIVE:
+            h.update(_cpu_flags().encode())
+        h.update(torch.__version__.encode())
+        return h.hexdigest()[:16]
+
+    @property
+    def module_name(self) -> str:
+        return f"relpos_native_{self.key}"
+
+    @property
+    def directory_name(self) -> str:
+        """``torch<version>-<isa>-<key>``; ``<isa>`` is torch's CPU capability on this
+        architecture for a native build (``x86_64-AVX512``), the variant for a portable one
+        (``x86_64-avx2``)."""
+        import torch
+
+        version = torch.__version__.replace("+", "_")
+        where = isa() if self.variant == NATIVE else f"{platform.machine()}-{self.variant}"
+        return f"torch{version}-{where}-{self.key}"
+
+
+NATIVE = "native"
+_NATIVE = Target()
 
 
 def build_directory() -> Path:
     """Where this machine's kernels are (or will be) compiled:
     ``<cache>/kernels/torch<version>-<isa>-<hash of sources, flags and CPU>``."""
-    import torch
-
-    version = torch.__version__.replace("+", "_")
-    return _cache_root() / "kernels" / f"torch{version}-{isa()}-{_key()}"
+    return _cache_root() / "kernels" / _NATIVE.directory_name
 
 
-def _module_name() -> str:
-    return f"relpos_native_{_key()}"
-
-
-def library_path(directory: Path | None = None) -> Path:
-    """The compiled library in ``directory`` (default :func:`build_directory`)."""
+def library_path(directory: Path | None = None, target: Target = _NATIVE) -> Path:
+    """The compiled library of ``target`` in ``directory`` (default :func:`build_directory`)."""
     directory = build_directory() if directory is None else directory
-    return directory / (_module_name() + (".pyd" if os.name == "nt" else ".so"))
+    return directory / (target.module_name + (".pyd" if os.name == "nt" else ".so"))
 
 
 _BUILDER = Path(__file__).with_name("_builder.py")
@@ -273,7 +327,8 @@ def _import(library: Path) -> ModuleType:
 
     import torch  # noqa: F401  (the library links against libtorch: torch loads it first)
 
-    spec = importlib.util.spec_from_file_location(_module_name(), library)
+    name = library.name.split(".")[0]  # the module's name, as its PyInit_<name> says
+    spec = importlib.util.spec_from_file_location(name, library)
     if spec is None or spec.loader is None:  # pragma: no cover - a .so path always has one
         raise BuildError(f"{library} cannot be imported")
     module = importlib.util.module_from_spec(spec)
@@ -304,29 +359,35 @@ def _load_or_build(directory: Path, *, quiet: bool) -> ModuleType:
                          f"({error.strerror or error}) and holds no usable build: "
                          f"{problem}") from error
     try:
-        return _load_or_build_locked(directory, library, quiet=quiet,
-                                     exclusive=lock.exclusive)
+        built = _build_locked(directory, _NATIVE, quiet=quiet, exclusive=lock.exclusive)
+        module = _import(library)
+        if built is not None and not quiet:
+            print(f"relpos: native kernels built in {built:.0f} s", file=sys.stderr,
+                  flush=True)
+        return module
     finally:
         lock.release()
 
 
-def _load_or_build_locked(directory: Path, library: Path, *, quiet: bool,
-                          exclusive: bool) -> ModuleType:
-    """Under relpos's lock (``exclusive``: one that excludes every other process): load the
-    verified library, or build it from scratch, record its checksum and load it."""
+def _build_locked(directory: Path, target: Target, *, quiet: bool, exclusive: bool,
+                  what: str = "the native CPU kernels, once,") -> float | None:
+    """Under relpos's lock (``exclusive``: one that excludes every other process): unless
+    ``directory`` holds a verified library of ``target``, build it from scratch and record
+    its checksum. The seconds the build took, or None when there was one already."""
+    library = library_path(directory, target)
     _clear_killed_build(directory, baton=exclusive)
     problem = _problem(library)
     if problem is None:
-        return _import(library)
+        return None
     _preflight()
     if not quiet:
         why = "" if problem == _NOT_BUILT else f"; rebuilding: {problem}"
-        print(f"relpos: compiling the native CPU kernels, once, about {BUILD_SECONDS} s "
-              f"(into {directory}{why})", file=sys.stderr, flush=True)
+        print(f"relpos: compiling {what} about {BUILD_SECONDS} s (into {directory}{why})",
+              file=sys.stderr, flush=True)
     start = time.perf_counter()
     _clean(directory, library)
     try:
-        output = _compile(directory)
+        output = _compile(directory, target)
     except BuildError as error:
         error.log = _write_log(directory, error.output)
         raise
@@ -334,11 +395,7 @@ def _load_or_build_locked(directory: Path, library: Path, *, quiet: bool,
     if not library.is_file():
         raise BuildError(f"the build finished without {library.name}", output=output, log=log)
     atomic_write_text(_checksum_path(library), f"{_sha256(library)}  {library.name}\n")
-    module = _import(library)
-    if not quiet:
-        print(f"relpos: native kernels built in {time.perf_counter() - start:.0f} s",
-              file=sys.stderr, flush=True)
-    return module
+    return time.perf_counter() - start
 
 
 def _clear_killed_build(directory: Path, *, baton: bool) -> None:
@@ -360,7 +417,7 @@ def _clean(directory: Path, library: Path) -> None:
     scratch (an object file written by a killed compiler is as suspect as the library)."""
     paths = [library, _checksum_path(library), directory / ".ninja_log",
              directory / ".ninja_deps", *directory.glob("*.o"), *directory.glob("*.obj"),
-             *directory.glob(_module_name() + "*")]
+             *directory.glob(library.name.split(".")[0] + "*")]
     for path in paths:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -382,21 +439,25 @@ def _preflight() -> None:
         raise BuildError("ninja was not found (pip install ninja)")
 
 
-def _spec(directory: Path) -> dict[str, object]:
-    cflags, ldflags = _flags()
-    return {"name": _module_name(), "sources": [str(s) for s in SOURCES],
-            "directory": str(directory), "cflags": cflags, "ldflags": ldflags,
-            "parent": os.getpid()}
+def _spec(directory: Path, target: Target) -> dict[str, object]:
+    # A variant this CPU cannot run is compiled, never loaded here ("load": false).
+    return {"name": target.module_name, "sources": [str(s) for s in SOURCES],
+            "directory": str(directory), "cflags": target.cflags, "ldflags": target.ldflags,
+            "parent": os.getpid(), "load": _runs_here(target)}
 
 
-def _compile(directory: Path) -> str:
-    """Compile the kernels into ``directory`` in a child process (``_builder.py``) whose
-    session is killed whole if either process dies; the build's output. Raises
-    :class:`BuildError` (the cause, and the output) when it fails."""
+def _runs_here(target: Target) -> bool:
+    return target.variant == NATIVE or runnable(variant_named(target.variant))
+
+
+def _compile(directory: Path, target: Target) -> str:
+    """Compile the kernels of ``target`` into ``directory`` in a child process
+    (``_builder.py``) whose session is killed whole if either process dies; the build's
+    output. Raises :class:`BuildError` (the cause, and the output) when it fails."""
     if os.name != "posix" or not sys.executable:  # pragma: no cover - no session to own
-        return _compile_here(directory)
+        return _compile_here(directory, target)
     child = subprocess.Popen(
-        [sys.executable, str(_BUILDER), json.dumps(_spec(directory))], cwd=directory,
+        [sys.executable, str(_BUILDER), json.dumps(_spec(directory, target))], cwd=directory,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
@@ -427,14 +488,13 @@ def _compile(directory: Path) -> str:
     return output
 
 
-def _compile_here(directory: Path) -> str:  # pragma: no cover - not POSIX
+def _compile_here(directory: Path, target: Target) -> str:  # pragma: no cover - not POSIX
     from torch.utils import cpp_extension
 
-    cflags, ldflags = _flags()
     try:
-        cpp_extension.load(name=_module_name(), sources=[str(s) for s in SOURCES],
-                           build_directory=str(directory), extra_cflags=cflags,
-                           extra_ldflags=ldflags, verbose=False)
+        cpp_extension.load(name=target.module_name, sources=[str(s) for s in SOURCES],
+                           build_directory=str(directory), extra_cflags=target.cflags,
+                           extra_ldflags=target.ldflags, verbose=False)
     except Exception as error:
         output = f"{type(error).__name__}: {error}"
         raise BuildError(_cause(output), output=output) from error
@@ -484,6 +544,101 @@ def _write_log(directory: Path, output: str) -> Path | None:
         return None
 
 
+# ------------------------------------------------------------------------------------------
+# Prebuilt kernels: a directory of portable builds, searched first, never written to
+
+KERNELS_DIR_ENV = "RELPOS_KERNELS_DIR"
+
+
+def prebuilt_root() -> Path | None:
+    """The kernels directory ``RELPOS_KERNELS_DIR`` names, or None when it names none."""
+    given = os.environ.get(KERNELS_DIR_ENV, "").strip()
+    return Path(given).expanduser() if given else None
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """One variant's place in a kernels directory: its ``library``, whether this CPU
+    ``runs`` it, and ``problem`` (why it must not be loaded; None when it is sound)."""
+
+    variant: str
+    library: Path
+    runs: bool
+    problem: str | None
+
+    @property
+    def state(self) -> str:
+        if self.problem is None:
+            return "built" if self.runs else "built (this CPU does not run it)"
+        if self.problem == _NOT_BUILT:
+            return "absent"
+        return f"damaged: {self.problem}"
+
+
+def prebuilt(root: Path) -> list[Prebuilt]:
+    """The variants of this architecture in the kernels directory ``root``, best first, for
+    this torch and these sources (reads the libraries to check them; loads nothing)."""
+    found = []
+    for v in variants():
+        target = Target(v.name)
+        library = library_path(root / target.directory_name, target)
+        found.append(Prebuilt(v.name, library, runnable(v), _problem(library)))
+    return found
+
+
+def _load_prebuilt(root: Path) -> tuple[ModuleType | None, str | None]:
+    """The best variant in ``root`` this CPU runs, verified and loaded (else None), and what
+    was skipped on the way, or why nothing serves (one sentence for a warning; None when the
+    best variant served)."""
+    skipped = []
+    for entry in prebuilt(root):
+        if not entry.runs or entry.problem == _NOT_BUILT:
+            continue
+        if entry.problem is None:
+            try:
+                module = _import(entry.library)
+            except (ImportError, OSError) as error:  # built for another system (its glibc)
+                skipped.append(f"{entry.variant}: {entry.library.name} does not load ({error})")
+                continue
+            note = (f"{KERNELS_DIR_ENV}={root}: skipped {'; '.join(skipped)}; the "
+                    f"{entry.variant} build serves") if skipped else None
+            return module, note
+        skipped.append(f"{entry.variant}: {entry.problem}")
+    import torch
+
+    runs = [v.name for v in variants() if runnable(v)]
+    why = (f"skipped {'; '.join(skipped)}" if skipped
+           else f"it holds no build of this relpos for torch {torch.__version__} that this "
+                f"CPU runs (looked for {', '.join(runs)}"
+                f"{'' if root.is_dir() else '; the directory does not exist'})")
+    return None, f"{KERNELS_DIR_ENV}={root} is not used: {why}"
+
+
+def build_into(root: Path, names: list[str] | None = None, *, quiet: bool = False
+               ) -> list[Prebuilt]:
+    """Compile the portable variants ``names`` (default: every variant of this architecture)
+    into the kernels directory ``root``, for ``RELPOS_KERNELS_DIR``; one already there and
+    sound is kept. Each variant's directory keeps its library, checksum and build log (not
+    the object files). Raises :class:`BuildError` when a build fails. What ``root`` holds
+    afterwards."""
+    chosen = [variant_named(name) for name in names] if names else list(variants())
+    for i, v in enumerate(chosen, 1):
+        target = Target(v.name)
+        directory = root / target.directory_name
+        with _FileLock(directory / "build.lock") as lock:
+            seconds = _build_locked(directory, target, quiet=quiet, exclusive=lock.exclusive,
+                                    what=f"the {v.name} kernels ({i}/{len(chosen)}),")
+            if seconds is not None:  # (the builder loaded it where this CPU runs it)
+                for path in (*directory.glob("*.o"), *directory.glob("*.obj"),
+                             directory / ".ninja_log", directory / ".ninja_deps"):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                if not quiet:
+                    print(f"relpos: {v.name} kernels built in {seconds:.0f} s",
+                          file=sys.stderr, flush=True)
+    return prebuilt(root)
+
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -503,14 +658,22 @@ def load(*, quiet: bool = False) -> ModuleType | None:
     with _lock:
         if _module is not None or _failure is not None:
             return _module
-        directory = build_directory()
+        root, unused = prebuilt_root(), None
+        if root is not None:
+            _module, unused = _load_prebuilt(root)
+            if _module is not None:
+                if unused:  # a better variant is damaged: the image wants fixing
+                    warnings.warn(f"relpos: {unused}.", RuntimeWarning, stacklevel=3)
+                return _module
         try:
-            _module = _load_or_build(directory, quiet=quiet)
+            _module = _load_or_build(build_directory(), quiet=quiet)
         except Exception as error:  # no compiler, no ninja, a failing build: fall back
             if isinstance(error, BuildError):
                 _failure, _failure_log = error.cause, error.log
             else:
                 _failure = f"{type(error).__name__}: {_cause(str(error))}"
+            if unused:
+                _failure = f"{unused}; and {_failure}"
             more = f"; the build's full output is in {_failure_log}" if _failure_log else ""
             warnings.warn(
                 f"relpos: the native CPU kernels could not be built: {_failure}\n"
@@ -519,6 +682,9 @@ def load(*, quiet: bool = False) -> ModuleType | None:
                 RuntimeWarning, stacklevel=3,
             )
             return None
+        if unused:
+            warnings.warn(f"relpos: {unused}; the kernels in the user cache "
+                          f"({build_directory()}) serve instead.", RuntimeWarning, stacklevel=3)
     return _module
 
 
@@ -546,18 +712,29 @@ class KernelStatus:
     torch_version: str
     failure: str | None
     damaged: str | None = None
+    prebuilt_root: Path | None = None
+    prebuilt: tuple[Prebuilt, ...] = ()
+
+    @property
+    def serving(self) -> Prebuilt | None:
+        """The prebuilt variant a load would use (the best sound one this CPU runs), or None
+        (the user cache's build serves)."""
+        return next((p for p in self.prebuilt if p.runs and p.problem is None), None)
 
 
 def status() -> KernelStatus:
     """Whether the kernels are built for this machine (and sound), where, and for which
-    instruction set (builds and loads nothing)."""
+    instruction set; the prebuilt variants of ``RELPOS_KERNELS_DIR`` (builds and loads
+    nothing)."""
     import torch
 
     directory = build_directory()
     problem = _problem(library_path(directory))
+    root = prebuilt_root()
     return KernelStatus(
         enabled=not disabled(), built=problem is None, directory=directory, isa=isa(),
         blas="mkl (libtorch's sgemm_/dgemm_)" if have_blas() else "plain C++ loops",
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
+        prebuilt_root=root, prebuilt=tuple(prebuilt(root)) if root is not None else (),
     )

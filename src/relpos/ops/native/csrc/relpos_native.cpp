@@ -1252,7 +1252,9 @@ std::string build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using relpos_native::AttentionOptions;
-  py::class_<AttentionOptions>(m, "AttentionOptions",
+  // module_local: two builds of these kernels (two variants, a cache's and a prebuilt one)
+  // can be loaded in one process without their types colliding.
+  py::class_<AttentionOptions>(m, "AttentionOptions", py::module_local(),
                                "The scalar options of one call (keywords only, read-only).")
       .def(py::init([](int64_t left, int64_t right, bool is_causal, double scale,
                        int64_t query_start, double dropout_p) {

@@ -1,0 +1,143 @@
+"""The native kernels' portable variants (``relpos kernels --build --into``) against the build
+for exactly this CPU (``-march=native``, the per-user cache), at training shapes.
+
+Each variant of a kernels directory, and the user cache's build, is loaded in a process of its
+own (``RELPOS_KERNELS_DIR`` pointed at a directory holding that variant alone); each process
+times native forward + backward (float32, H=8, D=64, K=16, shared tables) at every shape and
+reports the median of its repeats. The processes run in interleaved rounds; a variant's time
+is the median over rounds, its ratio is to the native build's in the same run. A variant runs
+only where the CPU runs it (``avx512`` needs AVX-512 F/BW/CD/DQ/VL).
+
+Run from the repository root (``python -m relpos.bench.kernel_variants`` takes the same
+options)::
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/kernel_variants.py --dir DIR --out benchmarks
+
+``--dir`` defaults to ``build/kernel-variants``, where the variants are built first if absent
+(about a minute each); writes ``kernel_variants.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from relpos.bench import common
+
+SHAPES = ((32, 64, False), (4, 512, False), (4, 512, True), (1, 2048, True))
+
+# One process: every shape, its median of ``repeats`` forward + backward steps, as JSON.
+_CHILD = """
+import json, sys, time, torch, relpos
+from relpos.ops.native import build
+torch.set_num_threads(int(sys.argv[1]))
+repeats, shapes, out = int(sys.argv[2]), json.loads(sys.argv[3]), {}
+module = build.load()
+assert module is not None, build.failure()
+for B, n, causal in shapes:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, 8, n, 64, generator=g, requires_grad=True) for _ in range(3))
+    t = torch.randn(33, 64, generator=g, requires_grad=True)
+    def step():
+        o = relpos.relative_attention(q, k, v, max_distance=16, rel_keys=t, rel_values=t,
+                                      is_causal=causal, implementation="native")
+        o.sum().backward()
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter(); step(); times.append(time.perf_counter() - start)
+    out[f"{B}x{n}{'c' if causal else ''}"] = sorted(times)[len(times) // 2] * 1e3
+print(json.dumps({"library": module.__file__, "ms": out}))
+"""
+
+
+def _key(shape: Sequence[object]) -> str:
+    B, n, causal = shape
+    return f"{B}x{n}{'c' if causal else ''}"
+
+
+def _one(env: dict[str, str], threads: int, repeats: int) -> dict[str, float]:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(threads), str(repeats), json.dumps(SHAPES)],
+        env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"relpos: error: a timing process failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
+
+
+def run(root: Path, rounds: int, repeats: int, threads: int) -> tuple[list[str], dict[str, str]]:
+    from relpos.ops.native import build
+
+    entries = [p for p in build.prebuilt(root) if p.problem is None and p.runs]
+    if not entries:
+        raise SystemExit(f"relpos: error: {root} holds no variant this CPU runs")
+    clock = common.RunClock()
+    with tempfile.TemporaryDirectory() as scratch:
+        envs = {"native": {**os.environ, "RELPOS_KERNELS_DIR": ""}}
+        for p in entries:  # a directory per variant, holding it alone
+            shutil.copytree(p.library.parent, Path(scratch) / p.variant / p.library.parent.name)
+            envs[p.variant] = {**os.environ, "RELPOS_KERNELS_DIR": str(Path(scratch) / p.variant)}
+        times: dict[str, list[dict[str, float]]] = {name: [] for name in envs}
+        for r in range(rounds):
+            for name in (list(envs) if r % 2 == 0 else list(envs)[::-1]):
+                times[name].append(_one(envs[name], threads, repeats))
+            print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+    median = {name: {_key(s): statistics.median(t[_key(s)] for t in runs) for s in SHAPES}
+              for name, runs in times.items()}
+    rows = []
+    for s in SHAPES:
+        k = _key(s)
+        cells = [f"{s[0]} x {s[1]}{' causal' if s[2] else ''}", f"{median['native'][k]:.1f}"]
+        cells += [f"{median[p.variant][k]:.1f} ({median[p.variant][k] / median['native'][k]:.2f}x)"
+                  for p in entries]
+        rows.append(cells)
+    headers = ["B x n", "native ms", *[f"{p.variant} ms (/ native)" for p in entries]]
+    meta = {
+        "date": common.report_date(),
+        "command": "OMP_WAIT_POLICY=PASSIVE "
+                   f"{common.script_command('relpos.bench.kernel_variants')} "
+                   f"--rounds {rounds} --repeats {repeats} --threads {threads}",
+        **common.environment(threads),
+        **clock.meta(),
+    }
+    return common.markdown_table(headers, rows), meta
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("build") / "kernel-variants")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from relpos.ops.native import build
+
+    build.build_into(args.dir)  # keeps the variants already there
+    table, meta = run(args.dir, args.rounds, args.repeats, args.threads)
+    text = "\n".join([
+        "# Native kernels: portable variants against this CPU's build",
+        "",
+        " ".join((__doc__ or "").split("\n\n")[1].split()),
+        "",
+        *common.markdown_meta(meta),
+        "",
+        *table,
+        "",
+    ])
+    print(text)
+    if args.out:
+        common.write_files({args.out / "kernel_variants.md": text})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
