@@ -30,13 +30,19 @@ _EXPORTS: dict[str, str] = {
     "RelativeTransformerEncoderLayer": "relpos.modules",
     "available_backends": "relpos.functional",
     "clip_relative_position": "relpos.positions",
+    "cu_seqlens_from_lengths": "relpos.varlen",
     "explain_backends": "relpos.functional",
+    "explain_backends_varlen": "relpos.varlen",
     "load_state_dict_resized": "relpos.tables",
+    "pack": "relpos.varlen",
     "relative_attention": "relpos.functional",
+    "relative_attention_varlen": "relpos.varlen",
     "relative_attention_with_weights": "relpos.functional",
     "relative_position_index": "relpos.positions",
     "resize_relative_table": "relpos.tables",
     "select_backend": "relpos.functional",
+    "select_backend_varlen": "relpos.varlen",
+    "unpack": "relpos.varlen",
     "why_not_fused": "relpos.functional",
 }
 # Subpackages reachable as attributes (``relpos.models.ModelConfig``).
@@ -52,14 +58,20 @@ __all__ = [
     "__version__",
     "available_backends",
     "clip_relative_position",
+    "cu_seqlens_from_lengths",
     "explain_backends",
+    "explain_backends_varlen",
     "load_state_dict_resized",
     "models",
+    "pack",
     "relative_attention",
+    "relative_attention_varlen",
     "relative_attention_with_weights",
     "relative_position_index",
     "resize_relative_table",
     "select_backend",
+    "select_backend_varlen",
+    "unpack",
     "why_not_fused",
 ]
 assert set(__all__) == {"__version__", *_EXPORTS, *_SUBMODULES}
@@ -86,4 +98,12 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     )
     from relpos.positions import clip_relative_position, relative_position_index
     from relpos.tables import load_state_dict_resized, resize_relative_table
+    from relpos.varlen import (
+        cu_seqlens_from_lengths,
+        explain_backends_varlen,
+        pack,
+        relative_attention_varlen,
+        select_backend_varlen,
+        unpack,
+    )
     from relpos.versioning import RelativeStateError

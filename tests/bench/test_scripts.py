@@ -1,5 +1,5 @@
 """The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
-encoder_variants, kernel_variants): they import no optional package until they run, and the
+encoder_variants, kernel_variants, varlen): they import no optional package until they run, and the
 launchers in ``benchmarks/`` still start them with the same options."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ SCRIPTS = {
     "eole_bench.py": "relpos.bench.eole",
     "encoder_variants.py": "relpos.bench.encoder_variants",
     "kernel_variants.py": "relpos.bench.kernel_variants",
+    "varlen.py": "relpos.bench.varlen",
 }
 OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
 

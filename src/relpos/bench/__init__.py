@@ -28,6 +28,8 @@ packages they compare against load only when they run:
         padded batches and with dropout.
     :mod:`relpos.bench.kernel_variants`: the native kernels' portable variants (``relpos
         kernels --build --into``) against this CPU's own build.
+    :mod:`relpos.bench.varlen`: packed variable-length batches against padded ones (one
+        attention call, a 6-layer encoder step) at the standard library's function lengths.
 
 Benchmarks are not tests. The names below load on first use (PEP 562): importing
 ``relpos.bench`` or :mod:`relpos.bench.common` does not import torch.

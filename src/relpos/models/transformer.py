@@ -127,6 +127,48 @@ class _Backbone(nn.Module):
             )
         return self.norm(x)
 
+    def check_packed(self, ids: object, cu_seqlens: object) -> tuple[Tensor, Tensor]:
+        """Validated packed ids ``(T,)`` and boundaries ``(N + 1,)`` int64 (as
+        :func:`relpos.relative_attention_varlen` checks them)."""
+        from relpos.varlen import _check_cu_seqlens
+
+        if not isinstance(ids, Tensor):
+            raise TypeError(f"ids must be a torch.Tensor of token ids, got {type(ids).__name__}")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"ids must have an integer dtype (torch.long), got {ids.dtype}")
+        if ids.dim() != 1:
+            raise ValueError(f"packed ids (cu_seqlens=...) must have shape (T,), the sequences "
+                             f"end to end, got {tuple(ids.shape)}")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"ids must be in [0, vocab_size={self.config.vocab_size}), "
+                                 f"got values in [{lo}, {hi}]")
+        cu, lengths = _check_cu_seqlens("cu_seqlens", cu_seqlens, ids.shape[0], tracing=False)
+        assert lengths is not None
+        self.check_length(0, max(lengths, default=0))
+        return ids.long(), cu
+
+    def hidden_packed(self, ids: Tensor, cu_seqlens: Tensor, is_causal: bool) -> Tensor:
+        """Final normalized hidden states ``(T, E)`` of validated packed ids: each sequence
+        from position 0, attending to itself only."""
+        E = self.config.d_model
+        x = self.embed(ids) * math.sqrt(E)  # (T, E)
+        if self.config.positions in ("learned", "sinusoidal"):
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(ids.device)
+            starts = torch.repeat_interleave(cu_seqlens[:-1].to(ids.device), lengths)
+            positions = torch.arange(ids.shape[0], device=ids.device) - starts  # (T,)
+            if self.pos_embed is not None:
+                x = x + self.pos_embed(positions)
+            else:
+                longest = int(lengths.max()) if lengths.numel() else 0
+                table = sinusoidal_positions(0, longest, E, device=x.device, dtype=x.dtype)
+                x = x + table[positions]
+        x = self.emb_dropout(x)
+        for layer in self.layers:
+            x = layer(x, is_causal=is_causal, cu_seqlens=cu_seqlens)
+        return self.norm(x)
+
     def logits(self, h: Tensor) -> Tensor:
         if self.head is not None:
             return self.head(h)
@@ -165,25 +207,36 @@ class RelativeTransformerLM(_Backbone):
         return KVCache(len(self.layers), capacity=capacity, growable=growable)
 
     def forward(
-        self, ids: Tensor, *, key_mask: Tensor | None = None, cache: KVCache | None = None
+        self, ids: Tensor, *, key_mask: Tensor | None = None, cache: KVCache | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits.
 
         Args:
-            ids: ``(B, L)`` token ids (integer dtype, in ``[0, vocab_size)``).
+            ids: ``(B, L)`` token ids (integer dtype, in ``[0, vocab_size)``); ``(T,)``
+                packed with ``cu_seqlens``.
             key_mask: ``(B, L)`` bool, True = real token (e.g. False on left padding).
             cache: a :class:`relpos.KVCache` from :meth:`new_cache`: ``ids`` are the ``L`` new
                 tokens at positions ``cache.length ..``; their keys/values are appended (and
                 ``key_mask`` stored with them). The output equals the matching rows of a
                 full forward pass over the whole sequence. A refused call leaves the cache
                 unchanged.
+            cu_seqlens: a packed batch (no padding): ``ids`` ``(T,)`` holds the sequences
+                end to end and ``cu_seqlens`` ``(N + 1,)`` their boundaries
+                (:func:`relpos.pack`); each sequence starts at position 0 and attends to
+                itself only. No ``key_mask`` or ``cache`` then.
 
         Returns:
-            ``(B, L, V)`` logits (``(B, L, C)`` with ``num_classes``).
+            ``(B, L, V)`` logits (``(B, L, C)`` with ``num_classes``); ``(T, V)`` packed.
 
         Raises:
             TypeError, ValueError: on bad ids, masks, lengths or a mismatched cache.
         """
+        if cu_seqlens is not None:
+            if key_mask is not None or cache is not None:
+                raise ValueError("a packed call (cu_seqlens=...) takes no key_mask or cache")
+            ids, cu = self.check_packed(ids, cu_seqlens)
+            return self.logits(self.hidden_packed(ids, cu, is_causal=True))
         ids = self.check_ids(ids, key_mask)
         if cache is None:
             return self.logits(self.hidden(ids, key_mask, None, is_causal=True))
@@ -410,20 +463,24 @@ class RelativeTransformerEncoderModel(_Backbone):
         key_mask: Tensor | None = None,
         cache: KVCache | None = None,
         pool: Literal["mean", "first"] | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """Per-token or pooled logits.
 
         Args:
-            ids: ``(B, L)`` token ids.
+            ids: ``(B, L)`` token ids; ``(T,)`` packed with ``cu_seqlens``.
             key_mask: ``(B, L)`` bool, True = real token (padding is neither attended nor
                 pooled).
             cache: must be None (a bidirectional encoder sees the whole sequence at once).
             pool: None = per-token logits; ``"mean"`` = mean of the final hidden states over
                 the real tokens, ``"first"`` = the first token's state, then the head.
+            cu_seqlens: a packed batch: ``ids`` ``(T,)``, the sequences end to end, and
+                their boundaries ``(N + 1,)`` (:func:`relpos.pack`); no ``key_mask`` then.
 
         Returns:
             ``(B, L, C)`` per-token logits, or ``(B, C)`` with ``pool`` (C = ``num_classes`` or
-            ``vocab_size``).
+            ``vocab_size``); packed: ``(T, C)``, or ``(N, C)`` with ``pool`` (an empty
+            sequence pools to zeros).
 
         Raises:
             TypeError, ValueError: on bad ids, masks, ``pool`` or a cache.
@@ -435,6 +492,23 @@ class RelativeTransformerEncoderModel(_Backbone):
             )
         if pool not in (None, "mean", "first"):
             raise ValueError(f"pool must be None, 'mean' or 'first', got {pool!r}")
+        if cu_seqlens is not None:
+            if key_mask is not None:
+                raise ValueError("a packed call (cu_seqlens=...) takes no key_mask")
+            ids, cu = self.check_packed(ids, cu_seqlens)
+            h = self.hidden_packed(ids, cu, is_causal=self.config.causal)  # (T, E)
+            if pool is not None:
+                lengths = (cu[1:] - cu[:-1]).to(h.device)
+                if pool == "mean":
+                    seq = torch.repeat_interleave(torch.arange(len(lengths), device=h.device),
+                                                  lengths)
+                    sums = h.new_zeros(len(lengths), h.shape[1]).index_add_(0, seq, h)
+                    h = sums / lengths.clamp_min(1).unsqueeze(1).to(h.dtype)  # (N, E)
+                else:
+                    first = cu[:-1].clamp_max(max(h.shape[0] - 1, 0)).to(h.device)
+                    h = torch.where((lengths > 0).unsqueeze(1), h[first], 0.0) if h.shape[0] \
+                        else h.new_zeros(len(lengths), h.shape[1])
+            return self.logits(h)
         ids = self.check_ids(ids, key_mask)
         h = self.hidden(ids, key_mask, None, is_causal=self.config.causal)  # (B, L, E)
         if pool == "mean":

@@ -347,6 +347,8 @@ class RelativeMultiheadAttention(nn.Module):
         key_mask: Tensor | None = None,
         query_start: int | None = None,
         cache: LayerCache | None = None,
+        cu_seqlens: Tensor | None = None,
+        cu_seqlens_k: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """As ``nn.MultiheadAttention.forward``, with relative positions.
 
@@ -378,12 +380,26 @@ class RelativeMultiheadAttention(nn.Module):
                 ``(B, t)`` bool masks of the new tokens (stored with the cache);
                 ``attn_mask`` is ``(t, S)`` or ``(B * H, t, S)``. The cache stores detached
                 tensors (inference).
+            cu_seqlens: a packed batch (no padding): ``query`` is ``(Tq, E)``, the sequences
+                end to end, and ``cu_seqlens`` ``(N + 1,)`` int32/int64 their boundaries (0,
+                then each sequence's end; :func:`relpos.pack` makes both from a padded batch).
+                Each sequence attends to itself only (see
+                :func:`relpos.relative_attention_varlen`). No mask, ``cache`` or
+                ``query_start`` then, and no weights (None is returned for them).
+            cu_seqlens_k: the boundaries of ``key``/``value`` ``(Tk, kdim)`` in a packed
+                cross-attention; default ``cu_seqlens``.
 
         Returns:
             ``(attn_output, attn_weights)``: the output like ``query`` with ``E`` features,
             and the weights (before dropout) or None unless ``need_weights``. Rows that see no
             key give zeros, where torch.nn gives NaN.
         """
+        if cu_seqlens is not None or cu_seqlens_k is not None:
+            return self._forward_packed(
+                query, key, value, cu_seqlens, cu_seqlens_k, is_causal=is_causal,
+                unsupported={"key_padding_mask": key_padding_mask, "attn_mask": attn_mask,
+                             "key_mask": key_mask, "query_start": query_start,
+                             "cache": cache})
         for flag, given in (("need_weights", need_weights),
                             ("average_attn_weights", average_attn_weights),
                             ("is_causal", is_causal)):
@@ -429,6 +445,49 @@ class RelativeMultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _forward_packed(
+        self, query: Tensor, key: Tensor | None, value: Tensor | None,
+        cu_seqlens: Tensor | None, cu_seqlens_k: Tensor | None, *, is_causal: bool,
+        unsupported: dict[str, object],
+    ) -> tuple[Tensor, None]:
+        """:meth:`forward` on a packed batch: ``(Tq, E)`` in and out."""
+        from relpos.varlen import relative_attention_varlen
+
+        check_bool("is_causal", is_causal)
+        given = [name for name, v in unsupported.items() if v is not None]
+        if given:
+            raise ValueError(f"a packed call (cu_seqlens=...) takes no {', '.join(given)}: "
+                             "its sequences carry no padding and each attends to itself only")
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_k was given without cu_seqlens (the query's "
+                             "boundaries)")
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("a packed call (cu_seqlens=...) does not serve add_bias_kv or "
+                             "add_zero_attn")
+        for name, x, features in (("query", query, self.embed_dim), ("key", key, self.kdim),
+                                  ("value", value, self.vdim)):
+            if x is not None:
+                t = check_input_tensor(name, x, like=self.out_proj.weight, ndims=(2,),
+                                       layout=f"(T, F) packed with F={features}")
+                if t.shape[-1] != features:
+                    raise ValueError(f"{name} must have shape (T, F) packed with F={features}, "
+                                     f"got {tuple(t.shape)}")
+        self_attention = key is None or (key is query and (value is None or value is query))
+        key = query if key is None else key
+        value = key if value is None else value
+        if key.shape[0] != value.shape[0]:
+            raise ValueError(f"key and value have {key.shape[0]} and {value.shape[0]} rows")
+        q, k, v = self._in_projection(query, key, value, self_attention)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (q, k, v))
+        cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        out = relative_attention_varlen(
+            q, k, v, cu_seqlens, cu_k, max_distance=self.max_distance, rel_keys=self.rel_keys,
+            rel_values=self.rel_values, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            implementation=self.implementation,
+        )  # (Tq, H, D)
+        return self.out_proj(out.flatten(1)), None
 
     def _batch_first(self, x: Tensor, batched: bool) -> Tensor:
         if not batched:

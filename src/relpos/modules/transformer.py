@@ -203,7 +203,13 @@ class _LayerBase(nn.Module):
         is_causal: bool,
         key_mask: Tensor | None,
         cache: LayerCache | None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
+        if cu_seqlens is not None:
+            out, _ = self.self_attn(
+                x, key_padding_mask=key_padding_mask, need_weights=False, attn_mask=attn_mask,
+                is_causal=is_causal, key_mask=key_mask, cache=cache, cu_seqlens=cu_seqlens)
+            return self.dropout1(out)
         out, _ = self.self_attn(
             x, x, x, key_padding_mask=key_padding_mask, need_weights=False,
             attn_mask=attn_mask, is_causal=is_causal, key_mask=key_mask, cache=cache,
@@ -273,6 +279,7 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         *,
         key_mask: Tensor | None = None,
         cache: LayerCache | None = None,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """As ``nn.TransformerEncoderLayer.forward``.
 
@@ -292,15 +299,19 @@ class RelativeTransformerEncoderLayer(_LayerBase):
                 whole cache (queries aligned to its end). The padding/key mask is then a
                 ``(B, t)`` bool mask of the new tokens and ``src_mask`` is ``(t, S)`` or
                 ``(B * H, t, S)``.
+            cu_seqlens: a packed batch: ``src`` is ``(T, E)``, the sequences end to end, and
+                ``cu_seqlens`` ``(N + 1,)`` their boundaries (:func:`relpos.pack`); no masks
+                or cache then (see :meth:`RelativeMultiheadAttention.forward`).
 
         Returns:
             Like ``src``.
         """
         check_bool("is_causal", is_causal)
-        self._check_masks(src, "src", ("src_mask", "src_key_padding_mask"), src_mask,
-                          src_key_padding_mask, key_mask, cache=cache)
+        if cu_seqlens is None:
+            self._check_masks(src, "src", ("src_mask", "src_key_padding_mask"), src_mask,
+                              src_key_padding_mask, key_mask, cache=cache)
         x = src
-        masks = (src_mask, src_key_padding_mask, is_causal, key_mask, cache)
+        masks = (src_mask, src_key_padding_mask, is_causal, key_mask, cache, cu_seqlens)
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), *masks)
             x = x + self._ff_block(self.norm2(x))
@@ -383,6 +394,8 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         key_mask: Tensor | None = None,
         memory_key_mask: Tensor | None = None,
         cache: LayerCache | None = None,
+        cu_seqlens: Tensor | None = None,
+        memory_cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """As ``nn.TransformerDecoderLayer.forward``.
 
@@ -401,18 +414,29 @@ class RelativeTransformerDecoderLayer(_LayerBase):
                 ``t`` new tokens of an incremental step (see
                 :meth:`RelativeTransformerEncoderLayer.forward`); cross-attention still
                 attends to the whole ``memory``.
+            cu_seqlens, memory_cu_seqlens: a packed batch: ``tgt`` ``(T, E)`` and ``memory``
+                ``(Tm, E)``, the sequences end to end, with their boundaries (``(N + 1,)``
+                each, N sequences in both; :func:`relpos.pack`). Both or neither; no masks or
+                cache then.
 
         Returns:
             Like ``tgt``.
         """
         check_bool("tgt_is_causal", tgt_is_causal)
         check_bool("memory_is_causal", memory_is_causal)
-        self._check_masks(tgt, "tgt", ("tgt_mask", "tgt_key_padding_mask"), tgt_mask,
-                          tgt_key_padding_mask, key_mask, cache=cache)
-        self._check_masks(tgt, "tgt", ("memory_mask", "memory_key_padding_mask"), memory_mask,
-                          memory_key_padding_mask, memory_key_mask, memory=memory)
-        self_masks = (tgt_mask, tgt_key_padding_mask, tgt_is_causal, key_mask, cache)
-        cross = (memory_mask, memory_key_padding_mask, memory_is_causal, memory_key_mask)
+        if (cu_seqlens is None) != (memory_cu_seqlens is None):
+            raise ValueError("a packed decoder call needs both cu_seqlens (tgt) and "
+                             "memory_cu_seqlens (memory), got only "
+                             + ("cu_seqlens" if cu_seqlens is not None else "memory_cu_seqlens"))
+        if cu_seqlens is None:
+            self._check_masks(tgt, "tgt", ("tgt_mask", "tgt_key_padding_mask"), tgt_mask,
+                              tgt_key_padding_mask, key_mask, cache=cache)
+            self._check_masks(tgt, "tgt", ("memory_mask", "memory_key_padding_mask"),
+                              memory_mask, memory_key_padding_mask, memory_key_mask,
+                              memory=memory)
+        self_masks = (tgt_mask, tgt_key_padding_mask, tgt_is_causal, key_mask, cache, cu_seqlens)
+        cross = (memory_mask, memory_key_padding_mask, memory_is_causal, memory_key_mask,
+                 cu_seqlens, memory_cu_seqlens)
         x = tgt
         if self.norm_first:
             x = x + self._sa_block(self.norm1(x), *self_masks)
@@ -432,10 +456,13 @@ class RelativeTransformerDecoderLayer(_LayerBase):
         key_padding_mask: Tensor | None,
         is_causal: bool,
         key_mask: Tensor | None,
+        cu_seqlens: Tensor | None = None,
+        memory_cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         out, _ = self.multihead_attn(
             x, mem, mem, key_padding_mask=key_padding_mask, need_weights=False,
             attn_mask=attn_mask, is_causal=is_causal, key_mask=key_mask,
+            cu_seqlens=cu_seqlens, cu_seqlens_k=memory_cu_seqlens,
         )
         return self.dropout2(out)
 

@@ -1,19 +1,21 @@
 """What the attention custom ops share: the empty call, the backward op and the autograd formula.
 
 Three backends run as custom ops (``relpos::fused_attention``, ``relpos::native_attention``,
-``relpos::triton_attention``), so that ``torch.compile`` and ``torch.export`` trace them. Each
-op takes ``query, key, value, rel_keys, rel_values`` and then inputs of its own (masks, a
-dropout seed), keyword options (``left``, ``right``, ``is_causal``, ...), and returns ``out``,
-the logsumexp, then whatever else its backward needs. A backend's ``op.py`` keeps what is its
-own: the forward, the fake (its outputs' shapes) and the backward's computation;
-:func:`register_attention_autograd` builds the rest from them:
+``relpos::triton_attention``; packed variable-length batches:
+``relpos::native_attention_varlen``), so that ``torch.compile`` and ``torch.export`` trace them.
+Each op takes ``query, key, value, rel_keys, rel_values`` and then inputs of its own (masks, a
+dropout seed, cumulative sequence lengths: none of them gets a gradient), keyword options
+(``left``, ``right``, ``is_causal``, ...), and returns ``out``, the logsumexp, then whatever else
+its backward needs. A backend's ``op.py`` keeps what is its own: the forward, the fake (its
+outputs' shapes) and the backward's computation; :func:`register_attention_autograd` builds the
+rest from them:
 
 - the backward op ``<name>_backward``: ``grad_out``, the forward's inputs and outputs and the
   same options in, the five gradients out (an empty tensor for an absent table), with a fake;
 - the autograd formula that saves the inputs and outputs and calls the backward op.
 
-A call with nothing to attend (L, S or B·H is 0) runs no kernel in either direction: the
-forward returns :func:`empty_outputs`, the backward zeros.
+A call with nothing to attend (L, S or B·H is 0; for the varlen op Tq, Tk or H) runs no kernel
+in either direction: the forward returns :func:`empty_outputs`, the backward zeros.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim.
 """
@@ -108,6 +110,7 @@ def _backward_schema(forward: torch._ops.OpOverload, saved_outputs: Sequence[str
 
 def register_attention_autograd(
     qualname: str, backward: Callable[..., Gradients], *, saved_outputs: Sequence[str],
+    empty: Callable[[Tensor, Tensor], bool] = is_empty,
 ) -> torch.library.CustomOpDef:
     """Give the attention op ``qualname`` its backward op and its autograd formula.
 
@@ -119,6 +122,9 @@ def register_attention_autograd(
             called for non-empty calls only.
         saved_outputs: names for the forward's outputs, in order (all of them are saved; the
             backward op takes them under these names).
+        empty: ``empty(query, key)``, whether a call has nothing to attend (its backward then
+            gives zeros without calling ``backward``); default :func:`is_empty`, for the
+            ``(B, H, L, D)`` layout.
 
     Returns:
         The backward op ``relpos::<name>_backward``.
@@ -131,7 +137,7 @@ def register_attention_autograd(
     def run(grad_out: Tensor, *saved: Tensor | None, **options: Any) -> tuple[Tensor, ...]:
         query, key, value, rel_keys, rel_values = saved[:_TABLES]
         assert query is not None and key is not None and value is not None
-        if is_empty(query, key):
+        if empty(query, key):
             return _zero_gradients(query, key, value, rel_keys, rel_values)
         dq, dk, dv, drk, drv = backward(grad_out, *saved, **options)
         return (dq, dk, dv, _table_gradient(drk, rel_keys, query),

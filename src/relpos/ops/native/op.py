@@ -1,13 +1,15 @@
-"""The native kernels as the custom op ``relpos::native_attention``, with its autograd formula.
+"""The native kernels as the custom ops ``relpos::native_attention`` (padded batches) and
+``relpos::native_attention_varlen`` (packed variable-length batches), with their autograd formulas.
 
-The op has a fake implementation (for ``torch.compile`` and ``torch.export``) and a backward
-through the op ``relpos::native_attention_backward``; both are checked with
-``torch.library.opcheck``. The op reads its inputs in any layout (the kernels make them
-contiguous once). Half precision (``float16``, ``bfloat16``) runs in float32 inside: the
-inputs are widened once, every sum and statistic is float32, the result is rounded once.
+Each op has a fake implementation (for ``torch.compile`` and ``torch.export``) and a backward
+through the op ``<name>_backward``; both are checked with ``torch.library.opcheck``. The ops
+read their inputs in any layout (the kernels make them contiguous once). Half precision
+(``float16``, ``bfloat16``) runs in float32 inside: the inputs are widened once, every sum and
+statistic is float32, the result is rounded once.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
-R = left + right + 1 table rows, Hr table heads (1 or H).
+R = left + right + 1 table rows, Hr table heads (1 or H); varlen: N sequences, Tq and Tk the
+queries and keys of all of them, L_s and S_s those of sequence s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from relpos.ops._custom_op import Gradients, empty_outputs, is_empty, register_a
 from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.native.build import load
 
-__all__ = ["dropout_mask", "forward", "native_attention"]
+__all__ = [
+    "dropout_mask",
+    "dropout_mask_varlen",
+    "forward",
+    "forward_varlen",
+    "is_empty_varlen",
+    "native_attention",
+    "native_attention_varlen",
+]
 
 
 def _kernels():
@@ -156,3 +166,124 @@ def dropout_mask(seed: Tensor, shape: tuple[int, int, int, int], dropout_p: floa
     reference."""
     B, H, L, S = shape
     return _kernels().dropout_mask(seed, B, H, L, S, float(dropout_p))
+
+
+# ------------------------------------------------------------------------------------------
+# Packed variable-length batches
+
+
+def is_empty_varlen(query: Tensor, key: Tensor) -> bool:
+    """Whether a varlen call has no (query, key) pair: ``Tq == 0``, ``Tk == 0`` or ``H == 0``."""
+    Tq, H, _ = query.shape
+    return Tq == 0 or key.shape[0] == 0 or H == 0
+
+
+def _fake_varlen(query: Tensor, key: Tensor, value: Tensor, *_inputs: object,
+                 **_options: object) -> tuple[Tensor, Tensor]:
+    Tq, H, _ = query.shape
+    return query.new_empty(Tq, H, value.shape[-1]), query.new_empty(
+        H, Tq, dtype=accumulation_dtype(query.dtype))
+
+
+def forward_varlen(
+    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seed: Tensor | None,
+    *, left: int, right: int, is_causal: bool, scale: float, dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """The forward of :func:`native_attention_varlen`, without the custom op's dispatch (what
+    inference calls directly: no autograd, no tracing)."""
+    if is_empty_varlen(query, key):
+        return empty_outputs(_fake_varlen(query, key, value))
+    acc = accumulation_dtype(query.dtype)
+    q, k, v, rk, rv = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values))
+    out, lse = _kernels().forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, rk, rv, seed,
+        _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale, query_start=0,
+                        dropout_p=dropout_p),
+    )
+    return out.to(query.dtype), lse
+
+
+@torch.library.custom_op("relpos::native_attention_varlen", mutates_args=())
+def native_attention_varlen(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    rel_keys: Tensor | None,
+    rel_values: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seed: Tensor | None,
+    *,
+    left: int,
+    right: int,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+) -> tuple[Tensor, Tensor]:
+    """Attention over a packed batch of N sequences, laid out as flash-attention's
+    ``flash_attn_varlen_func``. Returns ``out (Tq, H, Dv)`` in the query's dtype and the
+    logsumexp ``(H, Tq)`` in the accumulation dtype (float32 for half inputs; ``+inf`` for rows
+    that see no key; kept for the backward).
+
+    ``query (Tq, H, D)``, ``key (Tk, H, D)``, ``value (Tk, H, Dv)`` in any strides;
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` are ``(N + 1,)`` int64 CPU tensors from 0,
+    non-decreasing, ending at ``Tq`` and ``Tk``: sequence ``s`` holds the query rows
+    ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` (``L_s``) and the key rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` (``S_s``); either may be empty. Each sequence is
+    attended on its own, bottom-right aligned (its query ``i`` at position ``S_s - L_s + i``),
+    as ``relpos::native_attention`` attends one batch row with ``query_start = S_s - L_s``;
+    tables are ``(Hr, R, D)`` and ``(Hr, R, Dv)``; ``seed`` is two int64 (the dropout stream,
+    :func:`dropout_mask_varlen` gives its keep masks), or None without dropout.
+    """
+    return forward_varlen(
+        query, key, value, rel_keys, rel_values, cu_seqlens_q, cu_seqlens_k, seed, left=left,
+        right=right, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+    )
+
+
+native_attention_varlen.register_fake(_fake_varlen)
+
+
+def _backward_varlen(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seed: Tensor | None,
+    out: Tensor, lse: Tensor, *, left: int, right: int, is_causal: bool, scale: float,
+    dropout_p: float,
+) -> Gradients:
+    """What ``relpos::native_attention_varlen_backward`` computes for a non-empty call: the
+    gradients shaped like the inputs. Deterministic: the table gradients are reduced in a
+    fixed order."""
+    acc = accumulation_dtype(query.dtype)
+    go, q, k, v, rk, rv, o = (
+        _wide(t, acc) for t in (grad_out, query, key, value, rel_keys, rel_values, out)
+    )
+    dq, dk, dv, drk, drv = _kernels().backward_varlen(
+        go, q, k, v, cu_seqlens_q, cu_seqlens_k, rk, rv, seed, o, lse,
+        _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale, query_start=0,
+                        dropout_p=dropout_p),
+    )
+    dtype = query.dtype
+    return (
+        dq.to(dtype), dk.to(dtype), dv.to(dtype),
+        None if rel_keys is None else drk.to(dtype),
+        None if rel_values is None else drv.to(dtype),
+    )
+
+
+native_attention_varlen_backward = register_attention_autograd(
+    "relpos::native_attention_varlen", _backward_varlen, saved_outputs=("out", "lse"),
+    empty=is_empty_varlen,
+)
+
+
+def dropout_mask_varlen(seed: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        num_heads: int, dropout_p: float) -> list[Tensor]:
+    """The keep masks (True = kept) that :func:`native_attention_varlen` applies for the
+    dropout stream ``seed`` (two int64) at probability ``dropout_p``: one ``(H, L_s, S_s)`` per
+    sequence, so that sequence ``s``'s output is ``(P_s * mask_s / (1 - dropout_p)) @ (V_s +
+    aV)``. Query ``i`` of sequence ``s``, head ``h``, draws the padded kernels' row
+    ``h * Tq + cu_seqlens_q[s] + i`` (as query ``cu_seqlens_q[s] + i`` of head ``h`` of one
+    padded batch row of ``Tq`` queries), key ``j`` its index within the sequence."""
+    return list(_kernels().dropout_mask_varlen(seed, cu_seqlens_q, cu_seqlens_k, num_heads,
+                                               float(dropout_p)))

@@ -21,11 +21,21 @@
 //   far-right j >= p + right (and past the band)   table row R - 1
 // Only the band gathers; the far segments add one constant per row.
 //
-// Attention dropout uses a counter-based hash of (seed, head, query, key), so the backward
-// regenerates the forward's mask and `dropout_mask` exposes it.
+// Attention dropout uses a counter-based hash of (seed, dropout row, key), so the backward
+// regenerates the forward's mask and `dropout_mask` / `dropout_mask_varlen` expose it.
+//
+// Two layouts share the work of one head of one sequence (a task, given its Geometry: L, S,
+// query_start, and its pointers): padded batches (B, H, L, D), whose tasks are (batch, head,
+// query block) forward and (batch, head) backward; and packed variable-length batches
+// ("varlen", flash-attention's layout): q (Tq, H, D), k and v (Tk, H, ·), sequence s the query
+// rows [cu_q[s], cu_q[s+1]) and key rows [cu_k[s], cu_k[s+1]), each aligned bottom-right
+// (query_start = S_s - L_s). Varlen tasks are (sequence, head, query block) forward and
+// (sequence, head) backward, with each sequence's own block sizes; no work crosses sequences.
 //
 // Table gradients: one partial per (batch, head) task, reduced afterwards in a fixed order:
 // deterministic whatever the thread count. dk and dv are owned by their (batch, head) task.
+// Varlen: one partial per (group of consecutive sequences, head), the groups fixed by the
+// sequence lengths alone (varlen_gradient_groups), so the same order at every thread count.
 //
 // GEMMs: MKL's sgemm_/dgemm_ as exported by libtorch (RELPOS_HAVE_BLAS; MKL runs on the task's
 // thread, as in torch's own flash kernel, also for a lone task that at::parallel_for runs
@@ -34,12 +44,14 @@
 // The entry points release the GIL: nothing below them touches a Python object.
 //
 // The file, top down: block sizes; GEMM, exp and the dropout hash; the call's options and
-// geometry; the row primitives; the phases of a row that both directions share (masks, band
-// key term, exp by segment, bucket sums); the forward's phases (online-softmax step with its
-// rescale, dropout and bucket update, epilogue) and its loops; the backward's phases (delta,
-// recompute P, NaN rows, dS by segment, bucket gradients, dQ/dK/dV and table-gradient GEMMs)
-// and its loops; the entry points. Each phase is one function, forced inline into the loop that calls
-// it, so the compiled loops are those of a single loop body.
+// geometry, a head's pointers (padded and varlen); the row primitives; the phases of a row that
+// both directions share (masks, band key term, exp by segment, bucket sums); the forward's
+// phases (online-softmax step with its rescale, dropout and bucket update, epilogue), its task
+// and the padded and varlen task loops; the backward's phases (delta, recompute P, NaN rows, dS
+// by segment, bucket gradients, dQ/dK/dV and table-gradient GEMMs), its task and its task
+// loops; the padded entry points; the varlen entry points. Each phase is one function, forced
+// inline into the task that calls it, and each task into its loops, so the compiled loops are
+// those of a single loop body.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -261,7 +273,10 @@ static inline T exp_(T x) {
 
 // ------------------------------------------------------------------------------------------
 // Dropout: a counter-based hash (two rounds of murmur3's finalizer per element, a 64-bit mix
-// per row), so forward, backward and `dropout_mask` produce the same keep mask.
+// per row), so forward, backward and `dropout_mask` produce the same keep mask. Row numbers:
+// (b * H + h) * L + i for query i of head (b, h) of a padded call, h * Tq + cu_q[s] + i for
+// query i of sequence s of a varlen call (Tq: all the call's queries); the key index j is the
+// key's within its batch row or sequence.
 
 static inline uint64_t mix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
@@ -283,9 +298,8 @@ struct Dropout {
   uint64_t seed0 = 0, seed1 = 0;
   uint32_t threshold = 0;  // keep iff hash >= threshold
   double inv_keep = 1.0;
-  int64_t L = 0;
 
-  Dropout(double p, const c10::optional<Tensor>& seed, int64_t L_) : L(L_) {
+  Dropout(double p, const c10::optional<Tensor>& seed) {
     if (p > 0.0) {
       TORCH_CHECK(seed.has_value() && seed->numel() == 2 && seed->scalar_type() == at::kLong,
                   "dropout needs a seed tensor of two int64");
@@ -300,9 +314,9 @@ struct Dropout {
     }
   }
 
-  // The two 32-bit keys of row (bh, i).
-  inline void row_keys(int64_t bh, int64_t i, uint32_t& k1, uint32_t& k2) const {
-    const uint64_t z = mix64(seed0 ^ mix64(seed1 + static_cast<uint64_t>(bh * L + i) *
+  // The two 32-bit keys of dropout row `row`.
+  inline void row_keys(int64_t row, uint32_t& k1, uint32_t& k2) const {
+    const uint64_t z = mix64(seed0 ^ mix64(seed1 + static_cast<uint64_t>(row) *
                                                       0x9E3779B97F4A7C15ULL));
     k1 = static_cast<uint32_t>(z);
     k2 = static_cast<uint32_t>(z >> 32);
@@ -381,7 +395,8 @@ struct Geometry {
   }
 };
 
-// The call's tensors as contiguous raw pointers (nullptr for an absent optional one).
+// The call's tensors as contiguous raw pointers (nullptr for an absent optional one). Varlen
+// calls have no masks, and q, k, v as (H, Tq, D), (H, Tk, D), (H, Tk, Dv).
 template <typename T>
 struct Inputs {
   const T* q;          // (B, H, L, D)
@@ -394,10 +409,13 @@ struct Inputs {
   bool ak_finite = true;  // (backward) every entry of ak is finite
 };
 
-// What one (batch, head) reads: its keys, values, tables (shared or its own) and key bias.
+// What one task's head reads: the queries, keys, values, tables (shared or its own) and key
+// bias of one (batch, head) or (sequence, head), and the dropout row of its query 0.
 template <typename T>
 struct Head {
-  int64_t bh, b, h;
+  int64_t b, h;       // batch row (0 for a varlen sequence) and head: where its mask rows are
+  int64_t dropout_row;  // query i's dropout row is dropout_row + i
+  const T* q;         // (L, D)
   const T* k;         // (S, D)
   const T* v;         // (S, Dv)
   const T* ak;        // (R, D) or nullptr
@@ -405,17 +423,54 @@ struct Head {
   const T* key_bias;  // (S) or nullptr
 };
 
+// The tables of head h: its own rows of per-head tables, the shared ones otherwise.
+template <typename T>
+static inline void set_head_tables(const Geometry& g, const Inputs<T>& in, Head<T>& hd) {
+  hd.ak = in.ak ? in.ak + (g.Hr_k == 1 ? 0 : hd.h) * g.R * g.D : nullptr;
+  hd.av = in.av ? in.av + (g.Hr_v == 1 ? 0 : hd.h) * g.R * g.Dv : nullptr;
+}
+
+// Head bh = b * H + h of a padded call.
 template <typename T>
 static inline Head<T> head_of(const Geometry& g, const Inputs<T>& in, int64_t bh) {
   Head<T> hd;
-  hd.bh = bh;
   hd.b = bh / g.H;
   hd.h = bh % g.H;
+  hd.dropout_row = bh * g.L;
+  hd.q = in.q + bh * g.L * g.D;
   hd.k = in.k + bh * g.S * g.D;
   hd.v = in.v + bh * g.S * g.Dv;
-  hd.ak = in.ak ? in.ak + (g.Hr_k == 1 ? 0 : hd.h) * g.R * g.D : nullptr;
-  hd.av = in.av ? in.av + (g.Hr_v == 1 ? 0 : hd.h) * g.R * g.Dv : nullptr;
+  set_head_tables(g, in, hd);
   hd.key_bias = in.key_bias ? in.key_bias + hd.b * g.S : nullptr;
+  return hd;
+}
+
+// A varlen call's packing. Sequence s holds the query rows [cu_q[s], cu_q[s+1]) and the key
+// rows [cu_k[s], cu_k[s+1]); the kernels hold q, k, v (and out, dq, dk, dv) as (H, T, width)
+// contiguous, so the rows of (sequence s, head h) are one contiguous block from row
+// h * T + cu[s] (which is also the dropout row of its query 0).
+struct Packing {
+  int64_t N, H, Tq, Tk;  // sequences, heads, queries and keys in all
+  const int64_t* cu_q;   // (N + 1)
+  const int64_t* cu_k;   // (N + 1)
+
+  inline int64_t q_row(int64_t s, int64_t h) const { return h * Tq + cu_q[s]; }
+  inline int64_t k_row(int64_t s, int64_t h) const { return h * Tk + cu_k[s]; }
+};
+
+// Head h of sequence s of a varlen call (g: the sequence's geometry).
+template <typename T>
+static inline Head<T> varlen_head(const Geometry& g, const Packing& pk, const Inputs<T>& in,
+                                  int64_t s, int64_t h) {
+  Head<T> hd;
+  hd.b = 0;
+  hd.h = h;
+  hd.dropout_row = pk.q_row(s, h);
+  hd.q = in.q + pk.q_row(s, h) * g.D;
+  hd.k = in.k + pk.k_row(s, h) * g.D;
+  hd.v = in.v + pk.k_row(s, h) * g.Dv;
+  set_head_tables(g, in, hd);
+  hd.key_bias = nullptr;
   return hd;
 }
 
@@ -574,18 +629,19 @@ static RELPOS_INLINE void bucket_row(const T* x, int64_t R, const RowSegments& s
 // ------------------------------------------------------------------------------------------
 // Forward phases
 
-// One thread's state for the query block it works on.
+// One thread's state for the query block it works on: blocks of at most BQ rows, tiles of at
+// most `tile` scores (BQ · BK for one block size; the largest of a varlen call's sequences).
 template <typename T>
 struct ForwardBlock {
-  std::vector<T> scores;  // (BQ, BK): S of the current tile, then P (row stride nk)
+  std::vector<T> scores;  // (tile): S of the current tile (nq, nk), then P (row stride nk)
   std::vector<T> qa;      // (BQ, R): QA = scale · Q_I @ aK^T
   std::vector<T> pb;      // (BQ, R): Pb, each row's probability mass per table row
   std::vector<T> acc;     // (BQ, Dv): sum_j p_ij v_j
   std::vector<T> m, l;    // (BQ): the online softmax's running max and sum
 
-  ForwardBlock(int64_t BQ, int64_t BK, int64_t R, int64_t Dv, bool keys, bool values)
-      : scores(BQ * BK), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv),
-        m(BQ), l(BQ) {}
+  ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values)
+      : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ),
+        l(BQ) {}
 };
 
 // The max of a far segment's scores plus its constant; -inf where the segment has no visible
@@ -655,12 +711,13 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T>& w, int64_t r, T* 
   return true;
 }
 
-// Dropout of one row of P (forward): dropped entries 0, kept ones times 1 / (1 - p).
+// Dropout of one row of P (forward; `row` its dropout row): dropped entries 0, kept ones times
+// 1 / (1 - p).
 template <typename T>
-static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& drop, int64_t bh,
-                                   int64_t i, T inv_keep) {
+static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& drop,
+                                   int64_t row, T inv_keep) {
   uint32_t k1, k2;
-  drop.row_keys(bh, i, k1, k2);
+  drop.row_keys(row, k1, k2);
   const uint32_t th = drop.threshold;
   const int64_t j0 = seg.j0;
 #pragma omp simd
@@ -703,7 +760,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, cons
     return;
   T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   if (drop.on) {
-    drop_row<T>(s, seg, drop, hd.bh, i, inv_keep);
+    drop_row<T>(s, seg, drop, hd.dropout_row + i, inv_keep);
     if (pb_row) bucket_row<T>(s, R, seg, pb_row);
   } else if (pb_row) {
     add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
@@ -734,35 +791,86 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T>& hd,
   }
 }
 
-// Tasks: (batch, head, query block). Each streams its key blocks through the online softmax.
+// One forward task: the query block [i0, min(L, i0 + BQ)) of one head, streamed through its key
+// blocks of BK keys by the online softmax; writes the block's rows of out_head (L, Dv) and
+// lse_head (L).
+template <typename T>
+static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T>& hd, const T* attn_bias,
+                                       T scale, const Dropout& drop, ForwardBlock<T>& w,
+                                       int64_t i0, int64_t BQ, int64_t BK, T* out_head,
+                                       T* lse_head) {
+  const int64_t D = g.D, Dv = g.Dv;
+  const T inv_keep = static_cast<T>(drop.inv_keep);
+  const int64_t i1 = std::min(g.L, i0 + BQ), nq = i1 - i0;
+  const T* q_block = hd.q + i0 * D;
+  forward_prologue<T>(g, hd, w, nq, scale, q_block);
+  for (int64_t j0 = 0; j0 < g.S; j0 += BK) {
+    if (!g.block_visible(i1, j0)) break;
+    const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
+    // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
+    gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+    for (int64_t r = 0; r < nq; ++r)
+      forward_row<T>(g, hd, attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
+    // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
+    gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), hd.v + j0 * Dv, T(1), w.acc.data());
+  }
+  forward_epilogue<T>(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
+}
+
+// Padded tasks: (batch, head, query block).
 template <typename T>
 static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const Dropout& drop,
                          T* out, T* lse) {
-  const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
+  const int64_t L = g.L;
+  const int64_t BQ = query_block_size(L), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
-  const T inv_keep = static_cast<T>(drop.inv_keep);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    ForwardBlock<T> w(BQ, BK, R, Dv, in.ak != nullptr, in.av != nullptr);
+    ForwardBlock<T> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
-      const Head<T> hd = head_of(g, in, bh);
-      const int64_t i0 = qb * BQ, i1 = std::min(L, i0 + BQ), nq = i1 - i0;
-      const T* q_block = in.q + (bh * L + i0) * D;
-      forward_prologue<T>(g, hd, w, nq, scale, q_block);
-      for (int64_t j0 = 0; j0 < S; j0 += BK) {
-        if (!g.block_visible(i1, j0)) break;
-        const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
-        // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
-        gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
-        for (int64_t r = 0; r < nq; ++r)
-          forward_row<T>(g, hd, in.attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
-        // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
-        gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), hd.v + j0 * Dv, T(1), w.acc.data());
-      }
-      forward_epilogue<T>(g, hd, w, nq, out + (bh * L + i0) * Dv, lse + bh * L + i0);
+      forward_task<T>(g, head_of(g, in, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
+                      out + bh * L * g.Dv, lse + bh * L);
+    }
+  });
+}
+
+// A varlen call: its packing, each sequence's geometry, and what one thread's buffers must hold
+// for any of them (the largest query block, tile and R).
+struct VarlenCall {
+  Packing pk;
+  std::vector<Geometry> seqs;  // (N)
+  int64_t D = 0, Dv = 0, BQ = 1, tile = 0, R = 1;
+};
+
+// Varlen tasks: (sequence, head, query block), each sequence with its own block sizes. The
+// tasks of sequence s are first_task[s] + h · (its query blocks) + qb.
+template <typename T>
+static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T>& in, T scale,
+                                const Dropout& drop, T* out, T* lse) {
+  const Packing& pk = vc.pk;
+  std::vector<int64_t> first_task(pk.N + 1, 0);
+  for (int64_t s = 0; s < pk.N; ++s) {
+    const int64_t L = vc.seqs[s].L, BQ = query_block_size(L);
+    first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
+  }
+
+  at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
+    const SingleThreadedBlas one_thread;
+    ForwardBlock<T> w(vc.BQ, vc.tile, vc.R, vc.Dv, in.ak != nullptr, in.av != nullptr);
+    for (int64_t task = begin; task < stop; ++task) {
+      // the last sequence whose tasks start at or before this one (sequences without queries
+      // have none)
+      const int64_t s =
+          std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const Geometry& g = vc.seqs[s];
+      const int64_t BQ = query_block_size(g.L), n_query_blocks = (g.L + BQ - 1) / BQ;
+      const int64_t h = (task - first_task[s]) / n_query_blocks;
+      const int64_t qb = (task - first_task[s]) % n_query_blocks;
+      const int64_t row = pk.q_row(s, h);
+      forward_task<T>(g, varlen_head(g, pk, in, s, h), nullptr, scale, drop, w, qb * BQ, BQ,
+                      key_block_size(g.L, g.S), out + row * g.Dv, lse + row);
     }
   });
 }
@@ -770,12 +878,12 @@ static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const 
 // ------------------------------------------------------------------------------------------
 // Backward phases
 
-// One thread's state for the query block it works on.
+// One thread's state for the query block it works on (sizes as for ForwardBlock).
 template <typename T>
 struct BackwardBlock {
-  std::vector<T> scores;     // (BQ, BK): S of the current tile, then P (row stride nk)
-  std::vector<T> dp;         // (BQ, BK): dP = dO @ V_J^T (+ dOA), then dS
-  std::vector<T> p_dropped;  // (BQ, BK), with dropout only: P times the keep mask / (1 - p)
+  std::vector<T> scores;     // (tile): S of the current tile (nq, nk), then P (row stride nk)
+  std::vector<T> dp;         // (tile): dP = dO @ V_J^T (+ dOA), then dS
+  std::vector<T> p_dropped;  // (tile), with dropout only: P times the keep mask / (1 - p)
   std::vector<T> qa;         // (BQ, R): QA = scale · Q_I @ aK^T
   std::vector<T> doa;        // (BQ, R): dOA = dO_I @ aV^T
   std::vector<T> pb;         // (BQ, R): Pb, bucket sums of the (dropped) P
@@ -783,9 +891,9 @@ struct BackwardBlock {
   std::vector<T> dq_acc;     // (BQ, D): dS @ K + dSb @ aK, before the scale
   std::vector<T> delta;      // (BQ): dO_i . out_i
 
-  BackwardBlock(int64_t BQ, int64_t BK, int64_t R, int64_t D, bool keys, bool values,
+  BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
                 bool dropout)
-      : scores(BQ * BK), dp(BQ * BK), p_dropped(dropout ? BQ * BK : 0), qa(keys ? BQ * R : 0),
+      : scores(tile), dp(tile), p_dropped(dropout ? tile : 0), qa(keys ? BQ * R : 0),
         doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0),
         dq_acc(BQ * D), delta(BQ) {}
 };
@@ -837,13 +945,12 @@ static RELPOS_INLINE SegmentSums<T> ds_row(const T* s, T* dp, const RowSegments&
 
 // With dropout: dP += dOA (gathered in the band, constants in the far segments), then with the
 // row's keep weights w (0 or 1 / (1 - p)): p_dropped = P w, and dS = P (dP w - delta) in place
-// of dP. The hidden tail of p_dropped is set to 0.
+// of dP (`row`: the row's dropout row). The hidden tail of p_dropped is set to 0.
 template <typename T>
 static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_t nk,
                                          const RowSegments& seg, const T* doa_row,
                                          FarConstants<T> doa_far, T row_delta,
-                                         const Dropout& drop, int64_t bh, int64_t i,
-                                         T inv_keep) {
+                                         const Dropout& drop, int64_t row, T inv_keep) {
   const int64_t nl = seg.n_left, nb = seg.n_band, nr = seg.n_right, nv = seg.n_visible;
   if (doa_row != nullptr) {
     T* band_dp = dp + nl;
@@ -853,7 +960,7 @@ static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_
     for (int64_t j = 0; j < nr; ++j) band_dp[nb + j] += doa_far.right;
   }
   uint32_t k1, k2;
-  drop.row_keys(bh, i, k1, k2);
+  drop.row_keys(row, k1, k2);
   const uint32_t th = drop.threshold;
   const int64_t j0 = seg.j0;
 #pragma omp simd
@@ -926,8 +1033,8 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T>& hd, con
     if (dsb_row) add_to_buckets<T>(dsb_row, R, seg, ds_sums.left, dp + seg.n_left, ds_sums.right);
   } else {
     exp_segments<T>(s, seg, qa_far, row_lse);
-    ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop, hd.bh, i,
-                      inv_keep);
+    ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop,
+                      hd.dropout_row + i, inv_keep);
     if (pb_row) bucket_row<T>(pd_row, R, seg, pb_row);
     if (dsb_row) bucket_row<T>(dp, R, seg, dsb_row);
   }
@@ -1002,55 +1109,149 @@ static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T>& hd
   for (int64_t x = 0; x < nq * D; ++x) dq_block[x] = scale * w.dq_acc[x];
 }
 
-// Tasks: (batch, head), which own their dk, dv and table-gradient partials. Each walks its
-// query blocks, and in each the key blocks, as the forward did.
+// What one backward task reads and writes besides its Head: its rows of dO, out and lse, its
+// gradients (dk and dv rows its own, zeroed by the task) and the table-gradient partials it adds
+// to (zeroed by its caller).
+template <typename T>
+struct HeadGradients {
+  const T* dout;  // (L, Dv)
+  const T* out;   // (L, Dv)
+  const T* lse;   // (L)
+  T* dq;          // (L, D)
+  T* dk;          // (S, D)
+  T* dv;          // (S, Dv)
+  T* dak;         // (R, D), or nullptr without rel_keys
+  T* dav;         // (R, Dv), or nullptr without rel_values
+};
+
+// One backward task: one head, its query blocks of BQ rows, and in each the key blocks of BK
+// keys, as the forward did.
+template <typename T>
+static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T>& hd,
+                                        const HeadGradients<T>& gr, const T* attn_bias, T scale,
+                                        bool ak_finite, const Dropout& drop, BackwardBlock<T>& w,
+                                        int64_t BQ, int64_t BK) {
+  const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv;
+  const T inv_keep = static_cast<T>(drop.inv_keep);
+  std::fill(gr.dk, gr.dk + S * D, T(0));
+  std::fill(gr.dv, gr.dv + S * Dv, T(0));
+  for (int64_t i0 = 0; i0 < L; i0 += BQ) {
+    const int64_t i1 = std::min(L, i0 + BQ), nq = i1 - i0;
+    const T* q_block = hd.q + i0 * D;
+    const T* do_block = gr.dout + i0 * Dv;
+    const T* lse_block = gr.lse + i0;
+    backward_prologue<T>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv);
+    for (int64_t j0 = 0; j0 < S; j0 += BK) {
+      if (!g.block_visible(i1, j0)) break;
+      const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
+      // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
+      gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+      // dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
+      gemm_nt<T>(nq, nk, Dv, T(1), do_block, hd.v + j0 * Dv, T(0), w.dp.data());
+      T* pd = drop.on ? w.p_dropped.data() : w.scores.data();  // what multiplies V
+      for (int64_t r = 0; r < nq; ++r)
+        backward_row<T>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
+                        j1);
+      // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)
+      gemm_tn<T>(nk, Dv, nq, T(1), pd, do_block, T(1), gr.dv + j0 * Dv);
+      // dq_acc_I (nq, D) += dS_IJ (nq, nk) @ K_J (nk, D)
+      gemm_nn<T>(nq, D, nk, T(1), w.dp.data(), hd.k + j0 * D, T(1), w.dq_acc.data());
+      // dK_J (nk, D) += scale · dS_IJ^T @ Q_I (nq, D)
+      gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_block, T(1), gr.dk + j0 * D);
+    }
+    backward_epilogue<T>(g, hd, w, i0, nq, scale, ak_finite, lse_block, q_block, do_block,
+                         gr.dak, gr.dav, gr.dq + i0 * D);
+  }
+}
+
+// Padded tasks: (batch, head), which own their dk, dv and table-gradient partials (B, H, R, ·).
 template <typename T>
 static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout, const T* out,
                           const T* lse, T scale, const Dropout& drop, T* dq, T* dk, T* dv,
                           T* dak_part, T* dav_part) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
-  const T inv_keep = static_cast<T>(drop.inv_keep);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    BackwardBlock<T> w(BQ, BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on);
+    BackwardBlock<T> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on);
     for (int64_t bh = begin; bh < stop; ++bh) {
-      const Head<T> hd = head_of(g, in, bh);
-      T* dk_head = dk + bh * S * D;
-      T* dv_head = dv + bh * S * Dv;
-      std::fill(dk_head, dk_head + S * D, T(0));
-      std::fill(dv_head, dv_head + S * Dv, T(0));
-      T* dak_head = hd.ak ? dak_part + bh * R * D : nullptr;
-      T* dav_head = hd.av ? dav_part + bh * R * Dv : nullptr;
-      if (dak_head) std::fill(dak_head, dak_head + R * D, T(0));
-      if (dav_head) std::fill(dav_head, dav_head + R * Dv, T(0));
-      for (int64_t i0 = 0; i0 < L; i0 += BQ) {
-        const int64_t i1 = std::min(L, i0 + BQ), nq = i1 - i0;
-        const T* q_block = in.q + (bh * L + i0) * D;
-        const T* do_block = dout + (bh * L + i0) * Dv;
-        const T* lse_block = lse + bh * L + i0;
-        backward_prologue<T>(g, hd, w, nq, scale, q_block, do_block, out + (bh * L + i0) * Dv);
-        for (int64_t j0 = 0; j0 < S; j0 += BK) {
-          if (!g.block_visible(i1, j0)) break;
-          const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
-          // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
-          gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
-          // dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
-          gemm_nt<T>(nq, nk, Dv, T(1), do_block, hd.v + j0 * Dv, T(0), w.dp.data());
-          T* pd = drop.on ? w.p_dropped.data() : w.scores.data();  // what multiplies V
-          for (int64_t r = 0; r < nq; ++r)
-            backward_row<T>(g, hd, in.attn_bias, drop, inv_keep, w, pd, lse_block[r], r,
-                            i0 + r, j0, j1);
-          // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)
-          gemm_tn<T>(nk, Dv, nq, T(1), pd, do_block, T(1), dv_head + j0 * Dv);
-          // dq_acc_I (nq, D) += dS_IJ (nq, nk) @ K_J (nk, D)
-          gemm_nn<T>(nq, D, nk, T(1), w.dp.data(), hd.k + j0 * D, T(1), w.dq_acc.data());
-          // dK_J (nk, D) += scale · dS_IJ^T @ Q_I (nq, D)
-          gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_block, T(1), dk_head + j0 * D);
-        }
-        backward_epilogue<T>(g, hd, w, i0, nq, scale, in.ak_finite, lse_block, q_block,
-                             do_block, dak_head, dav_head, dq + (bh * L + i0) * D);
+      T* dak = in.ak ? dak_part + bh * R * D : nullptr;
+      T* dav = in.av ? dav_part + bh * R * Dv : nullptr;
+      if (dak) std::fill(dak, dak + R * D, T(0));
+      if (dav) std::fill(dav, dav + R * Dv, T(0));
+      const HeadGradients<T> gr{dout + bh * L * Dv, out + bh * L * Dv, lse + bh * L,
+                                dq + bh * L * D, dk + bh * S * D, dv + bh * S * Dv, dak, dav};
+      backward_task<T>(g, head_of(g, in, bh), gr, in.attn_bias, scale, in.ak_finite, drop, w,
+                       BQ, BK);
+    }
+  });
+}
+
+// With tables, a varlen backward keeps one table-gradient partial per (group, head), a group
+// being a run of consecutive sequences: at most this many groups, so that the partials stay
+// O(H·R·D) (as for a padded batch of this many rows) however many sequences the call packs.
+constexpr int64_t kVarlenGradientGroups = 64;
+
+// The groups of a varlen backward, as their first sequences (n_groups + 1 entries, the last N):
+// one per sequence without tables or with at most kVarlenGradientGroups sequences; otherwise
+// consecutive runs of about equal work (L·S + L + S a sequence). Depends on the lengths alone,
+// so the table gradients are summed in the same order at every thread count.
+static std::vector<int64_t> varlen_gradient_groups(const VarlenCall& vc, bool tables) {
+  const int64_t N = vc.pk.N;
+  std::vector<int64_t> first;
+  if (!tables || N <= kVarlenGradientGroups) {
+    for (int64_t s = 0; s <= N; ++s) first.push_back(s);
+    return first;
+  }
+  std::vector<double> work(N);
+  double total = 0;
+  for (int64_t s = 0; s < N; ++s) {
+    const double L = static_cast<double>(vc.seqs[s].L), S = static_cast<double>(vc.seqs[s].S);
+    work[s] = L * S + L + S;
+    total += work[s];
+  }
+  first.push_back(0);
+  double done = 0;
+  for (int64_t s = 0; s < N; ++s) {
+    // s opens the next group once the groups so far hold their share of the work
+    const auto open = static_cast<int64_t>(first.size());
+    if (s > 0 && open < kVarlenGradientGroups &&
+        done >= total * static_cast<double>(open) / kVarlenGradientGroups)
+      first.push_back(s);
+    done += work[s];
+  }
+  first.push_back(N);
+  return first;
+}
+
+// Varlen tasks: (sequence, head), which own their dk and dv rows, run by units (group, head): a
+// unit zeroes its table-gradient partials (n_groups, H, R, ·) and runs the tasks of its group's
+// sequences in order, each adding to them.
+template <typename T>
+static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t>& groups,
+                                 const Inputs<T>& in, const T* dout, const T* out, const T* lse,
+                                 T scale, const Dropout& drop, T* dq, T* dk, T* dv, T* dak_part,
+                                 T* dav_part) {
+  const Packing& pk = vc.pk;
+  const int64_t n_groups = static_cast<int64_t>(groups.size()) - 1, R = vc.R;
+
+  at::parallel_for(0, n_groups * pk.H, 1, [&](int64_t begin, int64_t stop) {
+    const SingleThreadedBlas one_thread;
+    BackwardBlock<T> w(vc.BQ, vc.tile, R, vc.D, in.ak != nullptr, in.av != nullptr, drop.on);
+    for (int64_t unit = begin; unit < stop; ++unit) {
+      const int64_t group = unit / pk.H, h = unit % pk.H;
+      T* dak = in.ak ? dak_part + unit * R * vc.D : nullptr;
+      T* dav = in.av ? dav_part + unit * R * vc.Dv : nullptr;
+      if (dak) std::fill(dak, dak + R * vc.D, T(0));
+      if (dav) std::fill(dav, dav + R * vc.Dv, T(0));
+      for (int64_t s = groups[group]; s < groups[group + 1]; ++s) {
+        const Geometry& g = vc.seqs[s];
+        const int64_t qr = pk.q_row(s, h), kr = pk.k_row(s, h);
+        const HeadGradients<T> gr{dout + qr * g.Dv, out + qr * g.Dv, lse + qr, dq + qr * g.D,
+                                  dk + kr * g.D,    dv + kr * g.Dv,  dak,       dav};
+        backward_task<T>(g, varlen_head(g, pk, in, s, h), gr, nullptr, scale, in.ak_finite,
+                         drop, w, query_block_size(g.L), key_block_size(g.L, g.S));
       }
     }
   });
@@ -1096,10 +1297,25 @@ static void set_window(Geometry& g, const c10::optional<Tensor>& ak,
               "table too large");
 }
 
+// The tables' heads and widths (set_window checks their rows): (Hr, R, D) for rel_keys and
+// (Hr, R, Dv) for rel_values, Hr 1 (shared) or H (per head).
+static void check_tables(const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
+                         int64_t H, int64_t D, int64_t Dv) {
+  for (const auto& [t, width] : {std::make_pair(&ak, D), std::make_pair(&av, Dv)}) {
+    if (!t->has_value()) continue;
+    const Tensor& table = **t;
+    TORCH_CHECK(table.dim() == 3 && (table.size(0) == 1 || table.size(0) == H) &&
+                    table.size(2) == width,
+                "tables must be (1 or H, R, D) for rel_keys and (1 or H, R, Dv) for rel_values "
+                "(H=", H, ", D=", D, ", Dv=", Dv, "), got ", table.sizes());
+  }
+}
+
 static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
                          const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
                          const c10::optional<Tensor>& mask, const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "query, key, value must be 4-D");
+  check_tables(ak, av, q.size(1), q.size(3), v.size(3));
   Geometry g;
   g.B = q.size(0);
   g.H = q.size(1);
@@ -1150,19 +1366,18 @@ static Inputs<T> inputs(const Tensor& q, const Tensor& k, const Tensor& v,
           ptr_or_null<T>(av), ptr_or_null<T>(kb), ptr_or_null<T>(attn_bias)};
 }
 
-// Sums the per-(batch, head) partials (B, H, R, width) of a table gradient into (Hr, R, width),
-// in a fixed order.
+// Sums the partials (n, H, R, width) of a table gradient (one per padded (batch, head) task, or
+// per varlen (group, head) unit) into (Hr, R, width), in a fixed order.
 template <typename T>
-static Tensor reduce_table_gradient(const Tensor& part, const Geometry& g, int64_t Hr,
-                                    int64_t width) {
-  auto res = at::zeros({Hr, g.R, width}, part.options());
+static Tensor reduce_table_gradient(const Tensor& part, int64_t Hr) {
+  const int64_t n_outer = part.size(0), H = part.size(1), n = part.size(2) * part.size(3);
+  auto res = at::zeros({Hr, part.size(2), part.size(3)}, part.options());
   const T* src = part.data_ptr<T>();
   T* dst = res.data_ptr<T>();
-  const int64_t n = g.R * width;
-  for (int64_t b = 0; b < g.B; ++b)
-    for (int64_t h = 0; h < g.H; ++h) {
+  for (int64_t b = 0; b < n_outer; ++b)
+    for (int64_t h = 0; h < H; ++h) {
       T* d = dst + (Hr == 1 ? 0 : h) * n;
-      const T* s = src + (b * g.H + h) * n;
+      const T* s = src + (b * H + h) * n;
       for (int64_t x = 0; x < n; ++x) d[x] += s[x];
     }
   return res;
@@ -1180,7 +1395,7 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
   const Geometry g = geometry(q, k, v, ak, av, attn_bias, options);
   auto out = at::empty({g.B, g.H, g.L, g.Dv}, q.options());
   auto lse = at::empty({g.B, g.H, g.L}, q.options());
-  const Dropout drop(options.dropout_p, seed, g.L);
+  const Dropout drop(options.dropout_p, seed);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward", [&] {
     const auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
     forward_impl<scalar_t>(g, in, static_cast<scalar_t>(options.scale), drop,
@@ -1205,7 +1420,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   Tensor dak_part, dav_part, dak, dav;
   if (ak) dak_part = at::empty({g.B, g.H, g.R, g.D}, q.options());
   if (av) dav_part = at::empty({g.B, g.H, g.R, g.Dv}, q.options());
-  const Dropout drop(options.dropout_p, seed, g.L);
+  const Dropout drop(options.dropout_p, seed);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward", [&] {
     auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
     if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
@@ -1215,28 +1430,228 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
                             dv.data_ptr<scalar_t>(),
                             ak ? dak_part.data_ptr<scalar_t>() : nullptr,
                             av ? dav_part.data_ptr<scalar_t>() : nullptr);
-    if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, g, g.Hr_k, g.D);
-    if (av) dav = reduce_table_gradient<scalar_t>(dav_part, g, g.Hr_v, g.Dv);
+    if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, g.Hr_k);
+    if (av) dav = reduce_table_gradient<scalar_t>(dav_part, g.Hr_v);
   });
   return {dq, dk, dv, ak ? dak : at::empty({0}, q.options()),
           av ? dav : at::empty({0}, q.options())};
 }
 
+// The keep mask of dropout row `row` over keys [0, S) (all kept without dropout).
+static void keep_row(const Dropout& drop, int64_t row, int64_t S, bool* keep) {
+  uint32_t k1 = 0, k2 = 0;
+  if (drop.on) drop.row_keys(row, k1, k2);
+  for (int64_t j = 0; j < S; ++j)
+    keep[j] = !drop.on || Dropout::keep(static_cast<uint32_t>(j), k1, k2, drop.threshold);
+}
+
+// Returns the keep mask (B, H, L, S) of a padded call.
 Tensor dropout_mask(const Tensor& seed, int64_t B, int64_t H, int64_t L, int64_t S,
                     double dropout_p) {
-  const Dropout drop(dropout_p, seed, L);
+  const Dropout drop(dropout_p, seed);
   auto mask = at::empty({B, H, L, S}, at::TensorOptions().dtype(at::kBool));
   bool* mp = mask.data_ptr<bool>();
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t i = 0; i < L; ++i) {
-      uint32_t k1 = 0, k2 = 0;
-      if (drop.on) drop.row_keys(bh, i, k1, k2);
-      bool* row = mp + (bh * L + i) * S;
-      for (int64_t j = 0; j < S; ++j)
-        row[j] = !drop.on ||
-                 Dropout::keep(static_cast<uint32_t>(j), k1, k2, drop.threshold);
-    }
+  for (int64_t row = 0; row < B * H * L; ++row) keep_row(drop, row, S, mp + row * S);
   return mask;
+}
+
+// ------------------------------------------------------------------------------------------
+// Varlen entry points
+
+// The cumulative lengths of a varlen call (N + 1 entries: 0, then each sequence's end), checked
+// so that the kernels stay inside the packed rows: 1-D int64 on the CPU, at least one entry,
+// from 0, non-decreasing (the caller checks the end). Returned contiguous.
+static Tensor checked_cu_seqlens(const Tensor& cu, const char* name) {
+  TORCH_CHECK(cu.dim() == 1 && cu.scalar_type() == at::kLong && cu.device().is_cpu(), name,
+              " must be a 1-D int64 CPU tensor, got ", cu.scalar_type(), " ", cu.sizes(), " on ",
+              cu.device());
+  TORCH_CHECK(cu.numel() >= 1, name, " must hold at least its first entry, 0");
+  auto c = cu.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  TORCH_CHECK(p[0] == 0, name, " must start at 0, got ", p[0]);
+  for (int64_t s = 1; s < c.numel(); ++s)
+    TORCH_CHECK(p[s] >= p[s - 1], name, " must be non-decreasing, got ", p[s - 1], " then ",
+                p[s], " at entry ", s);
+  return c;
+}
+
+// The packing of a varlen call from its checked cumulative lengths, which must have one length
+// (N + 1) and end at the packed rows' counts Tq and Tk (< 0: at whatever they end).
+static Packing packing(const Tensor& cu_q, const Tensor& cu_k, int64_t H, int64_t Tq,
+                       int64_t Tk) {
+  TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k must have one length "
+              "(N + 1), got ", cu_q.numel(), " and ", cu_k.numel());
+  Packing pk;
+  pk.N = cu_q.numel() - 1;
+  pk.H = H;
+  pk.cu_q = cu_q.data_ptr<int64_t>();
+  pk.cu_k = cu_k.data_ptr<int64_t>();
+  pk.Tq = pk.cu_q[pk.N];
+  pk.Tk = pk.cu_k[pk.N];
+  TORCH_CHECK(Tq < 0 || pk.Tq == Tq, "cu_seqlens_q must end at the query's rows, ", Tq, ", got ",
+              pk.Tq);
+  TORCH_CHECK(Tk < 0 || pk.Tk == Tk, "cu_seqlens_k must end at the key's rows, ", Tk, ", got ",
+              pk.Tk);
+  return pk;
+}
+
+// A varlen call from its tensors' shapes (query (Tq, H, D), key (Tk, H, D), value (Tk, H, Dv),
+// the checked cumulative lengths, which must outlive it), with every check that keeps the
+// kernels inside them; each sequence's geometry bottom-right aligned (query_start = S - L) and
+// its window narrowed as set_window does.
+static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& cu_q, const Tensor& cu_k,
+                              const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
+                              const AttentionOptions& options) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "query, key, value must be 3-D (T, H, D)");
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu(), "the native kernels take CPU tensors, got ", t->device());
+  for (const c10::optional<Tensor>* t : {&ak, &av})
+    TORCH_CHECK(!t->has_value() || (*t)->device().is_cpu(),
+                "the native kernels take CPU tensors, got ", (*t)->device());
+  const int64_t H = q.size(1);
+  TORCH_CHECK(k.size(1) == H && v.size(1) == H && k.size(2) == q.size(2) &&
+                  v.size(0) == k.size(0),
+              "query (Tq, H, D), key (Tk, H, D) and value (Tk, H, Dv) do not match: ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(options.query_start == 0, "a varlen call aligns each sequence bottom-right: "
+              "query_start must be 0, got ", options.query_start);
+  VarlenCall vc;
+  vc.pk = packing(cu_q, cu_k, H, q.size(0), k.size(0));
+  vc.D = q.size(2);
+  vc.Dv = v.size(2);
+  check_tables(ak, av, H, vc.D, vc.Dv);
+  Geometry base;
+  base.B = 1;
+  base.H = H;
+  base.L = base.S = base.query_start = 0;
+  base.D = vc.D;
+  base.Dv = vc.Dv;
+  base.causal = options.is_causal;
+  base.Hr_k = ak.has_value() ? ak->size(0) : 1;
+  base.Hr_v = av.has_value() ? av->size(0) : 1;
+  set_window(base, ak, av, options);  // the tables' rows; R of every sequence with tables
+  vc.R = base.R;
+  vc.seqs.reserve(vc.pk.N);
+  for (int64_t s = 0; s < vc.pk.N; ++s) {
+    Geometry g = base;
+    g.L = vc.pk.cu_q[s + 1] - vc.pk.cu_q[s];
+    g.S = vc.pk.cu_k[s + 1] - vc.pk.cu_k[s];
+    g.query_start = g.S - g.L;
+    AttentionOptions aligned = options;
+    aligned.query_start = g.query_start;
+    set_window(g, ak, av, aligned);
+    vc.seqs.push_back(g);
+    if (g.L == 0) continue;
+    const int64_t BQ = query_block_size(g.L);
+    vc.BQ = std::max(vc.BQ, BQ);
+    vc.tile = std::max(vc.tile, BQ * key_block_size(g.L, g.S));
+    vc.R = std::max(vc.R, g.R);
+  }
+  return vc;
+}
+
+// Returns out (Tq, H, Dv) and the logsumexp (H, Tq) (+inf where a row sees no key) of a varlen
+// call: query (Tq, H, D), key (Tk, H, D), value (Tk, H, Dv) in any strides; sequence s holds
+// the query rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) and the key rows [cu_seqlens_k[s],
+// cu_seqlens_k[s+1]), bottom-right aligned (options.query_start must be 0). The kernels hold
+// q, k, v and out as (H, T, ·) contiguous, one block of rows per (sequence, head): one copy of
+// each input unless it is given so, and one of out back to (Tq, H, Dv).
+std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const Tensor& value,
+                                   const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                   const c10::optional<Tensor>& rel_keys,
+                                   const c10::optional<Tensor>& rel_values,
+                                   const c10::optional<Tensor>& seed,
+                                   const AttentionOptions& options) {
+  auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
+  auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
+  const VarlenCall vc = varlen_call(query, key, value, cu_q, cu_k, rel_keys, rel_values, options);
+  auto q = query.transpose(0, 1).contiguous(), k = key.transpose(0, 1).contiguous(),
+       v = value.transpose(0, 1).contiguous();
+  auto ak = contig(rel_keys), av = contig(rel_values);
+  auto out = at::empty({vc.pk.H, vc.pk.Tq, vc.Dv}, q.options());
+  auto lse = at::empty({vc.pk.H, vc.pk.Tq}, q.options());
+  const Dropout drop(options.dropout_p, seed);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen", [&] {
+    const auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
+    forward_varlen_impl<scalar_t>(vc, in, static_cast<scalar_t>(options.scale), drop,
+                                  out.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>());
+  });
+  return {out.transpose(0, 1).contiguous(), lse};
+}
+
+// Returns dq (Tq, H, D), dk (Tk, H, D), dv (Tk, H, Dv), d rel_keys, d rel_values (the last two
+// empty for absent tables) of a varlen call: grad_out and out (Tq, H, Dv), lse (H, Tq), the
+// rest as forward_varlen takes them. Layout inside as in forward_varlen.
+std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
+                                    const Tensor& key, const Tensor& value,
+                                    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                    const c10::optional<Tensor>& rel_keys,
+                                    const c10::optional<Tensor>& rel_values,
+                                    const c10::optional<Tensor>& seed, const Tensor& out,
+                                    const Tensor& lse, const AttentionOptions& options) {
+  auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
+  auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
+  const VarlenCall vc = varlen_call(query, key, value, cu_q, cu_k, rel_keys, rel_values, options);
+  const int64_t H = vc.pk.H, Tq = vc.pk.Tq, Tk = vc.pk.Tk;
+  for (const Tensor* t : {&grad_out, &out})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == Tq && t->size(1) == H && t->size(2) == vc.Dv,
+                "grad_out and out must be (Tq, H, Dv) = (", Tq, ", ", H, ", ", vc.Dv, "), got ",
+                t->sizes());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == H && lse.size(1) == Tq, "lse must be (H, Tq) = (",
+              H, ", ", Tq, "), got ", lse.sizes());
+  auto q = query.transpose(0, 1).contiguous(), k = key.transpose(0, 1).contiguous(),
+       v = value.transpose(0, 1).contiguous();
+  auto go = grad_out.transpose(0, 1).contiguous(), o = out.transpose(0, 1).contiguous();
+  auto ls = lse.contiguous();
+  auto ak = contig(rel_keys), av = contig(rel_values);
+  auto dq = at::empty({H, Tq, vc.D}, q.options()), dk = at::empty({H, Tk, vc.D}, q.options()),
+       dv = at::empty({H, Tk, vc.Dv}, q.options());
+  const std::vector<int64_t> groups = varlen_gradient_groups(vc, ak || av);
+  const auto n_groups = static_cast<int64_t>(groups.size()) - 1;
+  Tensor dak_part, dav_part, dak, dav;
+  if (ak) dak_part = at::empty({n_groups, H, vc.R, vc.D}, q.options());
+  if (av) dav_part = at::empty({n_groups, H, vc.R, vc.Dv}, q.options());
+  const Dropout drop(options.dropout_p, seed);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen", [&] {
+    auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
+    if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
+    backward_varlen_impl<scalar_t>(vc, groups, in, go.data_ptr<scalar_t>(),
+                                   o.data_ptr<scalar_t>(), ls.data_ptr<scalar_t>(),
+                                   static_cast<scalar_t>(options.scale), drop,
+                                   dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                                   dv.data_ptr<scalar_t>(),
+                                   ak ? dak_part.data_ptr<scalar_t>() : nullptr,
+                                   av ? dav_part.data_ptr<scalar_t>() : nullptr);
+    if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, ak->size(0));
+    if (av) dav = reduce_table_gradient<scalar_t>(dav_part, av->size(0));
+  });
+  return {dq.transpose(0, 1).contiguous(), dk.transpose(0, 1).contiguous(),
+          dv.transpose(0, 1).contiguous(), ak ? dak : at::empty({0}, q.options()),
+          av ? dav : at::empty({0}, q.options())};
+}
+
+// Returns the keep masks of a varlen call with H heads, one (H, L_s, S_s) per sequence: query i
+// of sequence s, head h, is dropout row h * Tq + cu_seqlens_q[s] + i (Packing::q_row).
+std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seqlens_q,
+                                        const Tensor& cu_seqlens_k, int64_t H,
+                                        double dropout_p) {
+  TORCH_CHECK(H >= 0, "the number of heads must not be negative, got ", H);
+  auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
+  auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
+  const Packing pk = packing(cu_q, cu_k, H, -1, -1);
+  const Dropout drop(dropout_p, seed);
+  std::vector<Tensor> masks;
+  for (int64_t s = 0; s < pk.N; ++s) {
+    const int64_t L = pk.cu_q[s + 1] - pk.cu_q[s], S = pk.cu_k[s + 1] - pk.cu_k[s];
+    auto mask = at::empty({H, L, S}, at::TensorOptions().dtype(at::kBool));
+    bool* mp = mask.data_ptr<bool>();
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < L; ++i) keep_row(drop, pk.q_row(s, h) + i, S, mp + (h * L + i) * S);
+    masks.push_back(mask);
+  }
+  return masks;
 }
 
 std::string build_info() {
@@ -1289,5 +1704,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("lse"), py::arg("options"), no_gil());
   m.def("dropout_mask", &relpos_native::dropout_mask, "the keep mask of a dropout seed",
         no_gil());
+  m.def("forward_varlen", &relpos_native::forward_varlen, "relpos native varlen forward",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
+        py::arg("cu_seqlens_k"), py::arg("rel_keys"), py::arg("rel_values"), py::arg("seed"),
+        py::arg("options"), no_gil());
+  m.def("backward_varlen", &relpos_native::backward_varlen, "relpos native varlen backward",
+        py::arg("grad_out"), py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("rel_keys"),
+        py::arg("rel_values"), py::arg("seed"), py::arg("out"), py::arg("lse"),
+        py::arg("options"), no_gil());
+  m.def("dropout_mask_varlen", &relpos_native::dropout_mask_varlen,
+        "the keep masks of a dropout seed over a varlen call, one (H, L, S) per sequence",
+        py::arg("seed"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("num_heads"),
+        py::arg("dropout_p"), no_gil());
   m.def("build_info", &relpos_native::build_info, "how the kernels were built");
 }
