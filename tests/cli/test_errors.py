@@ -115,6 +115,12 @@ def _misshape(state: dict[str, torch.Tensor]) -> None:
     state[key] = torch.zeros(3, 3)
 
 
+def _blank_tail(tmp: Path) -> Path:
+    """A text file whose last tenth (the eval split) holds only empty lines."""
+    (tmp / "blank.txt").write_text("some text here\n" * 6 + "\n" * 20)
+    return tmp / "blank.txt"
+
+
 def _used_run(tmp: Path) -> Path:
     _dir(tmp, "used/checkpoints")
     (tmp / "used/checkpoints/latest.json").write_text("{}")
@@ -240,6 +246,22 @@ CASES: list[tuple[str, Setup, str]] = [
     ("train --text DIR", lambda t, r: ["train", "--text", f"{_dir(t, 'corpus')}/", "--out",
                                        str(t / "o")],
      "text file '{tmp}/corpus/' is a directory; allowed: a UTF-8 text file"),
+    # --- --lines and --pad: variable-length text only -------------------------------------------
+    ("train --lines without --text", lambda t, r: ["train", "--lines", "--out", str(t / "o")],
+     "--lines is for task 'text' (--text FILE), not 'recall'"),
+    ("train --lines --task sort",
+     lambda t, r: ["train", "--task", "sort", "--lines", "--out", str(t / "o")],
+     "--lines is for task 'text' (--text FILE), not 'sort'"),
+    ("train --pad on a fixed-length task",
+     lambda t, r: ["train", *RUN, "--pad", "--out", str(t / "o")],
+     "--pad compares padded with packed training of variable-length batches (--text FILE "
+     "--lines); task 'recall' has fixed-length rows, with no padding"),
+    ("train --text --pad without --lines",
+     lambda t, r: ["train", "--text", str(_file(t, "t.txt")), "--pad", "--out", str(t / "o")],
+     "task 'text' has windows of --length characters, with no padding"),
+    ("train --text --lines on a file without lines in a split",
+     lambda t, r: ["train", "--text", str(_blank_tail(t)), "--lines", "--out", str(t / "o")],
+     "has no line of 2 characters or more in its eval split"),
     # --- --resume reads the saved configuration -----------------------------------------------
     ("train --resume -k other than saved",
      lambda t, r: ["train", "--resume", "-k", "3", "--out", str(_copy_run(r, t))],
@@ -250,6 +272,12 @@ CASES: list[tuple[str, Setup, str]] = [
     ("train --resume --text on a recall run",
      lambda t, r: ["train", "--resume", "--text", str(_file(t, "t.txt")), "--out",
                    str(_copy_run(r, t))], "--task text (the checkpoint: recall)"),
+    ("train --resume --pad on a packed run",
+     lambda t, r: ["train", "--resume", "--pad", "--out", str(_copy_run(r, t))],
+     "different configuration: --pad (the checkpoint: False)"),
+    ("train --resume --lines on a recall run",
+     lambda t, r: ["train", "--resume", "--lines", "--out", str(_copy_run(r, t))],
+     "different configuration: --lines (the checkpoint: False)"),
     ("train --resume --steps below the checkpoint",
      lambda t, r: ["train", "--resume", "--steps", "1", "--out", str(_copy_run(r, t))],
      "--steps 1 is below the step of the checkpoint in '{tmp}/run', 2; allowed: 2 or more"),

@@ -87,7 +87,7 @@ def test_train_relaunch_argv_reproduces_the_options() -> None:
     args = parser.parse_args([
         "train", "--task", "agree", "--distances", "2,4", "--lr", "0.0007", "-k", "3",
         "--per-head", "--no-rel-values", "--eval-lengths", "16,32", "--nproc", "2",
-        "--dropout", "0.1", "--threads", "1", "--no-progress",
+        "--dropout", "0.1", "--threads", "1", "--no-progress", "--lines", "--pad",
     ])
     argv = relaunch_argv(args)
     assert "--nproc" not in argv

@@ -1,9 +1,12 @@
-"""``relpos train``'s output: the loss unit, and evaluation lines without the progress bar."""
+"""``relpos train``'s output: the loss unit, evaluation lines without the progress bar, and
+``--lines`` runs (packed, or padded with ``--pad``)."""
 
 from __future__ import annotations
 
+import json
 import math
 
+import pytest
 import torch
 
 from relpos.cli import main
@@ -25,3 +28,54 @@ def test_no_progress_keeps_the_evaluation_lines_and_losses_say_their_unit(tmp_pa
     bits = float(final.split(" nats (")[1].split(" bits")[0])
     assert math.isclose(bits, nats / math.log(2), abs_tol=1e-4), final
     assert "train" not in err  # no progress bar
+
+
+# --- --lines: one line an example, trained packed; --pad to compare ------------------------
+
+LINES = ["--lines", "--length", "12", "--steps", "3", "--batch-size", "4", "--d-model", "16",
+         "--heads", "2", "--layers", "1", "-k", "3", "--warmup", "1", "--eval-every", "0",
+         "--checkpoint-every", "2", "--no-progress"]
+
+
+def _lines_file(tmp_path):
+    words = ["alpha", "beta", "gamma", "delta", "pi"]
+    lines = [" ".join(words[(i * j) % 5] for j in range(i % 6)) for i in range(120)]
+    path = tmp_path / "lines.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _train(argv, capsys):
+    before = torch.get_num_threads()
+    code = main(["train", *argv])
+    torch.set_num_threads(before)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_lines_train_packed_and_pad_gives_the_same_losses(tmp_path, capsys):
+    from relpos.training import load_checkpoint
+
+    text = str(_lines_file(tmp_path))
+    packed, padded = tmp_path / "packed", tmp_path / "padded"
+    _train(["--text", text, *LINES, "--out", str(packed)], capsys)
+    _train(["--text", text, *LINES, "--pad", "--out", str(padded)], capsys)
+    a = json.loads((packed / "metrics.json").read_text())
+    b = json.loads((padded / "metrics.json").read_text())
+    assert a["task"]["unit"] == b["task"]["unit"] == "line"
+    assert "pad" not in a["train"] and b["train"]["pad"] is True
+    assert load_checkpoint(packed / "checkpoints").step == 3
+    losses = [row[1] for row in a["history"]["train"]]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert [row[1] for row in b["history"]["train"]] == pytest.approx(losses, rel=1e-5)
+    assert b["eval"][0]["loss"] == pytest.approx(a["eval"][0]["loss"], rel=1e-5)
+    assert a["eval"][0]["count"] == b["eval"][0]["count"]
+    # A resumed run continues the same way, with or without the (agreeing) options.
+    out = _train(["--resume", "--steps", "4", "--no-progress", "--out", str(padded)], capsys)
+    assert f"resuming {padded} from step 3 to step 4" in out
+    _train(["--resume", "--lines", "--pad", "--steps", "5", "--no-progress", "--out",
+            str(padded)], capsys)
+    saved = load_checkpoint(padded / "checkpoints").state
+    assert saved["step"] == 5 and saved["train"]["pad"] is True
+    assert saved["task"]["unit"] == "line"

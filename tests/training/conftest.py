@@ -1,7 +1,9 @@
-"""Fixtures of the training tests: one torch thread for every test, and a fake standard
-library for the K sweep (nothing outside tmp_path is read)."""
+"""Fixtures of the training tests: one torch thread for every test, a fake standard library
+for the K sweep and a text file of lines of many lengths (nothing outside tmp_path is
+read)."""
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,3 +49,29 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def write_lines(path: Path, count: int = 300, seed: int = 0) -> str:
+    """A text file of ``count`` lines of 0..30 characters (empty and 1-character lines
+    among them, many longer than 13); returns its text."""
+    rng = random.Random(seed)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
+    lines = []
+    for n in range(count):
+        if n % 7 == 0:
+            lines.append("")  # a 1-character line ("\n"): skipped
+        elif n % 11 == 0:
+            lines.append(rng.choice("xyz"))  # 2 characters with its newline: kept
+        else:
+            line = " ".join(rng.choice(words) for _ in range(rng.randrange(1, 7)))
+            lines.append(line[: rng.randrange(1, 31)])
+    text = "\n".join(lines) + "\n"
+    path.write_text(text, encoding="utf-8")
+    return text
+
+
+@pytest.fixture
+def lines_file(tmp_path: Path) -> tuple[Path, str]:
+    """``(path, text)`` of a :func:`write_lines` file in ``tmp_path``."""
+    path = tmp_path / "lines.txt"
+    return path, write_lines(path)

@@ -7,6 +7,8 @@ Examples::
     relpos train --out runs/recall-k8 --resume --steps 600        # train longer
     relpos train --task recall -k 4 --out runs/recall-k8 --overwrite  # start over
     relpos train --text notes.txt --length 128 --out runs/text
+    relpos train --text notes.txt --lines --length 256 --out runs/lines  # one line an example
+    relpos train --text notes.txt --lines --pad --length 256 --out runs/lines-padded
     relpos train --task agree --nproc 2 --out runs/agree-ddp      # 2 processes (torchrun)
     torchrun --nproc_per_node=2 -m relpos train --task agree --out runs/agree-ddp
 
@@ -42,12 +44,13 @@ _NOT_RELAUNCHED = ("command", "func", "nproc")
 # Options that set the TrainConfig field of the same name.
 _TRAIN_OPTIONS = (
     "steps", "batch_size", "length", "lr", "warmup", "weight_decay", "seed", "eval_every",
-    "checkpoint_every",
+    "checkpoint_every", "pad",
 )
 # The value an option takes when it is not given (and not read from a checkpoint). In the
 # namespace an option not given is None, so --resume can tell it from one given.
 DEFAULTS: dict[str, Any] = {
-    "task": None, "text": None, "distances": None, "length": 64, "eval_lengths": None,
+    "task": None, "text": None, "lines": False, "distances": None, "length": 64,
+    "eval_lengths": None, "pad": False,
     "layers": 2, "heads": 4, "d_model": 64, "ff": None, "max_distance": 16,
     "no_rel_keys": False, "no_rel_values": False, "per_head": False, "positions": "relative",
     "bidirectional": False, "dropout": 0.0,
@@ -92,9 +95,13 @@ metrics.json) unless --resume continues it or --overwrite replaces it. --resume 
 run's settings from its checkpoint: leave the options out (those given must agree with the
 saved ones); --eval-lengths, --eval-every and --checkpoint-every may differ, and --steps: a
 larger one trains longer on the run's learning-rate schedule (the floor rate after its end),
-a smaller one (not below the checkpoint's step) stops earlier. Losses are cross-entropies in
+a smaller one (not below the checkpoint's step) stops earlier. --text FILE --lines trains on
+the lines of FILE (one line an example, up to --length tokens, batched by a budget of
+--batch-size x --length tokens) padding-free: the lines go through the model packed end to
+end, so no compute is spent on padding; --pad runs the same batches padded with a key mask
+instead, to compare (the same losses to float tolerance). Losses are cross-entropies in
 nats per scored position (bits beside; the experiment report uses bits per character);
---no-progress hides the bar, not the evaluation lines.
+--no-progress hides the bar, not the evaluation lines; its tok_s counts real tokens.
 """
 
 
@@ -104,6 +111,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--task", metavar="NAME",
                    help="recall (default), agree, sort or text (implied by --text)")
     g.add_argument("--text", metavar="FILE", help="character-level LM on FILE")
+    g.add_argument("--lines", action="store_true", default=None,
+                   help="with --text: one line of FILE an example (a line longer than "
+                        "--length + 1 characters gives a random window of it), batches of "
+                        "--batch-size x --length tokens, trained packed (no compute on "
+                        "padding)")
+    g.add_argument("--pad", action="store_true", default=None,
+                   help="with --lines: train on padded batches with a key mask instead of "
+                        "packing, to compare")
     g.add_argument("--distances", type=_args.int_list(1), metavar="D,D,...",
                    help="dependency distances of recall/agree (default: the task's, up to 32)")
     g.add_argument("--length", type=_args.int_in(1, MAX_LENGTH), metavar="N",
@@ -114,7 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=positive_int,
                    help="steps (default 300; with --resume: the saved run's)")
-    g.add_argument("--batch-size", type=positive_int, help="global batch size (default 32)")
+    g.add_argument("--batch-size", type=positive_int,
+                   help="global batch size (default 32; with --lines a budget of batch-size "
+                        "x length tokens)")
     g.add_argument("--lr", type=_args.positive_float, help="peak learning rate (3e-3)")
     g.add_argument("--warmup", type=non_negative_int, help="warmup steps (20)")
     g.add_argument("--weight-decay", type=_args.non_negative_float,
@@ -213,6 +230,8 @@ def saved_options(saved: Any) -> dict[str, Any]:
     return {
         "task": task.get("name"),
         "text": task.get("path"),
+        "lines": task.get("unit") == "line",
+        "pad": t.pad,
         "distances": tuple(task["distances"]) if "distances" in task else None,
         "length": t.length,
         "eval_lengths": tuple(t.eval_lengths),
@@ -309,7 +328,15 @@ def _new_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     name = args.task or ("text" if args.text else "recall")
     if name not in TASKS:
         raise CLIError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
-    task = build_task(name, distances=args.distances, text=args.text)
+    if args.lines and name != "text":
+        raise CLIError(f"--lines is for task 'text' (--text FILE), not {name!r}")
+    task = build_task(name, distances=args.distances, text=args.text,
+                      unit="line" if args.lines else None)
+    if args.pad and not task.variable_length:
+        what = "windows of --length characters" if name == "text" else "fixed-length rows"
+        raise CLIError(f"--pad compares padded with packed training of variable-length "
+                       f"batches (--text FILE --lines); task {name!r} has {what}, with no "
+                       "padding")
     length = _value(args, "length")
     eval_lengths = tuple(args.eval_lengths or (length,))
     model_config = build_model_config(args, task.vocab_size, max(length, *eval_lengths))

@@ -33,6 +33,11 @@ class TrainConfig:
             spans this many steps, the floor holds after them; None = ``steps``. A run
             resumed with more ``steps`` than it was started with keeps its schedule this
             way (``relpos train --resume --steps N`` sets it).
+        pad: train and evaluate variable-length batches (a task with
+            ``variable_length``, e.g. ``TextLM(unit="line")``) padded, with a key mask,
+            instead of packed (the default: the real tokens end to end, no compute on
+            padding); the losses agree to float tolerance, so this is for comparing the two.
+            Fixed-length tasks have no padding and refuse it.
     """
 
     steps: int = 300
@@ -49,6 +54,7 @@ class TrainConfig:
     eval_every: int = 0
     checkpoint_every: int = 0
     schedule_steps: int | None = None
+    pad: bool = False
 
     #: Fields that do not change the trained weights (may differ on resume).
     NON_DEFINING = ("eval_lengths", "eval_tokens", "eval_every", "checkpoint_every")
@@ -65,6 +71,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if not isinstance(self.pad, bool):
+            raise TypeError(f"pad must be a bool, got {self.pad!r}")
         if self.seed > 2**64 - 1:
             raise ValueError(f"seed must be an int in 0..2**64 - 1 (torch.manual_seed's range), "
                              f"got {self.seed}")
@@ -103,6 +111,8 @@ class TrainConfig:
         d["eval_lengths"] = list(self.eval_lengths)
         if d["schedule_steps"] is None:  # as written before the field existed
             del d["schedule_steps"]
+        if not d["pad"]:  # the same
+            del d["pad"]
         return d
 
     @classmethod

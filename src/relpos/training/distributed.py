@@ -2,7 +2,9 @@
 
 A run started by ``torchrun`` (environment ``WORLD_SIZE`` > 1) joins the process group;
 every rank builds the same global batch for ``(seed, step)`` and takes its own contiguous
-slice (a deterministic distributed sampler), DDP averages the gradients, and only rank 0
+slice (a deterministic distributed sampler; a batch whose number of rows varies, as lines
+batched by a token budget, is split per batch by :func:`rank_share`), DDP averages the
+gradients, and only rank 0
 evaluates, reports and writes files. ``relpos train --nproc N`` starts torchrun itself via
 :func:`launch`, on ``127.0.0.1`` and a free port.
 """
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "free_port", "init_distributed", "launch", "rank_slice", "shutdown"]
+__all__ = ["DistContext", "free_port", "init_distributed", "launch", "rank_share", "rank_slice",
+           "shutdown"]
 
 #: Default limit of :func:`launch` (None = no limit); a stuck run is killed after it.
 LAUNCH_TIMEOUT_S: float | None = None
@@ -94,6 +97,19 @@ def rank_slice(global_batch: int, ctx: DistContext) -> tuple[int, int]:
         )
     share = global_batch // ctx.world_size
     return ctx.rank * share, (ctx.rank + 1) * share
+
+
+def rank_share(rows: int, ctx: DistContext) -> tuple[int, int]:
+    """The ``[start, stop)`` rows of a batch of ``rows`` this rank trains on: contiguous
+    shares in rank order whose sizes differ by at most one (the first ``rows % world_size``
+    ranks take one more, as ``numpy.array_split``); equal to :func:`rank_slice` when the
+    rows divide evenly. With fewer rows than ranks the last ranks get none.
+    """
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+    base, extra = divmod(rows, ctx.world_size)
+    start = ctx.rank * base + min(ctx.rank, extra)
+    return start, start + base + (1 if ctx.rank < extra else 0)
 
 
 def free_port() -> int:

@@ -7,7 +7,10 @@ or distributed run sees exactly the data of an uninterrupted single-process run.
 A :class:`Batch` holds ``ids`` (B, L), ``targets`` (B, L), a loss ``mask`` (B, L) (True =
 this position is scored) and ``meta``: named (B, L) integer tensors describing each scored
 position (for example the dependency distance ``d``), ``-1`` where not applicable, so
-accuracy can be broken down by distance.
+accuracy can be broken down by distance. A task of variable-length examples
+(:attr:`Task.variable_length`: ``TextLM(unit="line")``) pads its rows on the right to the
+batch's longest and adds ``key_mask`` (B, L) (True = real token); the trainer packs such a
+batch (:meth:`Batch.packed`), so no compute is spent on the padding.
 
 Tasks:
 
@@ -22,7 +25,8 @@ Tasks:
   symbols sorted (next-token prediction of the sorted part). The rule does not depend on
   the sequence length: a test of length generalisation.
 * :class:`TextLM` (``text``): next-character prediction on a user's UTF-8 text file, with
-  a train/validation split.
+  a train/validation split; examples are fixed-length windows (``unit="window"``) or lines
+  (``unit="line"``: variable-length rows, batched by a token budget).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch import Tensor
 __all__ = [
     "SPLITS",
     "TASKS",
+    "TEXT_UNITS",
     "Agreement",
     "Batch",
     "OffsetRecall",
@@ -64,19 +69,31 @@ class Batch:
     """One batch of a task.
 
     Attributes:
-        ids: (B, L) long, the input tokens.
+        ids: (B, L) long, the input tokens (0 on padding).
         targets: (B, L) long, the token to predict at each position (0 where unscored).
-        mask: (B, L) bool, True where the position is scored.
+        mask: (B, L) bool, True where the position is scored (never on padding).
         meta: name -> (B, L) long, per-position metadata of scored positions (-1 elsewhere).
+        key_mask: (B, L) bool, True = real token, for rows of different lengths padded on
+            the right to the longest; None = every position is real (fixed-length rows).
+
+    :meth:`packed` gives the same batch as (T,) tensors, the real tokens end to end.
     """
 
     ids: Tensor
     targets: Tensor
     mask: Tensor
     meta: dict[str, Tensor] = field(default_factory=dict)
+    key_mask: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        """The number of real tokens: True entries of ``key_mask``, or every position."""
+        if self.key_mask is None:
+            return int(self.ids.numel())
+        return int(self.key_mask.sum())
 
     def slice(self, start: int, stop: int) -> Batch:
         """Examples ``start..stop-1`` (a rank's share of a global batch)."""
@@ -85,6 +102,7 @@ class Batch:
             self.targets[start:stop],
             self.mask[start:stop],
             {k: v[start:stop] for k, v in self.meta.items()},
+            None if self.key_mask is None else self.key_mask[start:stop],
         )
 
     def to(self, device: torch.device | str) -> Batch:
@@ -93,7 +111,28 @@ class Batch:
             self.targets.to(device),
             self.mask.to(device),
             {k: v.to(device) for k, v in self.meta.items()},
+            None if self.key_mask is None else self.key_mask.to(device),
         )
+
+    def packed(self) -> tuple[Batch, Tensor]:
+        """The batch without padding, as :func:`relpos.pack` lays it out.
+
+        Returns:
+            ``(packed, cu_seqlens)``: a :class:`Batch` of (T,) tensors (``ids``,
+            ``targets``, ``mask`` and ``meta``; ``key_mask`` None), the real tokens of every
+            row end to end (T = :attr:`tokens`), and ``cu_seqlens`` (B + 1,) int32, the
+            rows' boundaries (what ``model(ids, cu_seqlens=...)`` takes).
+        """
+        from relpos.varlen import pack
+
+        padding = None if self.key_mask is None else ~self.key_mask
+        ids, cu = pack(self.ids, padding)
+        return Batch(
+            ids,
+            pack(self.targets, padding)[0],
+            pack(self.mask, padding)[0],
+            {k: pack(v, padding)[0] for k, v in self.meta.items()},
+        ), cu
 
 
 def _stream_seed(*parts: object) -> int:
@@ -139,6 +178,12 @@ class Task(ABC):
     def min_length(self) -> int:
         """The shortest sequence length the task can fill."""
 
+    @property
+    def variable_length(self) -> bool:
+        """Whether the rows of a batch have different lengths (padded, with a ``key_mask``;
+        :meth:`batch`'s ``batch_size * length`` is then a token budget)."""
+        return False
+
     #: The constructor arguments :meth:`config` records, read from the attributes of the
     #: same names (tuples as lists).
     config_fields: ClassVar[tuple[str, ...]] = ()
@@ -171,14 +216,7 @@ class Task(ABC):
         Raises:
             ValueError: on an unknown split or a length below :meth:`min_length`.
         """
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        _check_int(batch_size, "batch_size", 1)
-        _check_int(length, "length", 1)
-        if length < self.min_length():
-            raise ValueError(
-                f"task {self.name!r} needs sequences of length >= {self.min_length()}, got {length}"
-            )
+        self._check_request(batch_size=batch_size, length=length, split=split)
         rng = random.Random(_stream_seed(self.name, seed, split, step, length))
         rows = [self._example(rng, length, split) for _ in range(batch_size)]
         ids = torch.tensor([r[0] for r in rows], dtype=torch.long)
@@ -187,6 +225,18 @@ class Task(ABC):
         keys = rows[0][3].keys()
         meta = {k: torch.tensor([r[3][k] for r in rows], dtype=torch.long) for k in keys}
         return Batch(ids, targets, mask, meta)
+
+    def _check_request(self, *, batch_size: int, length: int, split: str) -> None:
+        """Refuse an unknown split, a batch size below 1 or a length below
+        :meth:`min_length`."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        _check_int(batch_size, "batch_size", 1)
+        _check_int(length, "length", 1)
+        if length < self.min_length():
+            raise ValueError(
+                f"task {self.name!r} needs sequences of length >= {self.min_length()}, got {length}"
+            )
 
 
 class OffsetRecall(Task):
@@ -406,28 +456,52 @@ class SortWindows(Task):
         return ids, targets, mask, {"slot": slot}
 
 
+#: The example units of :class:`TextLM`.
+TEXT_UNITS = ("window", "line")
+
+
 class TextLM(Task):
     """Next-character prediction on a UTF-8 text file.
 
     The vocabulary is the sorted set of characters of the whole file. The first
-    ``1 - valid_fraction`` of the text is the train split, the rest the eval split; each
-    example is a random window of the split.
+    ``1 - valid_fraction`` of the text is the train split, the rest the eval split.
+
+    Units of an example:
+
+    * ``"window"``: a random window of ``L + 1`` characters of the split (ids its first L,
+      targets its last L); a batch is ``(batch_size, L)``, every position scored.
+    * ``"line"``: a random line of the split (its characters, the trailing newline
+      included; lines of fewer than 2 characters are skipped, so a row holds at least one
+      token), ids ``line[:-1]`` and targets ``line[1:]``; a line longer than ``L + 1``
+      characters gives a random window of ``L + 1`` of them. A batch draws lines until it
+      holds exactly ``batch_size * L`` tokens, the budget: the last line drawn is cut to
+      fit, so every batch trains on the same number of tokens while its number of rows
+      varies (at least ``batch_size``, since no row holds more than L tokens). Rows are
+      padded on the right to the longest (ids 0, unscored) with ``key_mask`` False there.
 
     Args:
         path: the text file.
         valid_fraction: the share of the text held out for evaluation, in (0, 1).
+        unit: ``"window"`` (default) or ``"line"``.
 
     Raises:
         FileNotFoundError: if the file does not exist.
         IsADirectoryError: if it is a directory.
-        ValueError: if it is not UTF-8 text or too short to split.
+        ValueError: if it is not UTF-8 text, too short to split, an unknown ``unit``, or
+            (``"line"``) a split without a line of 2 characters or more.
     """
 
     name = "text"
     causal_only = True
     breakdown = None
 
-    def __init__(self, path: str | Path, *, valid_fraction: float = 0.1) -> None:
+    def __init__(
+        self, path: str | Path, *, valid_fraction: float = 0.1, unit: str = "window"
+    ) -> None:
+        if unit not in TEXT_UNITS:
+            raise ValueError(f"unit must be one of {', '.join(map(repr, TEXT_UNITS))}, "
+                             f"got {unit!r}")
+        self.unit = unit
         self.path = Path(path)
         if self.path.is_dir():
             raise IsADirectoryError(f"text file {str(self.path)!r} is a directory; allowed: a "
@@ -451,10 +525,25 @@ class TextLM(Task):
         data = [index[c] for c in text]
         cut = int(len(data) * (1.0 - self.valid_fraction))
         self._splits = {"train": data[:cut], "eval": data[cut:]}
+        #: split -> (start, size) of each line of 2 characters or more (``unit="line"``).
+        self._lines: dict[str, list[tuple[int, int]]] = {}
+        if unit == "line":
+            for split, (start, stop) in (("train", (0, cut)), ("eval", (cut, len(text)))):
+                self._lines[split] = _line_spans(text, start, stop)
+                if not self._lines[split]:
+                    raise ValueError(
+                        f"text file {str(self.path)!r} has no line of 2 characters or more "
+                        f"in its {split} split (characters {start}..{stop - 1}); unit 'line' "
+                        "needs one in each split"
+                    )
 
     @property
     def vocab_size(self) -> int:
         return len(self.chars)
+
+    @property
+    def variable_length(self) -> bool:
+        return self.unit == "line"
 
     def min_length(self) -> int:
         return 1
@@ -464,17 +553,29 @@ class TextLM(Task):
         return min(len(s) for s in self._splits.values()) - 1
 
     def config(self) -> dict[str, Any]:
-        return {
+        """As :meth:`Task.config`, with ``unit`` where it is not ``"window"`` (a config
+        without it, as written before units existed, means windows)."""
+        config: dict[str, Any] = {
             "name": self.name,
             "path": str(self.path),
             "valid_fraction": self.valid_fraction,
-            "chars": "".join(self.chars),
         }
+        if self.unit != "window":
+            config["unit"] = self.unit
+        config["chars"] = "".join(self.chars)
+        return config
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
     def batch(self, *, seed: int, step: int, batch_size: int, length: int, split: str) -> Batch:
+        """As :meth:`Task.batch`; with ``unit="line"`` a batch of lines holding
+        ``batch_size * length`` tokens: ``(N, M)`` tensors with ``key_mask``, N >=
+        ``batch_size`` rows of at most ``length`` tokens, M the longest row."""
+        if self.unit == "line":
+            self._check_request(batch_size=batch_size, length=length, split=split)
+            return self._line_batch(seed=seed, step=step, budget=batch_size * length,
+                                    length=length, split=split)
         if split in SPLITS and length > self.max_length():
             raise ValueError(
                 f"text file {str(self.path)!r} is too short for length {length}: each split "
@@ -493,6 +594,45 @@ class TextLM(Task):
         window = data[start : start + length + 1]
         return window[:-1], window[1:], [True] * length, {}
 
+    def _line_batch(self, *, seed: int, step: int, budget: int, length: int,
+                    split: str) -> Batch:
+        """Random lines of ``split`` (each at most ``length + 1`` characters) until they
+        hold ``budget`` tokens, the last one cut to fit; padded on the right."""
+        rng = random.Random(_stream_seed(self.name, "line", seed, split, step, length))
+        data, spans = self._splits[split], self._lines[split]
+        rows: list[list[int]] = []
+        left = budget
+        while left > 0:
+            start, size = spans[rng.randrange(len(spans))]
+            if size > length + 1:  # a random window of length + 1 characters
+                start += rng.randrange(size - length)
+                size = length + 1
+            size = min(size, left + 1)  # the budget's last tokens
+            rows.append(data[start : start + size])
+            left -= size - 1
+        longest = max(len(r) for r in rows) - 1
+        ids = torch.tensor([r[:-1] + [0] * (longest + 1 - len(r)) for r in rows],
+                           dtype=torch.long)
+        targets = torch.tensor([r[1:] + [0] * (longest + 1 - len(r)) for r in rows],
+                               dtype=torch.long)
+        lengths = torch.tensor([len(r) - 1 for r in rows])
+        key_mask = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+        return Batch(ids, targets, key_mask.clone(), {}, key_mask)
+
+
+def _line_spans(text: str, start: int, stop: int) -> list[tuple[int, int]]:
+    """``(offset from start, size)`` of each line of ``text[start:stop]`` (its newline
+    included; the last line may have none) of 2 characters or more."""
+    spans = []
+    pos = start
+    while pos < stop:
+        end = text.find("\n", pos, stop)
+        end = stop if end < 0 else end + 1
+        if end - pos >= 2:
+            spans.append((pos - start, end - pos))
+        pos = end
+    return spans
+
 
 #: Task names accepted by ``--task`` and :func:`build_task`.
 TASKS = ("recall", "agree", "sort", "text")
@@ -505,6 +645,7 @@ def build_task(
     text: str | Path | None = None,
     num_symbols: int | None = None,
     window: int | None = None,
+    unit: str | None = None,
 ) -> Task:
     """Build a task by name (the ``--task`` choices).
 
@@ -514,6 +655,8 @@ def build_task(
         text: the text file of ``text``.
         num_symbols: symbol alphabet of ``recall``/``sort``.
         window: window size of ``sort``.
+        unit: the example unit of ``text`` (:data:`TEXT_UNITS`; default ``"window"``;
+            ``--lines`` is ``"line"``).
 
     Raises:
         ValueError: on an unknown name or a missing/unexpected option.
@@ -523,9 +666,12 @@ def build_task(
     if name == "text":
         if text is None:
             raise ValueError("task 'text' needs a text file (--text FILE)")
-        return TextLM(text)
+        return TextLM(text) if unit is None else TextLM(text, unit=unit)
     if text is not None:
         raise ValueError(f"--text FILE is for task 'text', not {name!r}")
+    if unit is not None:
+        raise ValueError(f"unit {unit!r} (--lines) is for task 'text' (--text FILE), not "
+                         f"{name!r}")
     if name == "recall":
         kw: dict[str, Any] = {} if num_symbols is None else {"num_symbols": num_symbols}
         return OffsetRecall(distances or DEFAULT_RECALL_DISTANCES, **kw)

@@ -6,6 +6,13 @@ Determinism: the batch of step ``s`` is a pure function of ``(seed, s)`` (see
 the weights, the optimizer state and the torch RNG states, so a run resumed from a
 checkpoint ends with the same weights as an uninterrupted one.
 
+Variable-length batches (a task with ``variable_length``, e.g. ``TextLM(unit="line")``) are
+trained padding-free: each rank packs its rows (:meth:`~relpos.training.tasks.Batch.packed`)
+and calls ``model(ids, cu_seqlens=cu)``, so no compute is spent on padding;
+``TrainConfig(pad=True)`` runs them padded with a key mask instead, to compare. Either way
+the loss is normalised by the global number of scored tokens, so the two give the same loss
+curve to float tolerance.
+
 Output directory: ``checkpoints/`` and ``metrics.json``. :func:`train` refuses a directory
 that already holds a run unless it resumes it or is told to replace it (``overwrite``).
 
@@ -26,19 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from relpos._sysinfo import environment
 from relpos.training.checkpoint import atomic_write_json, rng_state, save_checkpoint
 from relpos.training.config import TrainConfig, lr_at
-from relpos.training.distributed import DistContext, rank_slice
-from relpos.training.evaluation import evaluate, masked_stats, nats
+from relpos.training.distributed import DistContext, rank_share, rank_slice
+from relpos.training.evaluation import evaluate, forward, masked_stats, nats
 from relpos.training.evaluation import summarize as summarize
 from relpos.training.resume import SavedRun, read_saved_run, restore
 from relpos.training.rundir import CHECKPOINT_DIR as CHECKPOINT_DIR
 from relpos.training.rundir import METRICS_FILE, clear_run, prepare_out_dir, previous_run
 from relpos.training.rundir import load_metrics as load_metrics
-from relpos.training.tasks import Task
+from relpos.training.tasks import Batch, Task
 
 __all__ = [
     "METRICS_FILE",
@@ -105,15 +112,15 @@ def train(
     """
     ctx = ctx or DistContext()
     _check_setup(model_config, task, config)
-    shard = rank_slice(config.batch_size, ctx)
+    rank_slice(config.batch_size, ctx)  # the global batch must split evenly over the ranks
     out = prepare_out_dir(out_dir, is_main=ctx.is_main, resume=resume, overwrite=overwrite)
     run = _new_run(model_config, task, config, ctx, out)
     if resume:
         _resume(run)
     if out is not None and ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
-    seconds = _train_steps(run, shard, progress=progress, on_step=on_step,
-                           on_backward=on_backward, log=log)
+    seconds = _train_steps(run, progress=progress, on_step=on_step, on_backward=on_backward,
+                           log=log)
     return run.model, _final_metrics(run, seconds, resumed=resume)
 
 
@@ -141,7 +148,14 @@ class _Run:
 
 
 def _check_setup(model_config: Any, task: Task, config: TrainConfig) -> None:
-    """Refuse a model that cannot learn ``task`` at the lengths of ``config``."""
+    """Refuse a model that cannot learn ``task`` at the lengths of ``config``, and ``pad``
+    where there is no padding."""
+    if config.pad and not task.variable_length:
+        raise ValueError(
+            f"pad=True trains variable-length batches padded instead of packed; task "
+            f"{task.name!r} has fixed-length rows, with no padding (allowed: pad=False, or a "
+            "variable-length task such as TextLM(path, unit='line'))"
+        )
     if task.causal_only and not model_config.causal:
         raise ValueError(
             f"task {task.name!r} predicts next tokens, so a bidirectional model would see "
@@ -204,7 +218,6 @@ def _resume(run: _Run) -> None:
 
 def _train_steps(
     run: _Run,
-    shard: tuple[int, int],
     *,
     progress: bool,
     on_step: Callable[[int, dict[str, float]], None] | None,
@@ -220,13 +233,12 @@ def _train_steps(
     if progress and ctx.is_main and run.first_step < config.steps:
         bar = _progress_bar(config.steps, run.first_step)
     net.train()
-    tokens_per_step = config.batch_size * config.length
     started = time.perf_counter()
-    rate = 0.0
+    rate = 0.0  # real tokens (not padding) per second, over all ranks
     for step in range(run.first_step, config.steps):
         tick = time.perf_counter()
-        stats = _train_step(run, net, step, shard, on_backward)
-        now = tokens_per_step / max(time.perf_counter() - tick, 1e-9)
+        stats, tokens = _train_step(run, net, step, on_backward)
+        now = tokens / max(time.perf_counter() - tick, 1e-9)
         rate = now if rate == 0 else 0.9 * rate + 0.1 * now
         done = step + 1
         if _due(config.eval_every, done, config.steps) and ctx.is_main:
@@ -283,11 +295,12 @@ def _train_step(
     run: _Run,
     net: nn.Module,
     step: int,
-    shard: tuple[int, int],
     on_backward: Callable[[int, nn.Module], None] | None,
-) -> dict[str, float]:
-    """One optimizer step (0-based ``step``) on this rank's rows of the global batch; returns
-    the global ``loss``, ``accuracy`` and ``lr`` of the step (also added to the history)."""
+) -> tuple[dict[str, float], int]:
+    """One optimizer step (0-based ``step``) on this rank's rows of the global batch
+    (:func:`rank_share`; packed when they have different lengths, see :func:`forward`);
+    returns the global ``loss``, ``accuracy`` and ``lr`` of the step (also added to the
+    history) and the global batch's real tokens."""
     config, ctx, model, optimizer = run.config, run.ctx, run.model, run.optimizer
     lr = lr_at(step, config)
     for group in optimizer.param_groups:
@@ -302,10 +315,9 @@ def _train_step(
     # Normalise by the GLOBAL number of scored positions so that DDP's gradient
     # average equals the single-process gradient of the whole batch.
     global_count = max(int(full.mask.sum()), 1)
-    batch = full.slice(*shard).to(ctx.device)
-    logits = net(batch.ids)
-    ce, correct, mask = masked_stats(logits, batch)
-    loss = (ce * mask).sum() / global_count * ctx.world_size
+    batch = full.slice(*rank_share(len(full), ctx)).to(ctx.device)
+    loss, ce, correct, mask = _rank_loss(net, model, batch, pad=config.pad,
+                                         global_count=global_count, world_size=ctx.world_size)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if on_backward is not None:
@@ -326,7 +338,34 @@ def _train_step(
         "lr": lr,
     }
     run.history["train"].append([step + 1, stats["loss"], stats["accuracy"]])
-    return stats
+    return stats, full.tokens
+
+
+def _rank_loss(
+    net: nn.Module,
+    model: nn.Module,
+    batch: Batch,
+    *,
+    pad: bool,
+    global_count: int,
+    world_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """This rank's loss, the summed cross-entropy of its scored positions over the global
+    batch's ``global_count`` scored positions, times ``world_size`` (DDP averages the
+    gradients over the ranks), and the per-position ``ce``, ``correct`` and ``mask`` (see
+    :func:`masked_stats`).
+
+    ``net`` runs the batch (:func:`forward`); ``model`` is the unwrapped model. A rank
+    without rows (a batch of fewer rows than ranks) still joins DDP's gradient all-reduce,
+    which waits for a gradient of every weight: its loss is an empty packed batch's plus
+    zero times every weight, so each gets a zero gradient.
+    """
+    logits, scored = forward(net, batch, pad=pad)
+    ce, correct, mask = masked_stats(logits, scored)
+    loss = (ce * mask).sum() / global_count * world_size
+    if not len(batch):
+        loss = loss + sum(0.0 * p.sum() for p in model.parameters() if p.requires_grad)
+    return loss, ce, correct, mask
 
 
 def _evaluate(run: _Run, length: int) -> dict[str, Any]:
@@ -338,6 +377,7 @@ def _evaluate(run: _Run, length: int) -> dict[str, Any]:
         length=length,
         eval_tokens=run.config.eval_tokens,
         device=run.ctx.device,
+        pad=run.config.pad,
     )
 
 
