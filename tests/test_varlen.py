@@ -1,5 +1,6 @@
 """Packed variable-length batches (relpos.varlen): every backend against the definition (one
-reference call per sequence) in float64, forward and all five gradients; auto-selection;
+reference call per sequence) in float64, forward and all five gradients; ``seqused_k`` (key
+regions with spare capacity) against the compacted packing on every backend; auto-selection;
 pack / unpack; the modules and layers on packed input against the same padded batch; bad
 input."""
 
@@ -96,6 +97,91 @@ def test_packed_equals_one_reference_call_per_sequence(
     inputs = [x["query"], x["key"], x["value"], *t.values()]
     for got, want in zip(_grads(out, inputs), _grads(ref, inputs), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+
+
+# Spare rows after each sequence's used keys (LENGTHS_K): a region none of which is used, full
+# regions, partly used ones.
+SPARE_K = [3, 0, 2, 1, 0, 4, 10, 5, 0]
+
+
+def _with_spare(x: dict, lk: list[int], spare: list[int]) -> dict:
+    """``x`` (keys packed by ``lk``) with ``spare[s]`` NaN rows after sequence s's keys: new
+    leaves, ``cu_seqlens_k`` the regions, ``seqused_k`` int32 the used lengths."""
+    H = x["key"].shape[1]
+    starts = [0, *itertools.accumulate(lk)]
+    out = dict(x)
+    for name in ("key", "value"):
+        t = x[name].detach()
+        parts = []
+        for s, n in enumerate(spare):
+            parts.append(t[starts[s]:starts[s + 1]])
+            parts.append(t.new_full((n, H, t.shape[2]), float("nan")))
+        out[name] = torch.cat(parts).requires_grad_(True)
+    out["cu_seqlens_k"] = cu_seqlens_from_lengths([S + n for S, n in zip(lk, spare,
+                                                                         strict=True)])
+    out["seqused_k"] = torch.tensor(lk, dtype=torch.int32)
+    return out
+
+
+def _used_rows(lk: list[int], spare: list[int]) -> torch.Tensor:
+    return torch.cat([torch.cat([torch.ones(S, dtype=torch.bool), torch.zeros(n, dtype=torch.bool)])
+                      for S, n in zip(lk, spare, strict=True)])
+
+
+@pytest.mark.parametrize("implementation", BACKENDS)
+@pytest.mark.parametrize(("is_causal", "window", "tables", "per_head"), [
+    (False, (K, K), "both", False),
+    (True, (K, K), "both", True),
+    (True, (4, 0), "values", True),
+    (False, (1, 4), "none", False),
+])
+def test_seqused_k_equals_the_compacted_call(
+        implementation: str, is_causal: bool, window: tuple[int, int], tables: str,
+        per_head: bool) -> None:
+    if implementation == "native" and not NATIVE:
+        pytest.skip("the native kernels are not built here")
+    Dv = 4 if implementation == "fused" else 3
+    compact = _inputs(LENGTHS_Q, LENGTHS_K, Dv=Dv, seed=2)
+    spare = _with_spare(compact, LENGTHS_K, SPARE_K)
+    t = _tables(window, 2, 4, Dv, per_head, tables)
+    kwargs = dict(max_distance=window, is_causal=is_causal, implementation=implementation, **t)
+    out = relative_attention_varlen(**spare, **kwargs)
+    want = relative_attention_varlen(**compact, **kwargs)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    used = _used_rows(LENGTHS_K, SPARE_K)
+    got = _grads(out, [spare["query"], spare["key"], spare["value"], *t.values()])
+    expected = _grads(want, [compact["query"], compact["key"], compact["value"], *t.values()])
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if i in (1, 2):  # dk, dv: the compacted call's in the used rows, zero in the spare
+            assert not a[~used].any()
+            a = a[used]
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_seqused_k_zero_gives_zeros_and_counts_in_the_checks() -> None:
+    x = _with_spare(_inputs([2, 3], [2, 3]), [2, 3], [1, 2])  # regions 3 and 5
+    x["seqused_k"] = torch.tensor([0, 3])
+    out = relative_attention_varlen(**x, max_distance=2)  # plain attention: L > S is legal
+    assert not out[:2].any() and torch.isfinite(out).all()
+    # the used lengths are the sequences' key lengths: max_seqlen_k, L <= S
+    relative_attention_varlen(**x, max_distance=2, max_seqlen_k=3)
+    with pytest.raises(ValueError, match="max_seqlen_k=2 is smaller than the longest "
+                                         "sequence, 3"):
+        relative_attention_varlen(**x, max_distance=2, max_seqlen_k=2)
+    with pytest.raises(ValueError, match=r"sequence 0 has 2 queries but uses 0 keys "
+                                         r"\(seqused_k\)"):
+        relative_attention_varlen(**x, max_distance=2, is_causal=True)
+    if NATIVE:
+        assert relpos.select_backend_varlen(**x, max_distance=2) == "native"
+        assert relpos.explain_backends_varlen(**x, max_distance=2)["native"] is None
+    full = _inputs([2, 3], [3, 5])  # every key used: the call without seqused_k
+    for implementation in ("reference", "native" if NATIVE else "bucketed"):
+        torch.testing.assert_close(
+            relative_attention_varlen(**full, max_distance=2, implementation=implementation,
+                                      seqused_k=torch.tensor([3, 5])),
+            relative_attention_varlen(**full, max_distance=2, implementation=implementation),
+            rtol=0, atol=0)
 
 
 def test_auto_selection_takes_the_native_kernels_for_one_call() -> None:
@@ -211,6 +297,17 @@ def _bad(**change: object) -> dict:
     (dict(value=torch.zeros(5, 2, 3)), TypeError, "share one dtype"),
     (dict(query=torch.zeros(5, 2, 4, dtype=torch.int64)), TypeError, "floating point"),
     (dict(cu_seqlens_q=[0, 2, 5]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+    (dict(seqused_k=[2, 3]), TypeError, "seqused_k must be a torch.Tensor, got list"),
+    (dict(seqused_k=torch.tensor([2.0, 3.0])), TypeError,
+     "seqused_k must be int32 or int64 .*, got dtype torch.float32"),
+    (dict(seqused_k=torch.tensor([[2, 3]])), ValueError,
+     r"seqused_k must be 1-D with one entry per sequence \(N = 2, .*got shape \(1, 2\)"),
+    (dict(seqused_k=torch.tensor([2, 3, 0])), ValueError,
+     r"one entry per sequence \(N = 2, .*got shape \(3,\)"),
+    (dict(seqused_k=torch.tensor([-1, 3])), ValueError,
+     r"seqused_k\[0\] = -1 is outside \[0, 2\]"),
+    (dict(seqused_k=torch.tensor([2, 4])), ValueError,
+     r"seqused_k\[1\] = 4 is outside \[0, 3\].*cu_seqlens_k\[2\] - cu_seqlens_k\[1\] = 3"),
 ])
 def test_bad_packed_input_is_refused_naming_what_and_what_is_allowed(
         change: dict, error: type, match: str) -> None:
@@ -398,3 +495,35 @@ def test_compiled_packed_call_traces_whole_and_does_not_recompile_per_batch() ->
                            max_distance=2, rel_keys=table, rel_values=table, is_causal=True)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert 1 <= len(graphs) <= 2, len(graphs)
+
+
+def test_compiled_packed_call_with_seqused_k_traces_one_graph() -> None:
+    if not NATIVE:
+        pytest.skip("the native kernels are not built here")
+    import torch._dynamo
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return gm.forward
+
+    table = torch.randn(5, 4, dtype=torch.float64)
+
+    def f(q, k, v, cu_q, cu_k, used):  # type: ignore[no-untyped-def]
+        return relative_attention_varlen(q, k, v, cu_q, cu_k, max_distance=2, seqused_k=used,
+                                         rel_keys=table, rel_values=table, is_causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    lengths, spare = [3, 5, 1], [2, 0, 4]
+    x = _with_spare(_inputs([2, 4, 1], lengths, D=4, Dv=4), lengths, spare)
+    q, k, v = (x[n].detach() for n in ("query", "key", "value"))
+    for used in ([3, 5, 1], [2, 4, 1]):  # other values, one graph
+        x["seqused_k"] = torch.tensor(used)
+        got = compiled(q, k, v, x["cu_seqlens_q"], x["cu_seqlens_k"], x["seqused_k"])
+        want = relative_attention_varlen(q, k, v, x["cu_seqlens_q"], x["cu_seqlens_k"],
+                                         max_distance=2, seqused_k=x["seqused_k"],
+                                         rel_keys=table, rel_values=table, is_causal=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(graphs) == 1, len(graphs)

@@ -24,6 +24,8 @@ install_moved_modules()  # old module paths (relpos.tasks, ...) warn and lead to
 _EXPORTS: dict[str, str] = {
     "KVCache": "relpos.cache",
     "LayerCache": "relpos.cache",
+    "PackedKVCache": "relpos.cache",
+    "PackedLayerCache": "relpos.cache",
     "RelativeMultiheadAttention": "relpos.modules",
     "RelativeStateError": "relpos.versioning",
     "RelativeTransformerDecoderLayer": "relpos.modules",
@@ -51,6 +53,8 @@ _SUBMODULES = ("models",)
 __all__ = [
     "KVCache",
     "LayerCache",
+    "PackedKVCache",
+    "PackedLayerCache",
     "RelativeMultiheadAttention",
     "RelativeStateError",
     "RelativeTransformerDecoderLayer",
@@ -82,7 +86,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES)
 
 if TYPE_CHECKING:  # static analysers see the eager imports
     from relpos import models
-    from relpos.cache import KVCache, LayerCache
+    from relpos.cache import KVCache, LayerCache, PackedKVCache, PackedLayerCache
     from relpos.functional import (
         available_backends,
         explain_backends,

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["KVCache", "LayerCache"]
+__all__ = ["KVCache", "LayerCache", "PackedKVCache", "PackedLayerCache"]
 
 _DEFAULT_CAPACITY = 64
 # Versions are unique across caches: equal versions mean the same cache in the same state.
@@ -552,3 +552,182 @@ class KVCache:
             f"KVCache(num_layers={self.num_layers}, length={self.length}, "
             f"capacity={self.capacity}, growable={self.layers[0].growable})"
         )
+
+
+class PackedLayerCache:
+    """Keys and values of one attention layer for ``N`` sequences of different lengths,
+    without padding.
+
+    Storage is one key and one value buffer per layer, ``(N * capacity, H, D)``, with a region
+    of ``capacity`` rows for each sequence. Each sequence remembers its own filled length. A
+    packed step appends ``t_s >= 0`` tokens to sequence ``s`` and attends over exactly its
+    ``c_s + t_s`` filled rows. Those rows are handed to
+    :func:`relpos.relative_attention_varlen` as ``cu_seqlens_k`` (the regions) plus
+    ``seqused_k`` (the filled lengths): nothing is copied per step, and no padding is read
+    or computed. When a sequence outgrows its region and the cache is ``growable``, every
+    region doubles.
+
+    Args:
+        num_sequences: N.
+        capacity: rows per sequence to preallocate; None = a small default that grows.
+        growable: double the regions when an append does not fit (True), or refuse it with a
+            ValueError (False).
+    """
+
+    def __init__(self, num_sequences: int, *, capacity: int | None = None,
+                 growable: bool = True) -> None:
+        if isinstance(num_sequences, bool) or not isinstance(num_sequences, numbers.Integral) \
+                or num_sequences < 1:
+            raise ValueError(f"num_sequences must be an int >= 1, got {num_sequences!r}")
+        cap, grow = _check_capacity(capacity, growable)
+        if cap is None and not grow:
+            raise ValueError("a fixed-size cache (growable=False) needs a capacity, got None")
+        self.num_sequences: int = int(num_sequences)
+        self.growable: bool = grow
+        self._capacity: int = cap or _DEFAULT_CAPACITY
+        self._keys: Tensor | None = None  # (N * capacity, H, D)
+        self._values: Tensor | None = None  # (N * capacity, H, Dv)
+        self._lengths: list[int] = [0] * self.num_sequences
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The filled length of every sequence."""
+        return tuple(self._lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Rows per sequence (its region)."""
+        return self._capacity
+
+    def _step_lengths(self, key: Tensor, value: Tensor, cu_seqlens: Tensor) -> list[int]:
+        """The new tokens per sequence of a valid append (checked before anything changes)."""
+        if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
+            raise ValueError(f"a packed append takes key (T, H, D) and value (T, H, Dv), got "
+                             f"{tuple(key.shape)} and {tuple(value.shape)}")
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or (
+                cu_seqlens.shape[0] != self.num_sequences + 1):
+            got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens
+            raise ValueError(f"cu_seqlens must be ({self.num_sequences + 1},), one entry per "
+                             f"cached sequence and a leading 0, got {got!r}")
+        bounds = cu_seqlens.tolist()
+        new = [b - a for a, b in itertools.pairwise(bounds)]
+        if bounds[0] != 0 or min(new) < 0 or bounds[-1] != key.shape[0]:
+            raise ValueError(f"cu_seqlens must start at 0, not decrease and end at "
+                             f"{key.shape[0]} (the new tokens), got {bounds}")
+        if self._keys is not None:
+            held = (self._keys.shape[1:], self._values.shape[1:],  # type: ignore[union-attr]
+                    self._keys.dtype, self._keys.device)
+            given = (key.shape[1:], value.shape[1:], key.dtype, key.device)
+            if held != given:
+                raise ValueError(f"the cache holds (H, D), (H, Dv), dtype, device = {held}; "
+                                 f"the append has {given}")
+        need = max(c + t for c, t in zip(self._lengths, new, strict=True))
+        if need > self._capacity and not self.growable:
+            raise ValueError(f"the fixed-size cache holds {self._capacity} positions per "
+                             f"sequence; this step needs {need}")
+        return new
+
+    def append(self, key: Tensor, value: Tensor, cu_seqlens: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Append each sequence's new keys and values and return what attention reads.
+
+        Args:
+            key: ``(T, H, D)``: the new keys of every sequence, end to end.
+            value: ``(T, H, Dv)``.
+            cu_seqlens: ``(N + 1,)``: where each sequence's new tokens are in ``key``
+                (a sequence may have none this step).
+
+        Returns:
+            ``(keys, values, cu_seqlens_k, seqused_k)``: the storage ``(N * capacity, H, D)``
+            and ``(N * capacity, H, Dv)``, the regions ``(N + 1,)`` and the filled lengths
+            ``(N,)`` after the append (int64), as
+            :func:`relpos.relative_attention_varlen` takes them.
+
+        Raises:
+            ValueError: on a mismatched shape, dtype or device, or when a fixed-size cache is
+                full; the cache is unchanged.
+        """
+        new = self._step_lengths(key, value, cu_seqlens)
+        N = self.num_sequences
+        need = max(c + t for c, t in zip(self._lengths, new, strict=True))
+        if self._keys is None:
+            while self._capacity < need:
+                self._capacity *= 2
+            self._keys = key.new_empty(N * self._capacity, *key.shape[1:])
+            self._values = value.new_empty(N * self._capacity, *value.shape[1:])
+        elif need > self._capacity:
+            self._grow(need)
+        assert self._keys is not None and self._values is not None
+        starts = torch.tensor([s * self._capacity + c for s, c in enumerate(self._lengths)])
+        counts = torch.tensor(new)
+        offsets = torch.arange(key.shape[0]) - torch.repeat_interleave(
+            cu_seqlens[:-1].to("cpu", torch.int64), counts)
+        rows = (torch.repeat_interleave(starts, counts) + offsets).to(key.device)
+        self._keys.index_copy_(0, rows, key.detach())
+        self._values.index_copy_(0, rows, value.detach())
+        self._lengths = [c + t for c, t in zip(self._lengths, new, strict=True)]
+        regions = torch.arange(N + 1, dtype=torch.int64) * self._capacity
+        return self._keys, self._values, regions, torch.tensor(self._lengths)
+
+    def _grow(self, need: int) -> None:
+        assert self._keys is not None and self._values is not None
+        old = self._capacity
+        while self._capacity < need:
+            self._capacity *= 2
+        N = self.num_sequences
+        for name in ("_keys", "_values"):
+            buf: Tensor = getattr(self, name)
+            grown = buf.new_empty(N * self._capacity, *buf.shape[1:])
+            grown.view(N, self._capacity, *buf.shape[1:])[:, :old] = buf.view(
+                N, old, *buf.shape[1:])
+            setattr(self, name, grown)
+
+    def __repr__(self) -> str:
+        return (f"PackedLayerCache(num_sequences={self.num_sequences}, "
+                f"lengths={list(self._lengths)}, capacity={self._capacity})")
+
+
+class PackedKVCache:
+    """A :class:`PackedLayerCache` per layer: incremental decoding of ``N`` sequences of
+    different lengths without padding (prompts of any lengths, steps that append any number
+    of tokens to each, sequences that have finished simply append none).
+
+    Example:
+        >>> cache = PackedKVCache(num_layers=1, num_sequences=2)
+        >>> k = v = torch.randn(5, 4, 16)                  # (T, H, D): 2 + 3 new tokens
+        >>> keys, values, regions, used = cache[0].append(k, v, torch.tensor([0, 2, 5]))
+        >>> cache.lengths, used.tolist()
+        ((2, 3), [2, 3])
+    """
+
+    def __init__(self, num_layers: int, num_sequences: int, *, capacity: int | None = None,
+                 growable: bool = True) -> None:
+        if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) \
+                or num_layers < 1:
+            raise ValueError(f"num_layers must be an int >= 1, got {num_layers!r}")
+        self.layers: list[PackedLayerCache] = [
+            PackedLayerCache(num_sequences, capacity=capacity, growable=growable)
+            for _ in range(int(num_layers))]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> PackedLayerCache:
+        return self.layers[layer]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_sequences(self) -> int:
+        return self.layers[0].num_sequences
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The filled length of every sequence (the first layer's)."""
+        return self.layers[0].lengths
+
+    def __repr__(self) -> str:
+        return (f"PackedKVCache(num_layers={self.num_layers}, "
+                f"num_sequences={self.num_sequences}, lengths={list(self.lengths)})")

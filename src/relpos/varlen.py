@@ -8,7 +8,10 @@ in rows ``[cu_seqlens_q[s], cu_seqlens_q[s + 1])`` and ``k``, ``v`` its keys in 
 across sequences are not attended, so no attention work or memory is spent on padding.
 Within sequence ``s`` the queries align to the end of its keys (query ``i`` at position
 ``S_s - L_s + i``, relpos's KV-cache convention), so one packed call also serves a batch of
-decode or prefill steps over caches of different lengths.
+decode or prefill steps over caches of different lengths. With ``seqused_k``
+(flash-attention's) sequence ``s`` uses only the first ``seqused_k[s]`` rows of its key region,
+so a packed KV cache can keep one region of fixed capacity per sequence and attention reads
+only the filled part.
 
 Backends: the native CPU kernels take the sequence boundaries directly (one call, tasks over
 (sequence, head, query block), the custom op ``relpos::native_attention_varlen``, traced by
@@ -60,12 +63,19 @@ class VarlenCall:
 
     Attributes:
         query: ``(Tq, H, D)``. key: ``(Tk, H, D)``. value: ``(Tk, H, Dv)``.
-        cu_seqlens_q, cu_seqlens_k: ``(N + 1,)`` int64 on the CPU.
+        cu_seqlens_q, cu_seqlens_k: ``(N + 1,)`` int64 on the CPU (``cu_seqlens_k``: the key
+            regions, as given).
         lengths_q, lengths_k: the N lengths, read once from ``cu_seqlens_*`` (None under
-            ``torch.compile``, which reads no tensor's values).
+            ``torch.compile``, which reads no tensor's values); ``lengths_k`` are the keys each
+            sequence *uses*: ``seqused_k`` when given, else its region's length.
         left, right: the clip window; rel_keys ``(Hr, R, D)`` and rel_values ``(Hr, R, Dv)``
             or None.
         is_causal, dropout_p, scale, implementation: as in :func:`relpos.relative_attention`.
+        seqused_k: ``(N,)`` int64 on the CPU, or None: the keys each sequence uses, the first
+            rows of its region.
+        regions_k: the N key regions' lengths, from ``cu_seqlens_k`` (None under
+            ``torch.compile``; None also stands for ``lengths_k`` when there is no
+            ``seqused_k``).
     """
 
     query: Tensor
@@ -83,6 +93,8 @@ class VarlenCall:
     dropout_p: float
     scale: float
     implementation: str | None = None
+    seqused_k: Tensor | None = None
+    regions_k: tuple[int, ...] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -91,12 +103,13 @@ class VarlenCall:
     @functools.cached_property
     def _starts(self) -> tuple[list[int], list[int]]:
         assert self.lengths_q is not None and self.lengths_k is not None
+        regions = self.lengths_k if self.regions_k is None else self.regions_k
         return ([0, *itertools.accumulate(self.lengths_q)],
-                [0, *itertools.accumulate(self.lengths_k)])
+                [0, *itertools.accumulate(regions)])
 
     def sequence(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
         """Sequence ``s``'s query, key and value as ``(1, H, L_s, D)`` views (the padded API's
-        layout)."""
+        layout): the keys and values it uses, the first ``S_s`` rows of its key region."""
         assert self.lengths_q is not None and self.lengths_k is not None
         q0, k0 = self._starts[0][s], self._starts[1][s]
         L, S = self.lengths_q[s], self.lengths_k[s]
@@ -161,6 +174,31 @@ def _check_cu_seqlens(name: str, cu: object, total: int, tracing: bool
     return t, tuple(b - a for a, b in itertools.pairwise(values))
 
 
+def _check_seqused_k(seqused_k: object, n: int, regions: tuple[int, ...] | None
+                     ) -> tuple[Tensor | None, tuple[int, ...] | None]:
+    """``seqused_k`` as int64 on the CPU and its N values (None when ``regions`` is: under
+    torch.compile only its type, dtype and shape are checked)."""
+    if seqused_k is None:
+        return None, regions
+    t = _check_tensor("seqused_k", seqused_k)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"seqused_k must be int32 or int64 (the keys each sequence uses), got "
+                        f"dtype {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"seqused_k must be 1-D with one entry per sequence (N = {n}, "
+                         f"cu_seqlens_k has N + 1 = {n + 1}), got shape {tuple(t.shape)}")
+    t = t.to("cpu", torch.int64)
+    if regions is None:
+        return t, None
+    used = tuple(t.tolist())  # the one read of the used lengths
+    for s, (u, region) in enumerate(zip(used, regions, strict=True)):
+        if not 0 <= u <= region:
+            raise ValueError(f"seqused_k[{s}] = {u} is outside [0, {region}]: each sequence "
+                             f"uses between 0 and all the rows of its key region "
+                             f"(cu_seqlens_k[{s + 1}] - cu_seqlens_k[{s}] = {region})")
+    return t, used
+
+
 def _check_max_seqlen(name: str, given: object, lengths: tuple[int, ...] | None) -> None:
     if given is None:
         return
@@ -181,6 +219,7 @@ def validate_varlen_call(
     max_seqlen_k: int | None = None,
     *,
     max_distance: int | tuple[int, int],
+    seqused_k: Tensor | None = None,
     rel_keys: Tensor | None = None,
     rel_values: Tensor | None = None,
     is_causal: bool = False,
@@ -200,10 +239,11 @@ def validate_varlen_call(
     H, D, Dv = q.shape[1], q.shape[2], v.shape[2]
     tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
     cu_q, lengths_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], tracing)
-    cu_k, lengths_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], tracing)
+    cu_k, regions_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], tracing)
     if cu_q.shape[0] != cu_k.shape[0]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
                          f"sequences, got {cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
+    used_k, lengths_k = _check_seqused_k(seqused_k, cu_k.shape[0] - 1, regions_k)
     _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k)
     left, right = check_window(max_distance)
@@ -216,8 +256,9 @@ def validate_varlen_call(
             is_causal or ak is not None or av is not None):
         for s, (L, S) in enumerate(zip(lengths_q, lengths_k, strict=True)):
             if L > S:
+                keys = f"uses {S} keys (seqused_k)" if used_k is not None else f"{S} keys"
                 raise ValueError(
-                    f"sequence {s} has {L} queries but {S} keys: relative positions align the "
+                    f"sequence {s} has {L} queries but {keys}: relative positions align the "
                     f"queries to the end of their keys and need L <= S in every sequence")
     if implementation is not None and implementation not in BACKENDS:
         raise ValueError(f"unknown implementation {implementation!r}; allowed: None (auto), "
@@ -226,6 +267,7 @@ def validate_varlen_call(
         query=q, key=k, value=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, lengths_q=lengths_q,
         lengths_k=lengths_k, left=left, right=right, rel_keys=ak, rel_values=av,
         is_causal=is_causal, dropout_p=p, scale=sc, implementation=implementation,
+        seqused_k=used_k, regions_k=regions_k,
     )
 
 
@@ -315,7 +357,7 @@ def _native(call: VarlenCall) -> Tensor:
     tables = call.rel_keys is not None or call.rel_values is not None
     left, right = (call.left, call.right) if tables else (0, 0)  # no table: no window
     args = (call.query, call.key, call.value, call.rel_keys, call.rel_values,
-            call.cu_seqlens_q, call.cu_seqlens_k, seed)
+            call.cu_seqlens_q, call.cu_seqlens_k, call.seqused_k, seed)
     options = dict(left=left, right=right, is_causal=call.is_causal, scale=call.scale,
                    dropout_p=call.dropout_p)
     grads = torch.is_grad_enabled() and any(
@@ -368,6 +410,7 @@ def relative_attention_varlen(
     max_seqlen_k: int | None = None,
     *,
     max_distance: int | tuple[int, int],
+    seqused_k: Tensor | None = None,
     rel_keys: Tensor | None = None,
     rel_values: Tensor | None = None,
     is_causal: bool = False,
@@ -389,8 +432,15 @@ def relative_attention_varlen(
         value: ``(Tk, H, Dv)``.
         cu_seqlens_q: ``(N + 1,)`` int32 or int64: 0, then each sequence's end in ``query``.
         cu_seqlens_k: ``(N + 1,)``: the same in ``key``/``value`` (often the same tensor).
-        max_seqlen_q, max_seqlen_k: the longest sequence (as flash-attention takes them);
-            optional, checked when given.
+        max_seqlen_q, max_seqlen_k: the longest sequence (as flash-attention takes them;
+            ``max_seqlen_k`` counts the keys used); optional, checked when given.
+        seqused_k: ``(N,)`` int32 or int64, or None (flash-attention's
+            ``flash_attn_varlen_func(..., seqused_k=...)``): sequence ``s`` uses only the
+            keys and values ``key[cu_seqlens_k[s]:cu_seqlens_k[s] + seqused_k[s]]``, so
+            ``S_s = seqused_k[s]`` (``0 <= S_s <= cu_seqlens_k[s + 1] - cu_seqlens_k[s]``) and
+            its queries align to the end of the keys it uses. The rest of its region is spare
+            capacity (a packed KV cache of fixed capacity per sequence): never read, its
+            gradient zero. None: every sequence uses its whole region.
         max_distance, rel_keys, rel_values, is_causal, dropout_p, scale: as in
             :func:`relpos.relative_attention`. With tables or ``is_causal`` every sequence
             needs ``L_s <= S_s``; sequences of length 0 are legal.
@@ -415,7 +465,8 @@ def relative_attention_varlen(
     call = validate_varlen_call(
         query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         max_distance=max_distance, rel_keys=rel_keys, rel_values=rel_values,
-        is_causal=is_causal, dropout_p=dropout_p, scale=scale, implementation=implementation)
+        is_causal=is_causal, dropout_p=dropout_p, scale=scale, implementation=implementation,
+        seqused_k=seqused_k)
     return _run(call)
 
 

@@ -30,12 +30,12 @@ SCHEMAS = {
         f"Tensor out, Tensor lse, *, {_OPTIONS}, float dropout_p) -> {_GRADIENTS}",
     ),
     "native_attention_varlen": (
-        f"({_TABLES}, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seed, *, "
-        "SymInt left, SymInt right, bool is_causal, float scale, float dropout_p) "
-        "-> (Tensor, Tensor)",
-        f"(Tensor grad_out, {_TABLES}, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seed, "
-        "Tensor out, Tensor lse, *, SymInt left, SymInt right, bool is_causal, float scale, "
-        f"float dropout_p) -> {_GRADIENTS}",
+        f"({_TABLES}, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, "
+        "Tensor? seed, *, SymInt left, SymInt right, bool is_causal, float scale, "
+        "float dropout_p) -> (Tensor, Tensor)",
+        f"(Tensor grad_out, {_TABLES}, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "Tensor? seqused_k, Tensor? seed, Tensor out, Tensor lse, *, SymInt left, "
+        f"SymInt right, bool is_causal, float scale, float dropout_p) -> {_GRADIENTS}",
     ),
     "triton_attention": (
         f"({_TABLES}, Tensor? key_mask, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor)",

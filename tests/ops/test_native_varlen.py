@@ -5,7 +5,9 @@ implementation="reference")`` in float64, forward and all five gradients, at awk
 query blocks), windows, keys-only and values-only, shared and per-head tables, any strides;
 dropout with the kernels' own masks; parity with the padded op; the same bits at one and two
 threads; opcheck, gradcheck and torch.compile; half precision; the kernel's own checks of bad
-input, and empty calls.
+input, and empty calls; ``seqused_k`` (each sequence uses the first keys of its key region, the
+rest spare capacity): against the reference on the used rows and bitwise the call on the
+compacted packing, zero gradients in the spare rows, the kernel's checks of it.
 
 Shape legend: N sequences, Tq and Tk all their queries and keys, H heads, D head dim, Dv value
 head dim, R = left + right + 1 table rows.
@@ -48,7 +50,8 @@ TABLES = {  # (rel_keys, rel_values): "shared" (1, R, ·), "per_head" (H, R, ·)
 
 @dataclass
 class Packed:
-    """A packed batch: float64 leaves and the cumulative lengths."""
+    """A packed batch: float64 leaves, the cumulative lengths and, for a call with spare key
+    capacity, the keys each sequence uses (``seqused_k``)."""
 
     query: Tensor  # (Tq, H, D)
     key: Tensor  # (Tk, H, D)
@@ -56,35 +59,60 @@ class Packed:
     rel_keys: Tensor | None  # (Hr, R, D)
     rel_values: Tensor | None  # (Hr, R, Dv)
     cu_q: Tensor  # (N + 1,)
-    cu_k: Tensor  # (N + 1,)
+    cu_k: Tensor  # (N + 1,): the key regions
+    used_k: Tensor | None = None  # (N,): the first rows of each region in use, or all
 
     def leaves(self) -> list[Tensor]:
         return [t for t in (self.query, self.key, self.value, self.rel_keys, self.rel_values)
                 if t is not None]
 
     def sequences(self) -> Iterator[tuple[slice, slice]]:
-        """Each sequence's query rows and key rows."""
+        """Each sequence's query rows and the key rows it uses."""
         cq, ck = self.cu_q.tolist(), self.cu_k.tolist()
+        used = None if self.used_k is None else self.used_k.tolist()
         for s in range(len(cq) - 1):
-            yield slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+            end = ck[s + 1] if used is None else ck[s] + used[s]
+            yield slice(cq[s], cq[s + 1]), slice(ck[s], end)
+
+    def spare_rows(self) -> Tensor:
+        """(Tk,) bool: the key rows past each sequence's used keys."""
+        spare = torch.ones(self.key.shape[0], dtype=torch.bool)
+        for _, ks in self.sequences():
+            spare[ks] = False
+        return spare
 
 
 def make_packed(lengths: list[tuple[int, int]], *, H: int = 2, D: int = 5, Dv: int = 3,
                 tables: tuple[str | None, str | None] = ("shared", "shared"),
-                R: int = LEFT + RIGHT + 1, seed: int = 0, dtype: torch.dtype = F64) -> Packed:
+                R: int = LEFT + RIGHT + 1, seed: int = 0, dtype: torch.dtype = F64,
+                spare: list[int] | None = None, spare_value: float | None = math.nan
+                ) -> Packed:
+    """With ``spare`` (one count per sequence), sequence s's key region is its S_s keys and
+    then ``spare[s]`` rows it does not use (``seqused_k = S_s``), holding ``spare_value``
+    (NaN: any read of them shows; None: random like the rest)."""
     g = torch.Generator().manual_seed(seed)
 
-    def leaf(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=g, dtype=F64).to(dtype).requires_grad_(True)
+    def tensor(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
 
     def table(kind: str | None, width: int) -> Tensor | None:
-        return None if kind is None else leaf(H if kind == "per_head" else 1, R, width)
+        return (None if kind is None else
+                tensor(H if kind == "per_head" else 1, R, width).requires_grad_(True))
 
-    Tq, Tk = sum(L for L, _ in lengths), sum(S for _, S in lengths)
+    extra = [0] * len(lengths) if spare is None else spare
+    regions = [S + n for (_, S), n in zip(lengths, extra, strict=True)]
+    Tq, Tk = sum(L for L, _ in lengths), sum(regions)
     cu = [torch.tensor([0, *n], dtype=torch.int64).cumsum(0)
-          for n in ([L for L, _ in lengths], [S for _, S in lengths])]
-    return Packed(leaf(Tq, H, D), leaf(Tk, H, D), leaf(Tk, H, Dv), table(tables[0], D),
-                  table(tables[1], Dv), cu[0], cu[1])
+          for n in ([L for L, _ in lengths], regions)]
+    q, k, v = tensor(Tq, H, D), tensor(Tk, H, D), tensor(Tk, H, Dv)
+    used = None if spare is None else torch.tensor([S for _, S in lengths], dtype=torch.int64)
+    p = Packed(q, k, v, table(tables[0], D), table(tables[1], Dv), cu[0], cu[1], used)
+    if spare is not None and spare_value is not None:
+        rows = p.spare_rows()
+        k[rows], v[rows] = spare_value, spare_value
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    return p
 
 
 # The layouts the op is handed its inputs in, each a differentiable view of the leaves.
@@ -102,8 +130,8 @@ def native_varlen(p: Packed, *, left: int = LEFT, right: int = RIGHT, is_causal:
     view = LAYOUTS[layout]
     rk, rv = (None if t is None else view(t) for t in (p.rel_keys, p.rel_values))
     return torch.ops.relpos.native_attention_varlen(
-        view(p.query), view(p.key), view(p.value), rk, rv, p.cu_q, p.cu_k, seed, left=left,
-        right=right, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+        view(p.query), view(p.key), view(p.value), rk, rv, p.cu_q, p.cu_k, p.used_k, seed,
+        left=left, right=right, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
 
 
 def _shared_or_per_head(table: Tensor | None) -> Tensor | None:
@@ -340,7 +368,7 @@ def test_gradcheck(dropout_p: float) -> None:
 
     def f(q: Tensor, k: Tensor, v: Tensor, ak: Tensor, av: Tensor) -> Tensor:
         return torch.ops.relpos.native_attention_varlen(
-            q, k, v, ak, av, p.cu_q, p.cu_k, seed, left=LEFT, right=RIGHT, is_causal=True,
+            q, k, v, ak, av, p.cu_q, p.cu_k, None, seed, left=LEFT, right=RIGHT, is_causal=True,
             scale=0.6, dropout_p=dropout_p)[0]
 
     assert torch.autograd.gradcheck(f, tuple(p.leaves()))
@@ -348,12 +376,12 @@ def test_gradcheck(dropout_p: float) -> None:
 
 def test_opcheck() -> None:
     p = make_packed(SMALL, tables=("per_head", "shared"), seed=11)
-    args = (p.query, p.key, p.value, p.rel_keys, p.rel_values, p.cu_q, p.cu_k, None)
+    args = (p.query, p.key, p.value, p.rel_keys, p.rel_values, p.cu_q, p.cu_k, None, None)
     kw: dict[str, Any] = dict(left=LEFT, right=RIGHT, is_causal=True, scale=0.4, dropout_p=0.0)
     torch.library.opcheck(torch.ops.relpos.native_attention_varlen.default, args, kw)
     torch.library.opcheck(torch.ops.relpos.native_attention_varlen.default,
-                          (*args[:7], torch.tensor([3, 4])), {**kw, "dropout_p": 0.3})
-    keys_only = (p.query, p.key, p.value, p.rel_keys, None, p.cu_q, p.cu_k, None)
+                          (*args[:8], torch.tensor([3, 4])), {**kw, "dropout_p": 0.3})
+    keys_only = (p.query, p.key, p.value, p.rel_keys, None, p.cu_q, p.cu_k, None, None)
     torch.library.opcheck(torch.ops.relpos.native_attention_varlen.default, keys_only, kw)
 
 
@@ -367,7 +395,7 @@ def test_torch_compile_traces_batches_of_any_size_in_at_most_two_graphs() -> Non
     def attend(q: Tensor, k: Tensor, v: Tensor, ak: Tensor, cu_q: Tensor,
                cu_k: Tensor) -> Tensor:
         out, _ = torch.ops.relpos.native_attention_varlen(
-            q, k, v, ak, None, cu_q, cu_k, None, left=LEFT, right=RIGHT, is_causal=True,
+            q, k, v, ak, None, cu_q, cu_k, None, None, left=LEFT, right=RIGHT, is_causal=True,
             scale=0.5, dropout_p=0.0)
         return out * 2
 
@@ -408,6 +436,137 @@ def test_bitwise_the_same_at_one_and_two_threads(n: int, causal: bool,
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "drk", "drv"), *results,
                           strict=True):
         assert torch.equal(a, b), f"{name}: {(a - b).abs().max()} between 1 and 2 threads"
+
+
+# ------------------------------------------------------------------------------------------
+# seqused_k: each sequence uses the first keys of its key region (a KV cache with spare
+# capacity); the spare rows hold NaN, so that any read of them shows
+
+# (L_s, S_s) with the spare rows after each sequence's used keys: none used (with and without
+# queries), all used, part used; L > S; several query blocks and key blocks.
+USED = [(3, 0), (0, 0), (2, 5), (K, K), (K + 1, K - 1), (1, 1), (150, 140), (40, 600), (4, 9)]
+SPARE = [4, 3, 0, 2, 1, 0, 30, 70, 5]
+
+
+def compacted(p: Packed) -> Packed:
+    """The same call without spare capacity: each sequence's used key rows end to end (new
+    leaves, so that their gradients are the compacted call's own)."""
+    keys = [ks for _, ks in p.sequences()]
+    k, v = (torch.cat([t.detach()[ks] for ks in keys]).requires_grad_(True)
+            for t in (p.key, p.value))
+    lengths = torch.tensor([0, *(ks.stop - ks.start for ks in keys)], dtype=torch.int64)
+    return replace(p, key=k, value=v, cu_k=lengths.cumsum(0), used_k=None)
+
+
+@pytest.mark.parametrize("tables", ["both_shared", "both_per_head", "keys_only", "values_only",
+                                    "none"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_matches_the_reference_on_the_used_rows(tables: str, causal: bool) -> None:
+    p = make_packed(USED, tables=TABLES[tables], spare=SPARE, seed=30 + len(tables) + causal)
+    assert p.used_k is not None and p.key[p.spare_rows()].isnan().all()
+    out, lse = native_varlen(p, is_causal=causal)
+    assert torch.isfinite(out).all()
+    want = reference_varlen(p, is_causal=causal)
+    up = upstream_like(out)
+    got_grads = gradients(out, p, up)
+    assert_matches(out, got_grads, want, gradients(want, p, up))
+    _, want_lse = definition_varlen(p, is_causal=causal)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
+    spare = p.spare_rows()
+    for grad in got_grads[1:3]:  # dk, dv: zero in the spare rows
+        assert torch.equal(grad[spare], torch.zeros_like(grad[spare]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_is_bitwise_the_compacted_call(causal: bool) -> None:
+    # the same geometry per sequence, the same dropout rows and local key indices, the same
+    # table-gradient groups: the same bits, with dropout and more than 64 sequences too
+    g = torch.Generator().manual_seed(31)
+    lengths = [(int(a), int(b)) for a, b in torch.randint(0, 9, (90, 2), generator=g)]
+    lengths[3] = (70, 600)
+    spare = [int(n) for n in torch.randint(0, 5, (90,), generator=g)]
+    p = make_packed(lengths, H=3, D=16, Dv=8, tables=("per_head", "shared"), spare=spare,
+                    seed=31, dtype=torch.float32)
+    c = compacted(p)
+    seed = torch.tensor([9, 10])
+    out, lse = native_varlen(p, is_causal=causal, dropout_p=0.2, seed=seed)
+    want, want_lse = native_varlen(c, is_causal=causal, dropout_p=0.2, seed=seed)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    up = upstream_like(out)
+    dq, dk, dv, drk, drv = gradients(out, p, up)
+    cq, ck, cv, crk, crv = gradients(want, c, up)
+    used = ~p.spare_rows()
+    for got, expected in ((dq, cq), (dk[used], ck), (dv[used], cv), (drk, crk), (drv, crv)):
+        assert torch.equal(got, expected)
+    assert not dk[~used].any() and not dv[~used].any()
+
+
+def test_seqused_k_every_key_used_or_none() -> None:
+    # seqused_k equal to the regions is the call without it; all 0: no row sees a key
+    p = make_packed(LENGTHS, tables=("per_head", "shared"), seed=32)
+    full = replace(p, used_k=p.cu_k.diff())
+    for causal in (False, True):
+        out, lse = native_varlen(full, is_causal=causal)
+        want, want_lse = native_varlen(p, is_causal=causal)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    empty = make_packed([(L, 0) for L, _ in LENGTHS], tables=("per_head", "shared"),
+                        spare=[S for _, S in LENGTHS], seed=33)
+    out, lse = native_varlen(empty)
+    assert torch.equal(out, torch.zeros_like(out)) and (lse == math.inf).all()
+    grads = gradients(out, empty, upstream_like(out))
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqused_k_dropout_is_the_exposed_masks_applied(causal: bool) -> None:
+    p = make_packed([*USED, (70, 80)], tables=("per_head", "shared"), spare=[*SPARE, 9],
+                    seed=34)
+    rate, seed = 0.3, torch.tensor([321, 654])
+    out, _ = native_varlen(p, is_causal=causal, dropout_p=rate, seed=seed)
+    keep = op.dropout_mask_varlen(seed, p.cu_q, p.cu_k, 2, rate, p.used_k)
+    assert [tuple(m.shape) for m in keep] == [(2, qs.stop - qs.start, ks.stop - ks.start)
+                                              for qs, ks in p.sequences()]
+    c = compacted(p)  # the same masks: key j is the sequence's j-th key either way
+    compact_keep = native.dropout_mask_varlen(seed, c.cu_q, c.cu_k, 2, rate)
+    assert all(torch.equal(a, b) for a, b in zip(keep, compact_keep, strict=True))
+    want, _ = definition_varlen(p, is_causal=causal, keep=keep, dropout_p=rate)
+    up = upstream_like(out)
+    assert_matches(out, gradients(out, p, up), want, gradients(want, p, up), atol=1e-12)
+
+
+def test_seqused_k_opcheck_gradcheck_and_compile() -> None:
+    p = make_packed([(2, 3), (0, 2), (3, 3), (1, 0), (2, 2)], D=3, Dv=2,
+                    tables=("per_head", "shared"), spare=[2, 1, 0, 3, 1], spare_value=None,
+                    seed=35)
+    assert p.used_k is not None
+    args = (*p.leaves(), p.cu_q, p.cu_k, p.used_k, None)
+    kw: dict[str, Any] = dict(left=LEFT, right=RIGHT, is_causal=True, scale=0.4, dropout_p=0.0)
+    torch.library.opcheck(torch.ops.relpos.native_attention_varlen.default, args, kw)
+    torch.library.opcheck(torch.ops.relpos.native_attention_varlen.default,
+                          (*args[:8], torch.tensor([3, 4])), {**kw, "dropout_p": 0.3})
+
+    def f(q: Tensor, k: Tensor, v: Tensor, ak: Tensor, av: Tensor) -> Tensor:
+        return torch.ops.relpos.native_attention_varlen(
+            q, k, v, ak, av, p.cu_q, p.cu_k, p.used_k, None, **kw)[0]
+
+    assert torch.autograd.gradcheck(f, tuple(p.leaves()))
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Callable[..., Any]:
+        graphs.append(gm)
+        return gm.forward
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, ak: Tensor, av: Tensor, cu_q: Tensor,
+               cu_k: Tensor, used: Tensor) -> Tensor:
+        return torch.ops.relpos.native_attention_varlen(
+            q, k, v, ak, av, cu_q, cu_k, used, None, **kw)[0] * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend=backend, fullgraph=True)
+    inputs = (*(t.detach() for t in p.leaves()), p.cu_q, p.cu_k, p.used_k)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*inputs), attend(*inputs), rtol=0, atol=0)
+    assert len(graphs) == 1
 
 
 # ------------------------------------------------------------------------------------------
@@ -463,7 +622,15 @@ def _detached(p: Packed) -> list[Tensor | None]:
 def _kernel_forward(p: Packed, **options: Any) -> tuple[Tensor, Tensor]:
     """The kernels' forward_varlen called directly, past every check in Python."""
     q, k, v, rk, rv = _detached(p)
-    return op._kernels().forward_varlen(q, k, v, p.cu_q, p.cu_k, rk, rv, None, _options(**options))
+    return op._kernels().forward_varlen(q, k, v, p.cu_q, p.cu_k, p.used_k, rk, rv, None,
+                                        _options(**options))
+
+
+def _kernel_backward(p: Packed, out: Tensor, lse: Tensor, **options: Any) -> list[Tensor]:
+    """The kernels' backward_varlen called directly (upstream gradient: ones)."""
+    q, k, v, rk, rv = _detached(p)
+    return op._kernels().backward_varlen(torch.ones_like(out), q, k, v, p.cu_q, p.cu_k,
+                                         p.used_k, rk, rv, None, out, lse, _options(**options))
 
 
 def test_the_kernels_alone_handle_calls_without_keys() -> None:
@@ -472,9 +639,7 @@ def test_the_kernels_alone_handle_calls_without_keys() -> None:
     out, lse = _kernel_forward(p)
     assert out.shape == (7, 2, 3) and torch.equal(out, torch.zeros_like(out))
     assert (lse == math.inf).all()
-    q, k, v, rk, rv = _detached(p)
-    grads = op._kernels().backward_varlen(torch.ones_like(out), q, k, v, p.cu_q, p.cu_k, rk, rv,
-                                          None, out, lse, _options())
+    grads = _kernel_backward(p, out, lse)
     assert [tuple(g.shape) for g in grads] == [tuple(t.shape) for t in p.leaves()]
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
@@ -517,7 +682,37 @@ def test_the_backward_kernel_checks_out_and_lse() -> None:
     q, k, v, rk, rv = _detached(p)
     for o, lse_ in ((out[:-1], lse), (out, lse[:, :-1]), (out, lse.t())):
         with pytest.raises(RuntimeError, match="must be"):
-            op._kernels().backward_varlen(o.detach(), q, k, v, p.cu_q, p.cu_k, rk, rv, None,
-                                          o.detach(), lse_, _options())
+            op._kernels().backward_varlen(o.detach(), q, k, v, p.cu_q, p.cu_k, None, rk, rv,
+                                          None, o.detach(), lse_, _options())
     with pytest.raises(RuntimeError, match="query_start must be 0"):
         _kernel_forward(p, query_start=1)
+
+
+BAD_SEQUSED: dict[str, tuple[Callable[[Tensor], Tensor], str]] = {
+    "int32": (lambda u: u.int(), "1-D int64 CPU"),
+    "float": (lambda u: u.double(), "1-D int64 CPU"),
+    "2-D": (lambda u: u[None], "1-D int64 CPU"),
+    "short": (lambda u: u[:-1], "one entry per sequence"),
+    "long": (lambda u: torch.cat([u, u[:1]]), "one entry per sequence"),
+    "negative": (lambda u: torch.tensor([-1, 0, 5]), r"seqused_k\[0\] must be in \[0, 6\]"),
+    "past the region": (lambda u: torch.tensor([6, 3, 5]),
+                        r"seqused_k\[1\] must be in \[0, 2\]"),
+    "past the keys": (lambda u: torch.tensor([0, 0, 10**6]),
+                      r"seqused_k\[2\] must be in \[0, 5\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SEQUSED))
+def test_the_kernels_check_seqused_k(case: str) -> None:
+    # regions of 6, 2 and 5 keys (Tq = 8, Tk = 13), using 4, 0 and 5 of them
+    change, message = BAD_SEQUSED[case]
+    p = make_packed([(3, 4), (0, 0), (5, 5)], spare=[2, 2, 0], seed=36)
+    assert p.used_k is not None
+    out, lse = _kernel_forward(p)
+    bad = replace(p, used_k=change(p.used_k))
+    with pytest.raises(RuntimeError, match=message):
+        _kernel_forward(bad)
+    with pytest.raises(RuntimeError, match=message):
+        _kernel_backward(bad, out, lse)
+    with pytest.raises(RuntimeError, match=message):
+        op.dropout_mask_varlen(torch.tensor([1, 2]), p.cu_q, p.cu_k, 2, 0.5, bad.used_k)

@@ -12,6 +12,7 @@ positions unless the config asks for an absolute baseline (``positions="learned"
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relpos._sysinfo import available_memory
-from relpos.cache import KVCache
+from relpos.cache import KVCache, PackedKVCache
 from relpos.models.config import ModelConfig
 from relpos.models.decoding import StepDecoder, sinusoidal_positions
 from relpos.modules.transformer import RelativeTransformerEncoderLayer
@@ -149,24 +150,29 @@ class _Backbone(nn.Module):
         self.check_length(0, max(lengths, default=0))
         return ids.long(), cu
 
-    def hidden_packed(self, ids: Tensor, cu_seqlens: Tensor, is_causal: bool) -> Tensor:
+    def hidden_packed(self, ids: Tensor, cu_seqlens: Tensor, is_causal: bool,
+                      cache: PackedKVCache | None = None) -> Tensor:
         """Final normalized hidden states ``(T, E)`` of validated packed ids: each sequence
-        from position 0, attending to itself only."""
+        from position 0 (or after its cached tokens), attending to itself only."""
         E = self.config.d_model
         x = self.embed(ids) * math.sqrt(E)  # (T, E)
         if self.config.positions in ("learned", "sinusoidal"):
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(ids.device)
             starts = torch.repeat_interleave(cu_seqlens[:-1].to(ids.device), lengths)
             positions = torch.arange(ids.shape[0], device=ids.device) - starts  # (T,)
+            if cache is not None:
+                cached = torch.tensor(cache.lengths, device=ids.device)
+                positions = positions + torch.repeat_interleave(cached, lengths)
             if self.pos_embed is not None:
                 x = x + self.pos_embed(positions)
             else:
-                longest = int(lengths.max()) if lengths.numel() else 0
+                longest = int(positions.max()) + 1 if positions.numel() else 0
                 table = sinusoidal_positions(0, longest, E, device=x.device, dtype=x.dtype)
                 x = x + table[positions]
         x = self.emb_dropout(x)
-        for layer in self.layers:
-            x = layer(x, is_causal=is_causal, cu_seqlens=cu_seqlens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, is_causal=is_causal, cu_seqlens=cu_seqlens,
+                      cache=None if cache is None else cache[i])
         return self.norm(x)
 
     def logits(self, h: Tensor) -> Tensor:
@@ -206,6 +212,95 @@ class RelativeTransformerLM(_Backbone):
         """An empty :class:`relpos.KVCache` with one layer cache per block."""
         return KVCache(len(self.layers), capacity=capacity, growable=growable)
 
+    def new_packed_cache(self, num_sequences: int, *, capacity: int | None = None,
+                         growable: bool = True) -> PackedKVCache:
+        """An empty :class:`relpos.PackedKVCache` of ``num_sequences`` sequences, one layer
+        cache per block."""
+        return PackedKVCache(len(self.layers), num_sequences, capacity=capacity,
+                             growable=growable)
+
+    @torch.no_grad()
+    def generate_packed(
+        self,
+        prompts: Sequence[Tensor],
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> list[Tensor]:
+        """Continue prompts of different lengths together, without padding: one packed
+        prefill pass over every prompt, then one packed step a token over a
+        :class:`relpos.PackedKVCache`. A sequence that produced an end token leaves the
+        steps (it appends nothing more). Each sequence's tokens are those of
+        :meth:`generate` on that prompt alone (greedy; sampling draws from one generator in
+        another order).
+
+        Args:
+            prompts: N ``(P_s,)`` token id tensors, ``P_s >= 1``.
+            max_new_tokens, temperature, top_k, top_p, eos_token_id, generator: as in
+                :meth:`generate`.
+
+        Returns:
+            N ``(n_s,)`` tensors of new tokens, ``n_s <= max_new_tokens`` (a sequence stops
+            after its end token, which it includes).
+
+        Raises:
+            TypeError, ValueError: on bad arguments, or if the model has a ``num_classes`` head.
+        """
+        if self.head is not None:
+            raise ValueError(
+                "generate_packed needs the tied vocabulary head (ModelConfig.num_classes=None), "
+                f"this model has num_classes={self.config.num_classes}")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise TypeError(f"prompts must be a non-empty list of (P,) token id tensors, got "
+                            f"{type(prompts).__name__}")
+        for s, p in enumerate(prompts):
+            if not isinstance(p, Tensor) or p.dim() != 1 or p.numel() == 0:
+                got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+                raise ValueError(f"prompts[{s}] must be a (P,) tensor of token ids with P >= 1, "
+                                 f"got {got}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+            raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        sampling = _check_sampling(temperature, top_k, top_p, generator)
+        stop = set(_check_tokens("eos_token_id", eos_token_id, self.config.vocab_size))
+        N, n_max = len(prompts), int(max_new_tokens)
+        lengths = [int(p.numel()) for p in prompts]
+        self.check_length(0, max(lengths) + n_max)
+        out: list[list[int]] = [[] for _ in range(N)]
+        if n_max == 0:
+            return [torch.tensor(o, dtype=torch.long) for o in out]
+        ids = torch.cat([p.to(self.embed.weight.device) for p in prompts])
+        cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        cache = self.new_packed_cache(N, capacity=max(lengths) + n_max, growable=False)
+        was_training = self.training
+        self.eval()
+        try:
+            logits = self(ids, cu_seqlens=cu, cache=cache)[cu[1:] - 1]  # (N, V)
+            live = list(range(N))
+            for n in range(n_max):
+                token = _sample(logits, *sampling)  # (len(live),)
+                still = []
+                for row, s in enumerate(live):
+                    out[s].append(int(token[row]))
+                    if out[s][-1] not in stop:
+                        still.append(row)
+                if n + 1 == n_max or not still:
+                    break
+                live = [live[row] for row in still]
+                steps = [0] * N
+                for s in live:
+                    steps[s] = 1
+                step_cu = torch.tensor([0, *itertools.accumulate(steps)])
+                logits = self(token[still], cu_seqlens=step_cu, cache=cache)  # (len(live), V)
+        finally:
+            self.train(was_training)
+        return [torch.tensor(o, dtype=torch.long) for o in out]
+
     def forward(
         self, ids: Tensor, *, key_mask: Tensor | None = None, cache: KVCache | None = None,
         cu_seqlens: Tensor | None = None,
@@ -224,7 +319,10 @@ class RelativeTransformerLM(_Backbone):
             cu_seqlens: a packed batch (no padding): ``ids`` ``(T,)`` holds the sequences
                 end to end and ``cu_seqlens`` ``(N + 1,)`` their boundaries
                 (:func:`relpos.pack`); each sequence starts at position 0 and attends to
-                itself only. No ``key_mask`` or ``cache`` then.
+                itself only. No ``key_mask`` then; ``cache`` is a
+                :class:`relpos.PackedKVCache` of N sequences (:meth:`new_packed_cache`):
+                each sequence's new tokens follow its cached ones (a sequence may bring
+                none).
 
         Returns:
             ``(B, L, V)`` logits (``(B, L, C)`` with ``num_classes``); ``(T, V)`` packed.
@@ -233,10 +331,22 @@ class RelativeTransformerLM(_Backbone):
             TypeError, ValueError: on bad ids, masks, lengths or a mismatched cache.
         """
         if cu_seqlens is not None:
-            if key_mask is not None or cache is not None:
-                raise ValueError("a packed call (cu_seqlens=...) takes no key_mask or cache")
+            if key_mask is not None:
+                raise ValueError("a packed call (cu_seqlens=...) takes no key_mask")
+            if cache is not None and not isinstance(cache, PackedKVCache):
+                raise TypeError(f"a packed call (cu_seqlens=...) takes a relpos.PackedKVCache, "
+                                f"got {type(cache).__name__}")
             ids, cu = self.check_packed(ids, cu_seqlens)
-            return self.logits(self.hidden_packed(ids, cu, is_causal=True))
+            if cache is not None:
+                if (cache.num_layers, cache.num_sequences) != (len(self.layers), len(cu) - 1):
+                    raise ValueError(
+                        f"the cache holds {cache.num_layers} layers of {cache.num_sequences} "
+                        f"sequences; the model has {len(self.layers)} layers and the step "
+                        f"{len(cu) - 1} sequences")
+                new = (cu[1:] - cu[:-1]).tolist()
+                self.check_length(0, max((c + t for c, t in zip(cache.lengths, new,
+                                                                strict=True)), default=0))
+            return self.logits(self.hidden_packed(ids, cu, is_causal=True, cache=cache))
         ids = self.check_ids(ids, key_mask)
         if cache is None:
             return self.logits(self.hidden(ids, key_mask, None, is_causal=True))

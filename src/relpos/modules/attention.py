@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from relpos.cache import LayerCache
+from relpos.cache import LayerCache, PackedLayerCache
 from relpos.functional import Implementation, relative_attention, relative_attention_with_weights
 from relpos.modules._checks import (
     REQUIRED,
@@ -346,7 +346,7 @@ class RelativeMultiheadAttention(nn.Module):
         *,
         key_mask: Tensor | None = None,
         query_start: int | None = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | PackedLayerCache | None = None,
         cu_seqlens: Tensor | None = None,
         cu_seqlens_k: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
@@ -384,8 +384,11 @@ class RelativeMultiheadAttention(nn.Module):
                 end to end, and ``cu_seqlens`` ``(N + 1,)`` int32/int64 their boundaries (0,
                 then each sequence's end; :func:`relpos.pack` makes both from a padded batch).
                 Each sequence attends to itself only (see
-                :func:`relpos.relative_attention_varlen`). No mask, ``cache`` or
-                ``query_start`` then, and no weights (None is returned for them).
+                :func:`relpos.relative_attention_varlen`). No mask or ``query_start`` then,
+                and no weights (None is returned for them). ``cache`` is then a
+                :class:`relpos.PackedLayerCache` (self-attention): each sequence's new
+                tokens are appended to its own cached keys and attend over them (aligned to
+                their end), without padding.
             cu_seqlens_k: the boundaries of ``key``/``value`` ``(Tk, kdim)`` in a packed
                 cross-attention; default ``cu_seqlens``.
 
@@ -397,9 +400,9 @@ class RelativeMultiheadAttention(nn.Module):
         if cu_seqlens is not None or cu_seqlens_k is not None:
             return self._forward_packed(
                 query, key, value, cu_seqlens, cu_seqlens_k, is_causal=is_causal,
+                cache=cache,
                 unsupported={"key_padding_mask": key_padding_mask, "attn_mask": attn_mask,
-                             "key_mask": key_mask, "query_start": query_start,
-                             "cache": cache})
+                             "key_mask": key_mask, "query_start": query_start})
         for flag, given in (("need_weights", need_weights),
                             ("average_attn_weights", average_attn_weights),
                             ("is_causal", is_causal)):
@@ -412,6 +415,7 @@ class RelativeMultiheadAttention(nn.Module):
             key, value = self._check_key_value(query, key, value)
         else:
             self._check_cache(cache, query, key, value)
+            assert isinstance(cache, LayerCache)  # _check_cache refused anything else
             key = value = query
         query, key, value = (self._batch_first(x, batched) for x in (query, key, value))
         B, L, S_new = query.shape[0], query.shape[1], key.shape[1]
@@ -449,12 +453,15 @@ class RelativeMultiheadAttention(nn.Module):
     def _forward_packed(
         self, query: Tensor, key: Tensor | None, value: Tensor | None,
         cu_seqlens: Tensor | None, cu_seqlens_k: Tensor | None, *, is_causal: bool,
-        unsupported: dict[str, object],
+        cache: object, unsupported: dict[str, object],
     ) -> tuple[Tensor, None]:
         """:meth:`forward` on a packed batch: ``(Tq, E)`` in and out."""
         from relpos.varlen import relative_attention_varlen
 
         check_bool("is_causal", is_causal)
+        if cache is not None and not isinstance(cache, PackedLayerCache):
+            raise TypeError(f"a packed call (cu_seqlens=...) takes a relpos.PackedLayerCache "
+                            f"(one layer of a PackedKVCache), got {type(cache).__name__}")
         given = [name for name, v in unsupported.items() if v is not None]
         if given:
             raise ValueError(f"a packed call (cu_seqlens=...) takes no {', '.join(given)}: "
@@ -478,14 +485,20 @@ class RelativeMultiheadAttention(nn.Module):
         value = key if value is None else value
         if key.shape[0] != value.shape[0]:
             raise ValueError(f"key and value have {key.shape[0]} and {value.shape[0]} rows")
+        if cache is not None and not (self_attention and cu_seqlens_k is None):
+            raise ValueError("cache= serves packed self-attention only: pass key and value as "
+                             "None and no cu_seqlens_k")
         q, k, v = self._in_projection(query, key, value, self_attention)
         q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (q, k, v))
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+        used = None
+        if isinstance(cache, PackedLayerCache):
+            k, v, cu_k, used = cache.append(k, v, cu_seqlens)
         out = relative_attention_varlen(
             q, k, v, cu_seqlens, cu_k, max_distance=self.max_distance, rel_keys=self.rel_keys,
             rel_values=self.rel_values, is_causal=is_causal,
             dropout_p=self.dropout if self.training else 0.0,
-            implementation=self.implementation,
+            implementation=self.implementation, seqused_k=used,
         )  # (Tq, H, D)
         return self.out_proj(out.flatten(1)), None
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relpos.cache import LayerCache
+from relpos.cache import LayerCache, PackedLayerCache
 from relpos.functional import Implementation
 from relpos.modules._checks import (
     REQUIRED,
@@ -202,7 +202,7 @@ class _LayerBase(nn.Module):
         key_padding_mask: Tensor | None,
         is_causal: bool,
         key_mask: Tensor | None,
-        cache: LayerCache | None,
+        cache: LayerCache | PackedLayerCache | None,
         cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         if cu_seqlens is not None:
@@ -278,7 +278,7 @@ class RelativeTransformerEncoderLayer(_LayerBase):
         is_causal: bool = False,
         *,
         key_mask: Tensor | None = None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | PackedLayerCache | None = None,
         cu_seqlens: Tensor | None = None,
     ) -> Tensor:
         """As ``nn.TransformerEncoderLayer.forward``.
@@ -301,7 +301,8 @@ class RelativeTransformerEncoderLayer(_LayerBase):
                 ``(B * H, t, S)``.
             cu_seqlens: a packed batch: ``src`` is ``(T, E)``, the sequences end to end, and
                 ``cu_seqlens`` ``(N + 1,)`` their boundaries (:func:`relpos.pack`); no masks
-                or cache then (see :meth:`RelativeMultiheadAttention.forward`).
+                then, and ``cache`` is a :class:`relpos.PackedLayerCache` (see
+                :meth:`RelativeMultiheadAttention.forward`).
 
         Returns:
             Like ``src``.

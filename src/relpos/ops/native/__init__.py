@@ -22,8 +22,8 @@ The C++ sources (``csrc/``) are compiled on first use and cached (:mod:`.build`)
 compiler, or with ``RELPOS_NATIVE=0``, this backend passes every call by and the PyTorch
 backends serve it. Registered as the custom op ``relpos::native_attention`` (:mod:`.op`), so
 ``torch.compile(fullgraph=True)`` traces it; packed variable-length batches (flash-attention's
-varlen layout) as ``relpos::native_attention_varlen``, whose dropout masks
-:func:`dropout_mask_varlen` gives.
+varlen layout, ``seqused_k`` included: KV caches with spare capacity) as
+``relpos::native_attention_varlen``, whose dropout masks :func:`dropout_mask_varlen` gives.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 R = left + right + 1 table rows.
@@ -142,12 +142,14 @@ def dropout_mask(seed: Tensor, shape: tuple[int, int, int, int], dropout_p: floa
 
 
 def dropout_mask_varlen(seed: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                        num_heads: int, dropout_p: float) -> list[Tensor]:
+                        num_heads: int, dropout_p: float,
+                        seqused_k: Tensor | None = None) -> list[Tensor]:
     """The keep masks the kernels apply to a varlen call for ``seed``, one ``(H, L_s, S_s)``
-    per sequence (see :func:`relpos.ops.native.op.dropout_mask_varlen`)."""
+    per sequence, ``S_s`` the keys it uses (see
+    :func:`relpos.ops.native.op.dropout_mask_varlen`)."""
     from relpos.ops.native.op import dropout_mask_varlen as masks
 
-    return masks(seed, cu_seqlens_q, cu_seqlens_k, num_heads, dropout_p)
+    return masks(seed, cu_seqlens_q, cu_seqlens_k, num_heads, dropout_p, seqused_k)
 
 
 def _kernel_window(call: AttentionCall) -> tuple[int, int]:

@@ -9,7 +9,7 @@ statistic is float32, the result is rounded once.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 R = left + right + 1 table rows, Hr table heads (1 or H); varlen: N sequences, Tq and Tk the
-queries and keys of all of them, L_s and S_s those of sequence s.
+queries and key rows of all of them, L_s and S_s those of sequence s (S_s the keys it uses).
 """
 
 from __future__ import annotations
@@ -187,8 +187,9 @@ def _fake_varlen(query: Tensor, key: Tensor, value: Tensor, *_inputs: object,
 
 def forward_varlen(
     query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seed: Tensor | None,
-    *, left: int, right: int, is_causal: bool, scale: float, dropout_p: float,
+    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    seqused_k: Tensor | None, seed: Tensor | None, *, left: int, right: int, is_causal: bool,
+    scale: float, dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
     """The forward of :func:`native_attention_varlen`, without the custom op's dispatch (what
     inference calls directly: no autograd, no tracing)."""
@@ -197,7 +198,7 @@ def forward_varlen(
     acc = accumulation_dtype(query.dtype)
     q, k, v, rk, rv = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values))
     out, lse = _kernels().forward_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, rk, rv, seed,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, rk, rv, seed,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale, query_start=0,
                         dropout_p=dropout_p),
     )
@@ -213,6 +214,7 @@ def native_attention_varlen(
     rel_values: Tensor | None,
     cu_seqlens_q: Tensor,
     cu_seqlens_k: Tensor,
+    seqused_k: Tensor | None,
     seed: Tensor | None,
     *,
     left: int,
@@ -230,15 +232,19 @@ def native_attention_varlen(
     ``cu_seqlens_q`` and ``cu_seqlens_k`` are ``(N + 1,)`` int64 CPU tensors from 0,
     non-decreasing, ending at ``Tq`` and ``Tk``: sequence ``s`` holds the query rows
     ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` (``L_s``) and the key rows
-    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` (``S_s``); either may be empty. Each sequence is
-    attended on its own, bottom-right aligned (its query ``i`` at position ``S_s - L_s + i``),
-    as ``relpos::native_attention`` attends one batch row with ``query_start = S_s - L_s``;
-    tables are ``(Hr, R, D)`` and ``(Hr, R, Dv)``; ``seed`` is two int64 (the dropout stream,
-    :func:`dropout_mask_varlen` gives its keep masks), or None without dropout.
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]`` (``S_s``); either may be empty. ``seqused_k``
+    (flash-attention's; a KV cache with spare capacity), an ``(N,)`` int64 CPU tensor or None:
+    sequence ``s`` uses only the first ``S_s = seqused_k[s]`` rows of its key region
+    (``0 <= seqused_k[s] <= cu_seqlens_k[s + 1] - cu_seqlens_k[s]``); the rest is never read
+    and gets a zero gradient. Each sequence is attended on its own, bottom-right aligned (its
+    query ``i`` at position ``S_s - L_s + i``), as ``relpos::native_attention`` attends one
+    batch row with ``query_start = S_s - L_s``; tables are ``(Hr, R, D)`` and ``(Hr, R, Dv)``;
+    ``seed`` is two int64 (the dropout stream, :func:`dropout_mask_varlen` gives its keep
+    masks), or None without dropout.
     """
     return forward_varlen(
-        query, key, value, rel_keys, rel_values, cu_seqlens_q, cu_seqlens_k, seed, left=left,
-        right=right, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+        query, key, value, rel_keys, rel_values, cu_seqlens_q, cu_seqlens_k, seqused_k, seed,
+        left=left, right=right, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
     )
 
 
@@ -247,19 +253,19 @@ native_attention_varlen.register_fake(_fake_varlen)
 
 def _backward_varlen(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
-    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seed: Tensor | None,
-    out: Tensor, lse: Tensor, *, left: int, right: int, is_causal: bool, scale: float,
-    dropout_p: float,
+    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    seqused_k: Tensor | None, seed: Tensor | None, out: Tensor, lse: Tensor, *, left: int,
+    right: int, is_causal: bool, scale: float, dropout_p: float,
 ) -> Gradients:
     """What ``relpos::native_attention_varlen_backward`` computes for a non-empty call: the
-    gradients shaped like the inputs. Deterministic: the table gradients are reduced in a
-    fixed order."""
+    gradients shaped like the inputs (``dk``, ``dv`` zero in the key rows past ``seqused_k``).
+    Deterministic: the table gradients are reduced in a fixed order."""
     acc = accumulation_dtype(query.dtype)
     go, q, k, v, rk, rv, o = (
         _wide(t, acc) for t in (grad_out, query, key, value, rel_keys, rel_values, out)
     )
     dq, dk, dv, drk, drv = _kernels().backward_varlen(
-        go, q, k, v, cu_seqlens_q, cu_seqlens_k, rk, rv, seed, o, lse,
+        go, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, rk, rv, seed, o, lse,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale, query_start=0,
                         dropout_p=dropout_p),
     )
@@ -278,12 +284,14 @@ native_attention_varlen_backward = register_attention_autograd(
 
 
 def dropout_mask_varlen(seed: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                        num_heads: int, dropout_p: float) -> list[Tensor]:
+                        num_heads: int, dropout_p: float,
+                        seqused_k: Tensor | None = None) -> list[Tensor]:
     """The keep masks (True = kept) that :func:`native_attention_varlen` applies for the
     dropout stream ``seed`` (two int64) at probability ``dropout_p``: one ``(H, L_s, S_s)`` per
-    sequence, so that sequence ``s``'s output is ``(P_s * mask_s / (1 - dropout_p)) @ (V_s +
-    aV)``. Query ``i`` of sequence ``s``, head ``h``, draws the padded kernels' row
-    ``h * Tq + cu_seqlens_q[s] + i`` (as query ``cu_seqlens_q[s] + i`` of head ``h`` of one
-    padded batch row of ``Tq`` queries), key ``j`` its index within the sequence."""
-    return list(_kernels().dropout_mask_varlen(seed, cu_seqlens_q, cu_seqlens_k, num_heads,
-                                               float(dropout_p)))
+    sequence (``S_s = seqused_k[s]`` when ``seqused_k`` is given), so that sequence ``s``'s
+    output is ``(P_s * mask_s / (1 - dropout_p)) @ (V_s + aV)``. Query ``i`` of sequence
+    ``s``, head ``h``, draws the padded kernels' row ``h * Tq + cu_seqlens_q[s] + i`` (as query
+    ``cu_seqlens_q[s] + i`` of head ``h`` of one padded batch row of ``Tq`` queries), key ``j``
+    its index within the sequence."""
+    return list(_kernels().dropout_mask_varlen(seed, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                               num_heads, float(dropout_p)))

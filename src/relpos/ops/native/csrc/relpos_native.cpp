@@ -29,7 +29,9 @@
 // query block) forward and (batch, head) backward; and packed variable-length batches
 // ("varlen", flash-attention's layout): q (Tq, H, D), k and v (Tk, H, ·), sequence s the query
 // rows [cu_q[s], cu_q[s+1]) and key rows [cu_k[s], cu_k[s+1]), each aligned bottom-right
-// (query_start = S_s - L_s). Varlen tasks are (sequence, head, query block) forward and
+// (query_start = S_s - L_s); with seqused_k (flash-attention's: a KV cache with spare capacity)
+// sequence s uses only the first S_s = seqused_k[s] rows of its key region, the rest is never
+// read and gets a zero gradient. Varlen tasks are (sequence, head, query block) forward and
 // (sequence, head) backward, with each sequence's own block sizes; no work crosses sequences.
 //
 // Table gradients: one partial per (batch, head) task, reduced afterwards in a fixed order:
@@ -446,16 +448,21 @@ static inline Head<T> head_of(const Geometry& g, const Inputs<T>& in, int64_t bh
 }
 
 // A varlen call's packing. Sequence s holds the query rows [cu_q[s], cu_q[s+1]) and the key
-// rows [cu_k[s], cu_k[s+1]); the kernels hold q, k, v (and out, dq, dk, dv) as (H, T, width)
-// contiguous, so the rows of (sequence s, head h) are one contiguous block from row
-// h * T + cu[s] (which is also the dropout row of its query 0).
+// region [cu_k[s], cu_k[s+1]), of which it uses the first keys(s) rows (all of them without
+// seqused_k); the kernels hold q, k, v (and out, dq, dk, dv) as (H, T, width) contiguous, so
+// the rows of (sequence s, head h) are one contiguous block from row h * T + cu[s] (which is
+// also the dropout row of its query 0).
 struct Packing {
-  int64_t N, H, Tq, Tk;  // sequences, heads, queries and keys in all
-  const int64_t* cu_q;   // (N + 1)
-  const int64_t* cu_k;   // (N + 1)
+  int64_t N, H, Tq, Tk;             // sequences, heads, queries and keys (regions) in all
+  const int64_t* cu_q;              // (N + 1)
+  const int64_t* cu_k;              // (N + 1)
+  const int64_t* used_k = nullptr;  // (N): the keys each sequence uses (seqused_k); null: all
 
   inline int64_t q_row(int64_t s, int64_t h) const { return h * Tq + cu_q[s]; }
   inline int64_t k_row(int64_t s, int64_t h) const { return h * Tk + cu_k[s]; }
+  inline int64_t queries(int64_t s) const { return cu_q[s + 1] - cu_q[s]; }
+  inline int64_t region(int64_t s) const { return cu_k[s + 1] - cu_k[s]; }
+  inline int64_t keys(int64_t s) const { return used_k ? used_k[s] : region(s); }
 };
 
 // Head h of sequence s of a varlen call (g: the sequence's geometry).
@@ -1225,9 +1232,10 @@ static std::vector<int64_t> varlen_gradient_groups(const VarlenCall& vc, bool ta
   return first;
 }
 
-// Varlen tasks: (sequence, head), which own their dk and dv rows, run by units (group, head): a
-// unit zeroes its table-gradient partials (n_groups, H, R, ·) and runs the tasks of its group's
-// sequences in order, each adding to them.
+// Varlen tasks: (sequence, head), which own their dk and dv rows (the spare rows of a key region
+// past seqused_k included: zeroed), run by units (group, head): a unit zeroes its
+// table-gradient partials (n_groups, H, R, ·) and runs the tasks of its group's sequences in
+// order, each adding to them.
 template <typename T>
 static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t>& groups,
                                  const Inputs<T>& in, const T* dout, const T* out, const T* lse,
@@ -1252,6 +1260,9 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
                                   dk + kr * g.D,    dv + kr * g.Dv,  dak,       dav};
         backward_task<T>(g, varlen_head(g, pk, in, s, h), gr, nullptr, scale, in.ak_finite,
                          drop, w, query_block_size(g.L), key_block_size(g.L, g.S));
+        const int64_t region = pk.region(s);  // spare capacity [S, region): never read
+        std::fill(gr.dk + g.S * g.D, gr.dk + region * g.D, T(0));
+        std::fill(gr.dv + g.S * g.Dv, gr.dv + region * g.Dv, T(0));
       }
     }
   });
@@ -1475,8 +1486,30 @@ static Tensor checked_cu_seqlens(const Tensor& cu, const char* name) {
   return c;
 }
 
+// The keys each sequence uses (seqused_k), checked against the packing so that the kernels
+// stay inside every sequence's key region: 1-D int64 on the CPU, N entries, each in
+// [0, cu_k[s+1] - cu_k[s]]. Returned contiguous (undefined without seqused_k); `pk` points at it.
+static Tensor checked_seqused(const c10::optional<Tensor>& seqused_k, Packing& pk) {
+  if (!seqused_k.has_value()) return Tensor();
+  const Tensor& u = *seqused_k;
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kLong && u.device().is_cpu(),
+              "seqused_k must be a 1-D int64 CPU tensor, got ", u.scalar_type(), " ", u.sizes(),
+              " on ", u.device());
+  TORCH_CHECK(u.numel() == pk.N, "seqused_k must hold one entry per sequence (N = ", pk.N,
+              "), got ", u.numel());
+  auto c = u.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  for (int64_t s = 0; s < pk.N; ++s)
+    TORCH_CHECK(p[s] >= 0 && p[s] <= pk.region(s), "seqused_k[", s, "] must be in [0, ",
+                pk.region(s), "] (the sequence's key region, cu_seqlens_k[", s + 1,
+                "] - cu_seqlens_k[", s, "]), got ", p[s]);
+  pk.used_k = p;
+  return c;
+}
+
 // The packing of a varlen call from its checked cumulative lengths, which must have one length
-// (N + 1) and end at the packed rows' counts Tq and Tk (< 0: at whatever they end).
+// (N + 1) and end at the packed rows' counts Tq and Tk (< 0: at whatever they end); every
+// sequence uses its whole key region until checked_seqused says otherwise.
 static Packing packing(const Tensor& cu_q, const Tensor& cu_k, int64_t H, int64_t Tq,
                        int64_t Tk) {
   TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k must have one length "
@@ -1496,11 +1529,13 @@ static Packing packing(const Tensor& cu_q, const Tensor& cu_k, int64_t H, int64_
 }
 
 // A varlen call from its tensors' shapes (query (Tq, H, D), key (Tk, H, D), value (Tk, H, Dv),
-// the checked cumulative lengths, which must outlive it), with every check that keeps the
-// kernels inside them; each sequence's geometry bottom-right aligned (query_start = S - L) and
-// its window narrowed as set_window does.
+// the checked cumulative lengths and the keys in use, `used` (from checked_seqused, or an
+// undefined tensor: every key), which must outlive it), with every check that keeps the kernels
+// inside them; each sequence's geometry bottom-right aligned to the keys it uses
+// (query_start = S - L) and its window narrowed as set_window does.
 static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& cu_q, const Tensor& cu_k,
+                              const c10::optional<Tensor>& seqused_k, Tensor& used,
                               const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
                               const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
@@ -1519,6 +1554,7 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
               "query_start must be 0, got ", options.query_start);
   VarlenCall vc;
   vc.pk = packing(cu_q, cu_k, H, q.size(0), k.size(0));
+  used = checked_seqused(seqused_k, vc.pk);
   vc.D = q.size(2);
   vc.Dv = v.size(2);
   check_tables(ak, av, H, vc.D, vc.Dv);
@@ -1536,8 +1572,8 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
   vc.seqs.reserve(vc.pk.N);
   for (int64_t s = 0; s < vc.pk.N; ++s) {
     Geometry g = base;
-    g.L = vc.pk.cu_q[s + 1] - vc.pk.cu_q[s];
-    g.S = vc.pk.cu_k[s + 1] - vc.pk.cu_k[s];
+    g.L = vc.pk.queries(s);
+    g.S = vc.pk.keys(s);
     g.query_start = g.S - g.L;
     AttentionOptions aligned = options;
     aligned.query_start = g.query_start;
@@ -1555,18 +1591,22 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
 // Returns out (Tq, H, Dv) and the logsumexp (H, Tq) (+inf where a row sees no key) of a varlen
 // call: query (Tq, H, D), key (Tk, H, D), value (Tk, H, Dv) in any strides; sequence s holds
 // the query rows [cu_seqlens_q[s], cu_seqlens_q[s+1]) and the key rows [cu_seqlens_k[s],
-// cu_seqlens_k[s+1]), bottom-right aligned (options.query_start must be 0). The kernels hold
-// q, k, v and out as (H, T, ·) contiguous, one block of rows per (sequence, head): one copy of
-// each input unless it is given so, and one of out back to (Tq, H, Dv).
+// cu_seqlens_k[s+1]) (only the first seqused_k[s] of them with seqused_k, an (N) int64 tensor,
+// or None), bottom-right aligned (options.query_start must be 0). The kernels hold q, k, v and
+// out as (H, T, ·) contiguous, one block of rows per (sequence, head): one copy of each input
+// unless it is given so, and one of out back to (Tq, H, Dv).
 std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const Tensor& value,
                                    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                   const c10::optional<Tensor>& seqused_k,
                                    const c10::optional<Tensor>& rel_keys,
                                    const c10::optional<Tensor>& rel_values,
                                    const c10::optional<Tensor>& seed,
                                    const AttentionOptions& options) {
   auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
   auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
-  const VarlenCall vc = varlen_call(query, key, value, cu_q, cu_k, rel_keys, rel_values, options);
+  Tensor used;
+  const VarlenCall vc =
+      varlen_call(query, key, value, cu_q, cu_k, seqused_k, used, rel_keys, rel_values, options);
   auto q = query.transpose(0, 1).contiguous(), k = key.transpose(0, 1).contiguous(),
        v = value.transpose(0, 1).contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values);
@@ -1583,17 +1623,21 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
 
 // Returns dq (Tq, H, D), dk (Tk, H, D), dv (Tk, H, Dv), d rel_keys, d rel_values (the last two
 // empty for absent tables) of a varlen call: grad_out and out (Tq, H, Dv), lse (H, Tq), the
-// rest as forward_varlen takes them. Layout inside as in forward_varlen.
+// rest as forward_varlen takes them (dk and dv are 0 in the rows past seqused_k). Layout
+// inside as in forward_varlen.
 std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
                                     const Tensor& key, const Tensor& value,
                                     const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                    const c10::optional<Tensor>& seqused_k,
                                     const c10::optional<Tensor>& rel_keys,
                                     const c10::optional<Tensor>& rel_values,
                                     const c10::optional<Tensor>& seed, const Tensor& out,
                                     const Tensor& lse, const AttentionOptions& options) {
   auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
   auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
-  const VarlenCall vc = varlen_call(query, key, value, cu_q, cu_k, rel_keys, rel_values, options);
+  Tensor used;
+  const VarlenCall vc =
+      varlen_call(query, key, value, cu_q, cu_k, seqused_k, used, rel_keys, rel_values, options);
   const int64_t H = vc.pk.H, Tq = vc.pk.Tq, Tk = vc.pk.Tk;
   for (const Tensor* t : {&grad_out, &out})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == Tq && t->size(1) == H && t->size(2) == vc.Dv,
@@ -1632,19 +1676,22 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
           av ? dav : at::empty({0}, q.options())};
 }
 
-// Returns the keep masks of a varlen call with H heads, one (H, L_s, S_s) per sequence: query i
-// of sequence s, head h, is dropout row h * Tq + cu_seqlens_q[s] + i (Packing::q_row).
+// Returns the keep masks of a varlen call with H heads, one (H, L_s, S_s) per sequence (S_s the
+// keys it uses: seqused_k[s] with seqused_k): query i of sequence s, head h, is dropout row
+// h * Tq + cu_seqlens_q[s] + i (Packing::q_row), key j its index within the sequence.
 std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seqlens_q,
-                                        const Tensor& cu_seqlens_k, int64_t H,
+                                        const Tensor& cu_seqlens_k,
+                                        const c10::optional<Tensor>& seqused_k, int64_t H,
                                         double dropout_p) {
   TORCH_CHECK(H >= 0, "the number of heads must not be negative, got ", H);
   auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
   auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
-  const Packing pk = packing(cu_q, cu_k, H, -1, -1);
+  Packing pk = packing(cu_q, cu_k, H, -1, -1);
+  const Tensor used = checked_seqused(seqused_k, pk);
   const Dropout drop(dropout_p, seed);
   std::vector<Tensor> masks;
   for (int64_t s = 0; s < pk.N; ++s) {
-    const int64_t L = pk.cu_q[s + 1] - pk.cu_q[s], S = pk.cu_k[s + 1] - pk.cu_k[s];
+    const int64_t L = pk.queries(s), S = pk.keys(s);
     auto mask = at::empty({H, L, S}, at::TensorOptions().dtype(at::kBool));
     bool* mp = mask.data_ptr<bool>();
     for (int64_t h = 0; h < H; ++h)
@@ -1706,16 +1753,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil());
   m.def("forward_varlen", &relpos_native::forward_varlen, "relpos native varlen forward",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
-        py::arg("cu_seqlens_k"), py::arg("rel_keys"), py::arg("rel_values"), py::arg("seed"),
-        py::arg("options"), no_gil());
+        py::arg("cu_seqlens_k"), py::arg("seqused_k"), py::arg("rel_keys"),
+        py::arg("rel_values"), py::arg("seed"), py::arg("options"), no_gil());
   m.def("backward_varlen", &relpos_native::backward_varlen, "relpos native varlen backward",
         py::arg("grad_out"), py::arg("query"), py::arg("key"), py::arg("value"),
-        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("rel_keys"),
-        py::arg("rel_values"), py::arg("seed"), py::arg("out"), py::arg("lse"),
-        py::arg("options"), no_gil());
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),
+        py::arg("rel_keys"), py::arg("rel_values"), py::arg("seed"), py::arg("out"),
+        py::arg("lse"), py::arg("options"), no_gil());
   m.def("dropout_mask_varlen", &relpos_native::dropout_mask_varlen,
         "the keep masks of a dropout seed over a varlen call, one (H, L, S) per sequence",
-        py::arg("seed"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("num_heads"),
-        py::arg("dropout_p"), no_gil());
+        py::arg("seed"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),
+        py::arg("num_heads"), py::arg("dropout_p"), no_gil());
   m.def("build_info", &relpos_native::build_info, "how the kernels were built");
 }
