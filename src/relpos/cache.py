@@ -558,8 +558,9 @@ class PackedLayerCache:
     """Keys and values of one attention layer for ``N`` sequences of different lengths,
     without padding.
 
-    Storage is one key and one value buffer per layer, ``(N * capacity, H, D)``, with a region
-    of ``capacity`` rows for each sequence. Each sequence remembers its own filled length. A
+    Storage is one key and one value buffer per layer, head-major ``(H, N * capacity, D)``
+    (the layout the native kernels read without a copy), with a region of ``capacity`` rows
+    for each sequence. Each sequence remembers its own filled length. A
     packed step appends ``t_s >= 0`` tokens to sequence ``s`` and attends over exactly its
     ``c_s + t_s`` filled rows. Those rows are handed to
     :func:`relpos.relative_attention_varlen` as ``cu_seqlens_k`` (the regions) plus
@@ -585,8 +586,8 @@ class PackedLayerCache:
         self.num_sequences: int = int(num_sequences)
         self.growable: bool = grow
         self._capacity: int = cap or _DEFAULT_CAPACITY
-        self._keys: Tensor | None = None  # (N * capacity, H, D)
-        self._values: Tensor | None = None  # (N * capacity, H, Dv)
+        self._keys: Tensor | None = None  # (H, N * capacity, D)
+        self._values: Tensor | None = None  # (H, N * capacity, Dv)
         self._lengths: list[int] = [0] * self.num_sequences
 
     @property
@@ -615,7 +616,8 @@ class PackedLayerCache:
             raise ValueError(f"cu_seqlens must start at 0, not decrease and end at "
                              f"{key.shape[0]} (the new tokens), got {bounds}")
         if self._keys is not None:
-            held = (self._keys.shape[1:], self._values.shape[1:],  # type: ignore[union-attr]
+            held = (self._keys.transpose(0, 1).shape[1:],
+                    self._values.transpose(0, 1).shape[1:],  # type: ignore[union-attr]
                     self._keys.dtype, self._keys.device)
             given = (key.shape[1:], value.shape[1:], key.dtype, key.device)
             if held != given:
@@ -638,9 +640,9 @@ class PackedLayerCache:
                 (a sequence may have none this step).
 
         Returns:
-            ``(keys, values, cu_seqlens_k, seqused_k)``: the storage ``(N * capacity, H, D)``
-            and ``(N * capacity, H, Dv)``, the regions ``(N + 1,)`` and the filled lengths
-            ``(N,)`` after the append (int64), as
+            ``(keys, values, cu_seqlens_k, seqused_k)``: the storage as ``(N * capacity, H,
+            D)`` and ``(N * capacity, H, Dv)`` views (of head-major memory), the regions
+            ``(N + 1,)`` and the filled lengths ``(N,)`` after the append (int64), as
             :func:`relpos.relative_attention_varlen` takes them.
 
         Raises:
@@ -653,8 +655,8 @@ class PackedLayerCache:
         if self._keys is None:
             while self._capacity < need:
                 self._capacity *= 2
-            self._keys = key.new_empty(N * self._capacity, *key.shape[1:])
-            self._values = value.new_empty(N * self._capacity, *value.shape[1:])
+            self._keys = key.new_empty(key.shape[1], N * self._capacity, key.shape[2])
+            self._values = value.new_empty(value.shape[1], N * self._capacity, value.shape[2])
         elif need > self._capacity:
             self._grow(need)
         assert self._keys is not None and self._values is not None
@@ -663,11 +665,12 @@ class PackedLayerCache:
         offsets = torch.arange(key.shape[0]) - torch.repeat_interleave(
             cu_seqlens[:-1].to("cpu", torch.int64), counts)
         rows = (torch.repeat_interleave(starts, counts) + offsets).to(key.device)
-        self._keys.index_copy_(0, rows, key.detach())
-        self._values.index_copy_(0, rows, value.detach())
+        self._keys.index_copy_(1, rows, key.detach().transpose(0, 1))
+        self._values.index_copy_(1, rows, value.detach().transpose(0, 1))
         self._lengths = [c + t for c, t in zip(self._lengths, new, strict=True)]
         regions = torch.arange(N + 1, dtype=torch.int64) * self._capacity
-        return self._keys, self._values, regions, torch.tensor(self._lengths)
+        return (self._keys.transpose(0, 1), self._values.transpose(0, 1), regions,
+                torch.tensor(self._lengths))
 
     def _grow(self, need: int) -> None:
         assert self._keys is not None and self._values is not None
@@ -676,10 +679,10 @@ class PackedLayerCache:
             self._capacity *= 2
         N = self.num_sequences
         for name in ("_keys", "_values"):
-            buf: Tensor = getattr(self, name)
-            grown = buf.new_empty(N * self._capacity, *buf.shape[1:])
-            grown.view(N, self._capacity, *buf.shape[1:])[:, :old] = buf.view(
-                N, old, *buf.shape[1:])
+            buf: Tensor = getattr(self, name)  # (H, N * old, D)
+            H, _, D = buf.shape
+            grown = buf.new_empty(H, N * self._capacity, D)
+            grown.view(H, N, self._capacity, D)[:, :, :old] = buf.view(H, N, old, D)
             setattr(self, name, grown)
 
     def __repr__(self) -> str:

@@ -336,6 +336,8 @@ def _explain(call: VarlenCall) -> dict[str, str | None]:
 
 
 def _backend_for(call: VarlenCall) -> str:
+    if call.implementation in (None, "native") and _native_reason(call) is None:
+        return "native"  # the other backends need not be asked (a decoding step's cost)
     reasons = _explain(call)
     if call.implementation is not None:
         reason = reasons[call.implementation]

@@ -14,6 +14,8 @@ report states the padding fraction that implies.
 - ``encoder``: a training step (forward + backward) of 6 relpos encoder layers (E=512, H=8,
   FF=2048, pre-norm, dropout 0, K=16) on the same tokens, packed (``cu_seqlens=``) against
   padded (``src_key_padding_mask``).
+- ``decode``: one step of a 6-layer language model (E=512) over 8 caches of different
+  lengths: a ``PackedKVCache`` against a ``KVCache`` of the left-padded prompts.
 
 Timed in interleaved rounds (medians), ratios measured in the same run. Run from the
 repository root (``python -m relpos.bench.varlen`` takes the same options)::
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import itertools
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -66,6 +69,13 @@ def function_lengths(cap: int = CAP) -> tuple[int, ...]:
     return tuple(lengths)
 
 
+def _decode_lengths() -> list[int]:
+    """Eight cache lengths drawn from :func:`function_lengths` (seed 2)."""
+    rng = random.Random(2)
+    pool = function_lengths()
+    return [rng.choice(pool) for _ in range(8)]
+
+
 def draw_batch(tokens: int, seed: int = 0) -> list[int]:
     """Lengths drawn from :func:`function_lengths` until they hold ``tokens`` tokens."""
     pool = function_lengths()
@@ -93,8 +103,8 @@ def _attention_cases(lengths: list[int], causal: bool) -> dict[str, Callable[[],
     splits = [t.detach().split(lengths) for t in (q, k, v)]
     per_seq = [[s.transpose(0, 1).unsqueeze(0).requires_grad_() for s in parts]
                for parts in splits]
-    nested = [torch.nested.nested_tensor([s[0] for s in parts], layout=torch.jagged,
-                                         requires_grad=True) for parts in per_seq]
+    nested = [torch.nested.nested_tensor(list(parts), layout=torch.jagged,  # (B, j, H, D)
+                                         requires_grad=True) for parts in splits]
 
     def run(out: torch.Tensor) -> None:
         out.sum().backward()
@@ -116,7 +126,7 @@ def _attention_cases(lengths: list[int], causal: bool) -> dict[str, Callable[[],
         run(torch.cat([o.sum().view(1) for o in outs]))
 
     def sdpa_nested() -> None:
-        a, b, c = (t.transpose(0, 1) for t in nested)  # (B, H, j, D)
+        a, b, c = (t.transpose(1, 2) for t in nested)  # (B, H, j, D)
         run(F.scaled_dot_product_attention(a, b, c, is_causal=causal).values())
 
     return {"relpos packed": relpos_packed, "relpos padded": relpos_padded,
@@ -152,6 +162,36 @@ def _encoder_cases(lengths: list[int]) -> dict[str, Callable[[], None]]:
         for layer in layers:
             h = layer(h, cu_seqlens=cu)
         h.sum().backward()
+
+    return {"relpos packed": packed_step, "relpos padded": padded_step}
+
+
+def _decode_cases(lengths: list[int]) -> dict[str, Callable[[], None]]:
+    from relpos.models import ModelConfig, RelativeTransformerLM
+
+    torch.manual_seed(0)
+    model = RelativeTransformerLM(ModelConfig(
+        vocab_size=256, d_model=512, num_heads=8, num_layers=6, max_distance=K)).eval()
+    g = torch.Generator().manual_seed(0)
+    B, P = len(lengths), max(lengths)
+    ids = torch.randint(0, 256, (B, P), generator=g)
+    real = torch.arange(P)[None, :] >= P - torch.tensor(lengths)[:, None]  # left padding
+    token = torch.randint(0, 256, (B,), generator=g)
+    with torch.inference_mode():
+        padded_cache = model.new_cache()
+        model(ids, key_mask=real, cache=padded_cache)
+        packed_cache = model.new_packed_cache(B)
+        model(ids[real], cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)]),
+              cache=packed_cache)
+    step_cu = torch.arange(B + 1)
+
+    def padded_step() -> None:
+        with torch.inference_mode():
+            model(token[:, None], cache=padded_cache)
+
+    def packed_step() -> None:
+        with torch.inference_mode():
+            model(token, cu_seqlens=step_cu, cache=packed_cache)
 
     return {"relpos packed": packed_step, "relpos padded": padded_step}
 
@@ -204,6 +244,21 @@ def run(tokens: int, encoder_tokens: int, repeats: int, warmup: int
          "padded / packed (speed-up)"],
         [["training step", f"{ms['relpos packed']:.1f}", f"{ms['relpos padded']:.1f}",
           f"{ms['relpos padded'] / ms['relpos packed']:.2f}x"]])
+    dec_lengths = _decode_lengths()
+    cases = _decode_cases(dec_lengths)
+    medians, failures = common.interleaved_medians(
+        {k: [f] for k, f in cases.items()}, warmup=warmup, repeats=repeats * 4, rotate=True)
+    assert not failures, failures
+    ms = {k: v[0] for k, v in medians.items()}
+    lines += ["", f"**decode** step: one new token for each of {len(dec_lengths)} cached "
+              f"sequences of lengths {dec_lengths} (a 6-layer LM, E=512, H=8, K={K}, "
+              "inference): packed (`PackedKVCache`, `cu_seqlens=`) against padded (`KVCache` "
+              f"of the left-padded prompts, {max(dec_lengths)} positions each, with a key "
+              "mask); both through the modules.", ""]
+    lines += common.markdown_table(
+        ["decode step", "relpos packed ms", "relpos padded ms", "packed / padded"],
+        [["8 caches", f"{ms['relpos packed']:.2f}", f"{ms['relpos padded']:.2f}",
+          f"{ms['relpos packed'] / ms['relpos padded']:.2f}x"]])
     meta = {
         "date": common.report_date(),
         "command": "OMP_WAIT_POLICY=PASSIVE "
