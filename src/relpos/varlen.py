@@ -15,8 +15,11 @@ only the filled part.
 
 Backends: the native CPU kernels take the sequence boundaries directly (one call, tasks over
 (sequence, head, query block), the custom op ``relpos::native_attention_varlen``, traced by
-``torch.compile`` without recompiling per batch); every other backend serves a packed call
-one sequence at a time through :func:`relpos.relative_attention`.
+``torch.compile`` without recompiling per batch); so do the Triton kernels (one launch per
+kernel, programs over (query or key block of a sequence, head), the custom op
+``relpos::triton_attention_varlen``) wherever the padded triton backend serves the sequences;
+every other backend serves a packed call one sequence at a time through
+:func:`relpos.relative_attention`.
 
 Shape legend: Tq, Tk total queries and keys, N sequences, H heads, D head dim, Dv value head
 dim, R = left + right + 1 table rows.
@@ -319,15 +322,29 @@ def _padded_kwargs(call: VarlenCall) -> dict[str, object]:
                 dropout_p=call.dropout_p, scale=call.scale)
 
 
+def _triton_one_call(call: VarlenCall) -> bool:
+    """Whether the triton backend, serving the call, takes it in one call
+    (``relpos::triton_attention_varlen``) rather than one sequence at a time: whenever some
+    sequence has a (query, key) pair (else the per-sequence path gives the zeros, no kernel)."""
+    s = _longest(call)
+    assert call.lengths_q is not None and call.lengths_k is not None
+    return s >= 0 and call.lengths_q[s] > 0 and call.lengths_k[s] > 0
+
+
 def _explain(call: VarlenCall) -> dict[str, str | None]:
     """Every backend, native first, with why it would not serve the packed call (None: it
-    would); auto-selection takes the first None."""
+    would); auto-selection takes the first None. The triton backend is asked what it would be
+    asked for the longest sequence (its reasons hold for every sequence) and takes the packed
+    call in one call."""
     per_sequence = _per_sequence_reasons(call)
     reasons = {"native": _native_reason(call)}
     for name in BACKENDS:
         if name != "native":
             reason = per_sequence[name]
-            reasons[name] = None if reason is None else f"{reason} (asked one sequence at a time)"
+            how = ("asked about the longest sequence; it takes a packed call in one call"
+                   if name == "triton" and call.lengths_q is not None
+                   else "asked one sequence at a time")
+            reasons[name] = None if reason is None else f"{reason} ({how})"
     if call.implementation is not None:
         asked = call.implementation
         return {name: reasons[name] if name == asked else
@@ -370,6 +387,19 @@ def _native(call: VarlenCall) -> Tensor:
     return torch.ops.relpos.native_attention_varlen(*args, **options)[0]
 
 
+def _triton(call: VarlenCall) -> Tensor:
+    """The packed call in one call of ``relpos::triton_attention_varlen``; ``(Tq, H, Dv)``."""
+    from relpos.ops.triton import op  # noqa: F401  (registers the op; imports no Triton)
+
+    tables = call.rel_keys is not None or call.rel_values is not None
+    left, right = (call.left, call.right) if tables else (0, 0)  # no table: no window
+    return torch.ops.relpos.triton_attention_varlen(
+        call.query, call.key, call.value, call.rel_keys, call.rel_values, call.cu_seqlens_q,
+        call.cu_seqlens_k, call.seqused_k, left=left, right=right, is_causal=call.is_causal,
+        scale=call.scale,
+    )[0]
+
+
 def _per_sequence(call: VarlenCall, backend: str) -> Tensor:
     """One :func:`relpos.relative_attention` call per sequence; ``(Tq, H, Dv)``."""
     assert call.lengths_q is not None and call.lengths_k is not None
@@ -395,6 +425,8 @@ def _run(call: VarlenCall) -> Tensor:
     backend = _backend_for(call)
     if backend == "native":
         return _native(call)
+    if backend == "triton" and _triton_one_call(call):
+        return _triton(call)
     return _per_sequence(call, backend)
 
 
@@ -447,8 +479,9 @@ def relative_attention_varlen(
             :func:`relpos.relative_attention`. With tables or ``is_causal`` every sequence
             needs ``L_s <= S_s``; sequences of length 0 are legal.
         implementation: a backend by name, or None: the native CPU kernels where they serve
-            the call (one call for the whole batch), else the padded call's choice, one
-            sequence at a time (:func:`explain_backends_varlen` says why).
+            the call (one call for the whole batch), else the padded call's choice (the
+            triton kernels on CUDA, in one call; the others one sequence at a time;
+            :func:`explain_backends_varlen` says why).
 
     Returns:
         ``(Tq, H, Dv)``; rows that see no key are zeros.

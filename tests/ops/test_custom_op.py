@@ -37,6 +37,13 @@ SCHEMAS = {
         "Tensor? seqused_k, Tensor? seed, Tensor out, Tensor lse, *, SymInt left, "
         f"SymInt right, bool is_causal, float scale, float dropout_p) -> {_GRADIENTS}",
     ),
+    "triton_attention_varlen": (
+        f"({_TABLES}, Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, *, "
+        "SymInt left, SymInt right, bool is_causal, float scale) -> (Tensor, Tensor, Tensor)",
+        f"(Tensor grad_out, {_TABLES}, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+        "Tensor? seqused_k, Tensor out, Tensor lse, Tensor pb, *, SymInt left, SymInt right, "
+        f"bool is_causal, float scale) -> {_GRADIENTS}",
+    ),
     "triton_attention": (
         f"({_TABLES}, Tensor? key_mask, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor)",
         f"(Tensor grad_out, {_TABLES}, Tensor? key_mask, Tensor out, Tensor lse, Tensor pb, "

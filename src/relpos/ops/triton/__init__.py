@@ -11,6 +11,15 @@ Registered as the custom op ``relpos::triton_attention`` (:mod:`~relpos.ops.trit
 fake implementation and autograd through ``relpos::triton_attention_backward``), so it can be
 traced by ``torch.compile(fullgraph=True)``.
 
+Packed variable-length batches (:func:`relpos.relative_attention_varlen`, flash-attention's
+``cu_seqlens`` layout, ``seqused_k`` too) run through the same kernels in one launch each: the
+custom op ``relpos::triton_attention_varlen`` reads the boundaries once on the host and builds
+a table of programs, one per (query block of a sequence, head) in the forward and the ``dq``
+pass and per (key block of a sequence, head) in the ``dk, dv`` pass, each with its own key
+range and ``query_start = S_s - L_s``: no work across sequences, no mask, the table gradients
+as deterministic as the padded path's. :mod:`relpos.varlen` takes it wherever the padded
+backend would serve the call's sequences (:func:`unsupported_reason`).
+
 Files: ``kernels.py`` the Triton kernels, ``configs.py`` their block sizes (the table the
 ahead-of-time compile test checks for sm_80 and sm_90), ``launch.py`` the launches and the small
 GEMMs around them, ``op.py`` the custom op; this module is the backend (:func:`attention` and

@@ -61,11 +61,12 @@ def _signature(kernel: str, operand: str) -> dict[str, str]:
     """Argument types of ``kernel`` with ``operand`` ("bf16", "fp16", "fp32") inputs."""
     t, acc = f"*{operand}", "*fp32"
     if kernel == "forward":
-        ptrs = dict(Q=t, K=t, V=t, QA=acc, AV=t, KM="*u8", Out=t, Lse=acc, Pb=acc)
+        ptrs = dict(Q=t, K=t, V=t, QA=acc, AV=t, KM="*u8", Out=t, Lse=acc, Pb=acc, Tab="*i32")
         extra = {"av_head_stride": "i32"}
     else:
         grad = dict(DK=t, DV=t) if kernel == "backward_dkdv" else dict(DQ=acc, DSb=acc)
-        ptrs = dict(Q=t, K=t, V=t, QA=acc, DOA=acc, KM="*u8", DO=t, Lse=acc, Delta=acc, **grad)
+        ptrs = dict(Q=t, K=t, V=t, QA=acc, DOA=acc, KM="*u8", DO=t, Lse=acc, Delta=acc, **grad,
+                    Tab="*i32")
         extra = {}
     return {**ptrs, **dict.fromkeys(_SCALARS, "i32"), "scale": "fp32", **extra}
 
@@ -104,14 +105,16 @@ def ptxas_resources(ptx: str, arch: int, cache: Path | None = None) -> tuple[int
 def compile_config(
     kernel: str, block_d: int, dtype_class: str, arch: int,
     cfg: configs.KernelConfig | None = None, *, cache: Path | None = None,
+    varlen: bool = False,
 ) -> Resources:
     """Compile one entry of :data:`~relpos.ops.triton.configs.CONFIGS` (or ``cfg`` in its place)
-    for ``sm_{arch}`` and measure it (``cache``: where ``ptxas -v`` results are kept)."""
+    for ``sm_{arch}`` and measure it (``cache``: where ``ptxas -v`` results are kept;
+    ``varlen``: the packed batches' variant, ``VARLEN=True``)."""
     cfg = configs.CONFIGS[kernel, block_d, dtype_class] if cfg is None else cfg
     operand = "bf16" if dtype_class == "half" else "fp32"
     constants: dict[str, object] = dict(
         HAS_QA=True, HAS_AV=True, HAS_KM=True, CAUSAL=True, ACC=tl.float32, BF16_EMULATED=False,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_d,
+        VARLEN=varlen, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_d,
         D=block_d, Dv=block_d,
     )
     if kernel == "forward":

@@ -1,7 +1,10 @@
 """The Triton kernels: flash attention with Toeplitz buckets (DESIGN.md §6).
 
 One program handles one (batch·head, query block) in the forward and in the ``dq`` pass, one
-(batch·head, key block) in the ``dk, dv`` pass. Every tile ``(query block I, key block J)``:
+(batch·head, key block) in the ``dk, dv`` pass. With ``VARLEN`` (a packed batch, laid out
+``(H, T, X)``) the same kernels take program 0's index from a table of ``(sequence, block)``
+entries (:func:`_varlen_program`): each program its sequence's query and key rows, lengths and
+``query_start = S_s - L_s``, nothing across sequences. Every tile ``(query block I, key block J)``:
 
     s_ij = scale * q_i . k_j + QA[i, r_ij]        QA = scale * q @ aK^T   (B, H, L, R)
     r_ij = clamp(j - p_i + left, 0, R - 1)       p_i = query_start + i
@@ -82,29 +85,45 @@ def _edge_columns(ptr, offs_m, row_ok, R, HAS: tl.constexpr, ACC: tl.constexpr,
 
 
 @triton.jit
-def _query_rows(Q, DO, Lse, Delta, bh, offs_m, row_ok, offs_d, d_ok, offs_dv, dv_ok, L,
+def _query_rows(Q, DO, Lse, Delta, q_rows, offs_m, row_ok, offs_d, d_ok, offs_dv, dv_ok, L,
                 D: tl.constexpr, Dv: tl.constexpr):
     """What the backward reads of one query block: ``q (BLOCK_M, BLOCK_D)``,
     ``dO (BLOCK_M, BLOCK_DV)``, ``lse`` (+inf past the last row) and ``delta``."""
-    q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
+    q = tl.load(Q + q_rows * D + offs_m[:, None] * D + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    do = tl.load(DO + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
+    do = tl.load(DO + q_rows * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
                  mask=row_ok[:, None] & dv_ok[None, :], other=0.0)
-    lse = tl.load(Lse + bh * L + offs_m, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + bh * L + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(Lse + q_rows + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + q_rows + offs_m, mask=row_ok, other=0.0)
     return q, do, lse, delta
 
 
 @triton.jit
-def _key_block(K, V, bh, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D: tl.constexpr,
+def _key_block(K, V, k_rows, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D: tl.constexpr,
                Dv: tl.constexpr):
     """``k (BLOCK_D, BLOCK_N)`` (transposed, as ``tl.dot(q, k)`` takes it) and
     ``v (BLOCK_N, BLOCK_DV)`` of one key block."""
-    k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
+    k = tl.load(K + k_rows * D + offs_n[None, :] * D + offs_d[:, None],
                 mask=col_ok[None, :] & d_ok[:, None], other=0.0)
-    v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+    v = tl.load(V + k_rows * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
                 mask=col_ok[:, None] & dv_ok[None, :], other=0.0)
     return k, v
+
+
+@triton.jit
+def _varlen_program(Tab, pid, q_rows, k_rows):
+    """Where program ``pid`` of a packed batch works: ``Tab`` holds five int32 per program,
+    ``(q0, L_s, k0, S_s, start)``: its sequence's first query row and query count, first key
+    row and the keys it uses, and the first row (query or key) of its block. Returns
+    ``(q_rows, k_rows, L, S, query_start, start)`` with the sequence's rows added to the head's
+    ``q_rows``, ``k_rows``; its queries align to the end of its keys
+    (``query_start = S_s - L_s``)."""
+    entry = Tab + pid * 5
+    n_q = tl.load(entry + 1)
+    n_k = tl.load(entry + 3)
+    q_rows += tl.load(entry)
+    k_rows += tl.load(entry + 2)
+    return q_rows, k_rows, n_q, n_k, n_k - n_q, tl.load(entry + 4)
 
 
 @triton.jit
@@ -133,31 +152,35 @@ def _tile_scores(
 
 @triton.jit
 def forward_kernel(
-    Q, K, V, QA, AV, KM, Out, Lse, Pb,
+    Q, K, V, QA, AV, KM, Out, Lse, Pb, Tab,
     H, L, S, D: tl.constexpr, Dv: tl.constexpr, R, left, query_start, scale, av_head_stride,
     HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
-    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Grid ``(cdiv(L, BLOCK_M), B * H)``. Writes ``Out (B, H, L, Dv)``, ``Lse (B, H, L)`` (+inf
+    """Grid ``(cdiv(L, BLOCK_M), B * H)`` (``VARLEN``: ``(programs, H)``). Writes
+    ``Out (B, H, L, Dv)``, ``Lse (B, H, L)`` (+inf
     for a row that sees no key) and, with a values table, the bucket masses ``Pb (B, H, L, R)``
     (which must arrive filled with ``-inf``)."""
-    pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
-    m0 = pid_m * BLOCK_M
+    m0 = tl.program_id(0) * BLOCK_M
+    q_rows, k_rows = bh * L, bh * S  # the first query and key rows in (rows, X) views
+    if VARLEN:  # (H, Tq, X) and (H, Tk, X) views: L = Tq, S = Tk, then this program's own
+        q_rows, k_rows, L, S, query_start, m0 = _varlen_program(Tab, tl.program_id(0), q_rows,
+                                                                k_rows)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < Dv
     pos = query_start + offs_m
 
-    q = tl.load(Q + bh * L * D + offs_m[:, None] * D + offs_d[None, :],
+    q = tl.load(Q + q_rows * D + offs_m[:, None] * D + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    qa_ptr = QA + bh * L * R
+    qa_ptr = QA + q_rows * R
     qa_first, qa_last = _edge_columns(qa_ptr, offs_m, row_ok, R, HAS_QA, ACC, BLOCK_M)
-    pb_ptr = Pb + bh * L * R
+    pb_ptr = Pb + q_rows * R
     km_ptr = KM + b * S
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
@@ -172,7 +195,7 @@ def forward_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < S
-        k = tl.load(K + bh * S * D + offs_n[None, :] * D + offs_d[:, None],
+        k = tl.load(K + k_rows * D + offs_n[None, :] * D + offs_d[:, None],
                     mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, BLOCK_N)
         s, idx, visible = _tile_scores(
             q, k, offs_m, offs_n, pos, row_ok, col_ok, qa_ptr, qa_first, qa_last, km_ptr,
@@ -184,7 +207,7 @@ def forward_kernel(
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+        v = tl.load(V + k_rows * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
                     mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
         acc = acc * alpha[:, None] + _dot(_narrow(p, v.dtype, BF16_EMULATED), v, ACC, BF16_EMULATED)
         if HAS_AV:
@@ -220,10 +243,10 @@ def forward_kernel(
                          mask=r_ok[:, None] & dv_ok[None, :], other=0.0)
             # in the input dtype, as p @ v above (masses in [0, 1], rounded like p)
             out += _dot(_narrow(mass, av.dtype, BF16_EMULATED), av, ACC, BF16_EMULATED)
-    tl.store(Out + bh * L * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
+    tl.store(Out + q_rows * Dv + offs_m[:, None] * Dv + offs_dv[None, :],
              _narrow(out, Out.dtype.element_ty, BF16_EMULATED),
              mask=row_ok[:, None] & dv_ok[None, :])
-    tl.store(Lse + bh * L + offs_m, lse, mask=row_ok)
+    tl.store(Lse + q_rows + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -249,23 +272,27 @@ def _tile_grads(
 
 @triton.jit
 def backward_dkdv_kernel(
-    Q, K, V, QA, DOA, KM, DO, Lse, Delta, DK, DV,
+    Q, K, V, QA, DOA, KM, DO, Lse, Delta, DK, DV, Tab,
     H, L, S, D: tl.constexpr, Dv: tl.constexpr, R, left, query_start, scale,
     HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
-    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Grid ``(cdiv(S, BLOCK_N), B * H)``: ``dk = scale dS^T @ q``, ``dv = P^T @ dO`` for one key
+    """Grid ``(cdiv(S, BLOCK_N), B * H)`` (``VARLEN``: ``(programs, H)``):
+    ``dk = scale dS^T @ q``, ``dv = P^T @ dO`` for one key
     block, over every query block that can see it."""
-    pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
-    n0 = pid_n * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N
+    q_rows, k_rows = bh * L, bh * S  # the first query and key rows in (rows, X) views
+    if VARLEN:  # (H, Tq, X) and (H, Tk, X) views: L = Tq, S = Tk, then this program's own
+        q_rows, k_rows, L, S, query_start, n0 = _varlen_program(Tab, tl.program_id(0), q_rows,
+                                                                k_rows)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok, d_ok, dv_ok = offs_n < S, offs_d < D, offs_dv < Dv
-    k, v = _key_block(K, V, bh, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D, Dv)
+    k, v = _key_block(K, V, k_rows, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D, Dv)
     km_ptr = KM + b * S
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=ACC)
@@ -277,10 +304,10 @@ def backward_dkdv_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < L
         pos = query_start + offs_m
-        q, do, lse, delta = _query_rows(Q, DO, Lse, Delta, bh, offs_m, row_ok, offs_d, d_ok,
+        q, do, lse, delta = _query_rows(Q, DO, Lse, Delta, q_rows, offs_m, row_ok, offs_d, d_ok,
                                         offs_dv, dv_ok, L, D, Dv)
-        qa_ptr = QA + bh * L * R
-        doa_ptr = DOA + bh * L * R
+        qa_ptr = QA + q_rows * R
+        doa_ptr = DOA + q_rows * R
         qa_first, qa_last = _edge_columns(qa_ptr, offs_m, row_ok, R, HAS_QA, ACC, BLOCK_M)
         doa_first, doa_last = _edge_columns(doa_ptr, offs_m, row_ok, R, HAS_AV, ACC, BLOCK_M)
         p, ds, _idx, _visible = _tile_grads(
@@ -290,39 +317,43 @@ def backward_dkdv_kernel(
         )
         dv += _dot(tl.trans(_narrow(p, do.dtype, BF16_EMULATED)), do, ACC, BF16_EMULATED)
         dk += _dot(tl.trans(_narrow(ds, q.dtype, BF16_EMULATED)), q, ACC, BF16_EMULATED)
-    tl.store(DK + bh * S * D + offs_n[:, None] * D + offs_d[None, :],
+    tl.store(DK + k_rows * D + offs_n[:, None] * D + offs_d[None, :],
              _narrow(dk * scale, DK.dtype.element_ty, BF16_EMULATED),
              mask=col_ok[:, None] & d_ok[None, :])
-    tl.store(DV + bh * S * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
+    tl.store(DV + k_rows * Dv + offs_n[:, None] * Dv + offs_dv[None, :],
              _narrow(dv, DV.dtype.element_ty, BF16_EMULATED),
              mask=col_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit
 def backward_dq_kernel(
-    Q, K, V, QA, DOA, KM, DO, Lse, Delta, DQ, DSb,
+    Q, K, V, QA, DOA, KM, DO, Lse, Delta, DQ, DSb, Tab,
     H, L, S, D: tl.constexpr, Dv: tl.constexpr, R, left, query_start, scale,
     HAS_QA: tl.constexpr, HAS_AV: tl.constexpr, HAS_KM: tl.constexpr, CAUSAL: tl.constexpr,
-    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr,
+    ACC: tl.constexpr, BF16_EMULATED: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Grid ``(cdiv(L, BLOCK_M), B * H)``: ``DQ = dS @ k`` (unscaled, in the accumulation dtype)
+    """Grid ``(cdiv(L, BLOCK_M), B * H)`` (``VARLEN``: ``(programs, H)``):
+    ``DQ = dS @ k`` (unscaled, in the accumulation dtype)
     and, with a keys table, the bucket sums ``DSb (B, H, L, R)`` of ``dS`` (which must arrive
     filled with zeros)."""
-    pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
-    m0 = pid_m * BLOCK_M
+    m0 = tl.program_id(0) * BLOCK_M
+    q_rows, k_rows = bh * L, bh * S  # the first query and key rows in (rows, X) views
+    if VARLEN:  # (H, Tq, X) and (H, Tk, X) views: L = Tq, S = Tk, then this program's own
+        q_rows, k_rows, L, S, query_start, m0 = _varlen_program(Tab, tl.program_id(0), q_rows,
+                                                                k_rows)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok, d_ok, dv_ok = offs_m < L, offs_d < D, offs_dv < Dv
     pos = query_start + offs_m
-    q, do, lse, delta = _query_rows(Q, DO, Lse, Delta, bh, offs_m, row_ok, offs_d, d_ok,
+    q, do, lse, delta = _query_rows(Q, DO, Lse, Delta, q_rows, offs_m, row_ok, offs_d, d_ok,
                                     offs_dv, dv_ok, L, D, Dv)
-    qa_ptr = QA + bh * L * R
-    doa_ptr = DOA + bh * L * R
-    dsb_ptr = DSb + bh * L * R
+    qa_ptr = QA + q_rows * R
+    doa_ptr = DOA + q_rows * R
+    dsb_ptr = DSb + q_rows * R
     km_ptr = KM + b * S
     qa_first, qa_last = _edge_columns(qa_ptr, offs_m, row_ok, R, HAS_QA, ACC, BLOCK_M)
     doa_first, doa_last = _edge_columns(doa_ptr, offs_m, row_ok, R, HAS_AV, ACC, BLOCK_M)
@@ -336,7 +367,7 @@ def backward_dq_kernel(
     for n0 in range(0, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         col_ok = offs_n < S
-        k, v = _key_block(K, V, bh, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D, Dv)
+        k, v = _key_block(K, V, k_rows, offs_n, col_ok, offs_d, d_ok, offs_dv, dv_ok, S, D, Dv)
         _p, ds, idx, visible = _tile_grads(
             q, k, v, do, offs_m, offs_n, pos, row_ok, col_ok, lse, delta,
             qa_ptr, qa_first, qa_last, doa_ptr, doa_first, doa_last, km_ptr, R, left, scale,
@@ -348,7 +379,7 @@ def backward_dq_kernel(
             ds_right += tl.sum(tl.where((idx == R - 1) & (idx != 0), ds, 0.0), 1)
             interior = (idx > 0) & (idx < R - 1) & visible
             tl.store(dsb_ptr + offs_m[:, None] * R + idx, ds, mask=interior)
-    tl.store(DQ + bh * L * D + offs_m[:, None] * D + offs_d[None, :], dq,
+    tl.store(DQ + q_rows * D + offs_m[:, None] * D + offs_d[None, :], dq,
              mask=row_ok[:, None] & d_ok[None, :])
     if HAS_QA:
         several = tl.zeros([BLOCK_M], dtype=tl.int32) + R > 1  # R = 1: one bucket, column 0

@@ -18,8 +18,9 @@ from torch import Tensor
 
 from relpos.ops._custom_op import Gradients, empty_outputs, is_empty, register_attention_autograd
 from relpos.ops._numerics import accumulation_dtype
+from relpos.ops.native.op import is_empty_varlen
 
-__all__ = ["triton_attention"]
+__all__ = ["triton_attention", "triton_attention_varlen"]
 
 
 def _fake(query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
@@ -79,4 +80,83 @@ def _backward(
 
 triton_attention_backward = register_attention_autograd(
     "relpos::triton_attention", _backward, saved_outputs=("out", "lse", "pb")
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Packed variable-length batches
+
+
+def _fake_varlen(query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+                 rel_values: Tensor | None, *_inputs: object, left: int, right: int,
+                 **_options: object) -> tuple[Tensor, Tensor, Tensor]:
+    Tq, H, _ = query.shape
+    acc = accumulation_dtype(query.dtype)
+    pb_shape = (0,) if rel_values is None else (1, H, Tq, left + right + 1)
+    return (query.new_empty(Tq, H, value.shape[-1]), query.new_empty(H, Tq, dtype=acc),
+            query.new_empty(pb_shape, dtype=acc))
+
+
+@torch.library.custom_op("relpos::triton_attention_varlen", mutates_args=())
+def triton_attention_varlen(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    rel_keys: Tensor | None,
+    rel_values: Tensor | None,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seqused_k: Tensor | None,
+    *,
+    left: int,
+    right: int,
+    is_causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention over a packed batch of N sequences, laid out as flash-attention's
+    ``flash_attn_varlen_func``, in one launch per kernel. Returns ``out (Tq, H, Dv)``, the
+    logsumexp ``(H, Tq)`` in the accumulation dtype (``+inf`` for rows that see no key) and the
+    bucket masses ``Pb (1, H, Tq, R)`` (empty without a values table; the last two for the
+    backward).
+
+    ``query (Tq, H, D)``, ``key (Tk, H, D)``, ``value (Tk, H, Dv)`` in any strides;
+    ``cu_seqlens_q``, ``cu_seqlens_k`` ``(N + 1,)`` int64 CPU tensors (read once per call:
+    from 0, non-decreasing, ending at ``Tq`` and ``Tk``); ``seqused_k`` ``(N,)`` int64 CPU or
+    None: sequence ``s`` uses the first ``S_s = seqused_k[s]`` rows of its key region (the
+    rest is never read and gets a zero gradient). Each sequence is attended on its own, its
+    query ``i`` at position ``S_s - L_s + i``, as ``relpos::triton_attention`` attends one batch
+    row with ``query_start = S_s - L_s``. Tables ``(Hr, R, D)``, ``(Hr, R, Dv)``.
+    """
+    if is_empty_varlen(query, key):
+        return empty_outputs(_fake_varlen(query, key, value, rel_keys, rel_values, left=left,
+                                          right=right))
+    from relpos.ops.triton import launch
+
+    return launch.forward_varlen(
+        query, key, value, rel_keys, rel_values,
+        launch.Packed.of(cu_seqlens_q, cu_seqlens_k, seqused_k),
+        left=left, right=right, is_causal=is_causal, scale=scale,
+    )
+
+
+triton_attention_varlen.register_fake(_fake_varlen)
+
+
+def _backward_varlen(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    seqused_k: Tensor | None, out: Tensor, lse: Tensor, pb: Tensor, **options: Any,
+) -> Gradients:
+    """What ``relpos::triton_attention_varlen_backward`` computes for a non-empty call."""
+    from relpos.ops.triton import launch
+
+    return launch.backward_varlen(
+        grad_out, query, key, value, rel_keys, rel_values,
+        launch.Packed.of(cu_seqlens_q, cu_seqlens_k, seqused_k), out, lse, pb, **options,
+    )
+
+
+triton_attention_varlen_backward = register_attention_autograd(
+    "relpos::triton_attention_varlen", _backward_varlen, saved_outputs=("out", "lse", "pb"),
+    empty=is_empty_varlen,
 )
