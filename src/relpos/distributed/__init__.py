@@ -1,0 +1,17 @@
+"""Context parallelism: one sequence sharded over the ranks of a ``torch.distributed`` group.
+
+Not imported by ``import relpos``: ``import relpos.distributed`` loads it. See
+``docs/scaling.md`` for what exists, its communication and memory, and what is not built yet.
+"""
+
+from __future__ import annotations
+
+from relpos.distributed.context_parallel import (
+    LAYOUTS,
+    MODES,
+    context_parallel_attention,
+    shard_sequence,
+    unshard_sequence,
+)
+
+__all__ = ["LAYOUTS", "MODES", "context_parallel_attention", "shard_sequence", "unshard_sequence"]

@@ -1,0 +1,177 @@
+"""One rank of tests/distributed/test_context_parallel.py (run as a script: RANK WORLD PORT).
+
+Runs every case on its rank, compares with the single-process run to 1e-10, and prints one
+``FAIL ...`` line per mismatch; exits 1 if any. Run by the test with a timeout, never alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from relpos.distributed import context_parallel_attention, shard_sequence, unshard_sequence
+from relpos.functional import relative_attention
+
+TOL = 1e-10
+B, H, D, DV = 2, 2, 3, 2
+
+
+def _tables(kind: str, R: int, g: torch.Generator) -> tuple[torch.Tensor | None, ...]:
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+    if kind == "keys":
+        return t(R, D), None
+    if kind == "values":
+        return None, t(R, DV)
+    if kind == "shared":
+        return t(R, D), t(R, DV)
+    return t(H, R, D), t(H, R, DV)  # per head
+
+
+def _close(name: str, a: torch.Tensor | None, b: torch.Tensor | None, fails: list[str]) -> None:
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            fails.append(f"{name}: one gradient is None")
+        return
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    if not err <= TOL:
+        fails.append(f"{name}: max error {err}")
+
+
+def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, causal: bool,
+             tables: str, mask: str, layout: str, seed: int) -> list[str]:
+    chunks = world if layout == "contiguous" else 2 * world
+    n = chunk * chunks
+    left, right = (K, K) if isinstance(K, int) else K
+    R = left + right + 1
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, d, generator=g, dtype=torch.float64)
+               for d in (D, D, DV))
+    w = torch.randn(B, H, n, DV, generator=g, dtype=torch.float64)
+    rk, rv = _tables(tables, R, g)
+    key_mask = None
+    if mask == "random":
+        key_mask = torch.rand(B, n, generator=g) > 0.3
+    elif mask == "hide_rank1":  # rank 1 holds only padding: unequal work per rank
+        key_mask = torch.ones(B, n, dtype=torch.bool)
+        hidden = shard_sequence(torch.arange(n), dim=0, layout=layout, rank=1, world_size=world)
+        key_mask[:, hidden] = False
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = relative_attention(*full, max_distance=K, rel_keys=rk, rel_values=rv,
+                             key_mask=key_mask, is_causal=causal)
+    (ref * w).sum().backward()
+    ref_tables = [None if t is None else t.grad.clone() for t in (rk, rv)]
+    for t in (rk, rv):
+        if t is not None:
+            t.grad = None
+
+    def shard(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
+        return shard_sequence(x, dim=dim, layout=layout)
+
+    local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attention(
+        *local, max_distance=K, rel_keys=rk, rel_values=rv, is_causal=causal,
+        key_mask=None if key_mask is None else shard(key_mask, 1), layout=layout)
+    (out * shard(w)).sum().backward()
+    fails: list[str] = []
+    _close("out", out.detach(), shard(ref.detach()), fails)
+    for name, mine, whole in zip(("dq", "dk", "dv"), local, full, strict=True):
+        _close(name, mine.grad, shard(whole.grad), fails)
+    for name, t, want in zip(("d rel_keys", "d rel_values"), (rk, rv), ref_tables, strict=True):
+        if t is not None:
+            total = t.grad.clone()
+            dist.all_reduce(total)
+            _close(name, total, want, fails)
+    return fails
+
+
+def cases(world: int) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    table_kinds = itertools.cycle(["keys", "values", "shared", "per_head"])
+    masks = itertools.cycle(["none", "random", "none", "hide_rank1"])
+    for K, causal, layout in itertools.product((1, 3, (2, 1)), (False, True),
+                                              ("contiguous", "head_tail")):
+        base = K if isinstance(K, int) else K[0]
+        for chunk in (base - 1, base, base + 1):
+            if chunk < 1:
+                continue
+            out.append(dict(K=K, chunk=chunk, causal=causal, tables=next(table_kinds),
+                            mask=next(masks), layout=layout, seed=len(out)))
+    # Every table kind with each mask kind at least once, causal head_tail (unequal work).
+    for i, (tables, mask) in enumerate(itertools.product(
+            ("keys", "values", "shared", "per_head"), ("none", "random", "hide_rank1"))):
+        out.append(dict(K=(2, 1), chunk=2, causal=True, tables=tables, mask=mask,
+                        layout="head_tail", seed=1000 + i))
+    return out
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    fails: list[str] = []
+    # Uneven shards: rank 0 one position longer; every rank raises, none hangs.
+    n_local = 3 + (rank == 0)
+    x = torch.randn(1, 1, n_local, 2, dtype=torch.float64)
+    try:
+        context_parallel_attention(x, x, x, max_distance=1)
+        fails.append("uneven shards were not refused")
+    except ValueError as e:
+        if "n_local by rank" not in str(e):
+            fails.append(f"uneven shards: unclear error {e}")
+    # Odd head_tail shard.
+    x = torch.randn(1, 1, 3, 2, dtype=torch.float64)
+    try:
+        context_parallel_attention(x, x, x, max_distance=1, layout="head_tail")
+        fails.append("odd head_tail shard was not refused")
+    except ValueError as e:
+        if "head_tail" not in str(e):
+            fails.append(f"odd head_tail: unclear error {e}")
+    # Round trip of values (with gradient), labels and a padding mask, both layouts.
+    for layout in ("contiguous", "head_tail"):
+        n = 4 * world
+        full = torch.arange(2 * n * 3, dtype=torch.float64).reshape(2, n, 3)
+        mine = shard_sequence(full, dim=1, layout=layout).requires_grad_()
+        back = unshard_sequence(mine, dim=1, layout=layout)
+        if not torch.equal(back, full):
+            fails.append(f"round trip ({layout}) changed the tensor")
+        back.sum().backward()
+        if not torch.equal(mine.grad, torch.full_like(mine, float(world))):
+            fails.append(f"unshard backward ({layout}): not the summed gradient")
+        labels = torch.arange(n)
+        if not torch.equal(unshard_sequence(shard_sequence(labels, dim=0, layout=layout),
+                                            dim=0, layout=layout), labels):
+            fails.append(f"labels round trip ({layout})")
+        pad = torch.arange(n)[None, :] % 3 == 0
+        if not torch.equal(unshard_sequence(shard_sequence(pad, dim=-1, layout=layout),
+                                            dim=-1, layout=layout), pad):
+            fails.append(f"padding mask round trip ({layout})")
+    return fails
+
+
+def main() -> int:
+    rank, world, port = (int(a) for a in sys.argv[1:4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    fails: list[str] = []
+    try:
+        for case in cases(world):
+            try:
+                fails += [f"{case}: {f}" for f in run_case(rank, world, **case)]  # type: ignore[arg-type]
+            except Exception:
+                fails.append(f"{case}: raised\n{traceback.format_exc()}")
+                break  # the ranks may be out of step now: stop before a collective hangs
+        else:
+            fails += refusals(rank, world)
+    finally:
+        dist.destroy_process_group()
+    for f in fails:
+        print(f"FAIL rank {rank}: {f}", flush=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

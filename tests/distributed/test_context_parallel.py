@@ -1,0 +1,108 @@
+"""Context parallelism (relpos.distributed): 2 and 3 CPU ranks (gloo, 127.0.0.1) equal one
+process to 1e-10, forward and backward, on every layout, clip distance, window, table kind
+and key mask; the refusals; shard/unshard round trips.
+
+The ranks are subprocesses running ``_cp_worker.py``, each joined under a timeout and killed
+after it: a test may fail, never hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from relpos.distributed import context_parallel_attention, shard_sequence
+from relpos.ops.native import build
+
+WORKER = Path(__file__).with_name("_cp_worker.py")
+TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_ranks(world: int) -> None:
+    build.load(quiet=True)  # compile the kernels here, once: the ranks only load them
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a rank of {world} ran past {TIMEOUT_S} s (hung?)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    report = "\n".join(outputs)
+    assert all(p.returncode == 0 for p in procs), report[-6000:]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_equal_one_process(world: int) -> None:
+    _run_ranks(world)
+
+
+def _qkv(n: int = 4) -> torch.Tensor:
+    return torch.randn(1, 1, n, 2, dtype=torch.float64)
+
+
+def test_ring_mode_is_refused() -> None:
+    x = _qkv()
+    with pytest.raises(ValueError, match=r"mode must be one of \('all_gather',\).*'ring'"):
+        context_parallel_attention(x, x, x, max_distance=1, mode="ring")
+
+
+def test_dropout_is_refused() -> None:
+    x = _qkv()
+    with pytest.raises(ValueError, match=r"dropout_p=0\.0 only, got 0\.1.*dropout stream"):
+        context_parallel_attention(x, x, x, max_distance=1, dropout_p=0.1)
+
+
+def test_unknown_layout_is_refused() -> None:
+    x = _qkv()
+    with pytest.raises(ValueError, match="layout must be one of"):
+        context_parallel_attention(x, x, x, max_distance=1, layout="zigzag")
+
+
+def test_uninitialized_group_is_refused() -> None:
+    x = _qkv()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        context_parallel_attention(x, x, x, max_distance=1)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        shard_sequence(x, dim=2)
+
+
+def test_shard_sequence_layouts() -> None:
+    x = torch.arange(12)
+    assert shard_sequence(x, dim=0, rank=1, world_size=3).tolist() == [4, 5, 6, 7]
+    assert shard_sequence(x, dim=0, layout="head_tail", rank=1,
+                          world_size=3).tolist() == [2, 3, 8, 9]
+    parts = [shard_sequence(x, dim=0, layout="head_tail", rank=r, world_size=3)
+             for r in range(3)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(12))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        shard_sequence(x, dim=0, layout="head_tail", rank=0, world_size=4)
+
+
+def test_import_relpos_does_not_load_it() -> None:
+    code = ("import sys, relpos; relpos.relative_attention; "
+            "print(any(m.startswith('relpos.distributed') for m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=60).stdout.strip()
+    assert loaded == "False"
