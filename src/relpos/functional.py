@@ -281,16 +281,18 @@ def validate_call(
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_C = TypeVar("_C")
 
 
 def _with_arguments_of(
-    template: Callable[_P, AttentionCall],
-) -> Callable[[Callable[[AttentionCall], _R]], Callable[_P, _R]]:
-    """Give ``body(call)`` the public arguments of ``template`` (:func:`validate_call`): the
-    wrapper validates them into one :class:`AttentionCall` and hands that over, so the
+    template: Callable[_P, _C],
+) -> Callable[[Callable[[_C], _R]], Callable[_P, _R]]:
+    """Give ``body(call)`` the public arguments of ``template`` (:func:`validate_call`, or
+    :func:`relpos.varlen.validate_varlen_call`): the
+    wrapper validates them into one call object and hands that over, so the
     argument list is written once. ``help()`` and the API reference show the full signature."""
 
-    def decorate(body: Callable[[AttentionCall], _R]) -> Callable[_P, _R]:
+    def decorate(body: Callable[[_C], _R]) -> Callable[_P, _R]:
         def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             return body(template(*args, **kwargs))
 

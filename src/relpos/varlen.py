@@ -41,6 +41,7 @@ from relpos.functional import (
     _check_scalars,
     _check_table,
     _check_tensor,
+    _with_arguments_of,
     relative_attention,
 )
 from relpos.ops import BACKENDS
@@ -434,24 +435,8 @@ def _run(call: VarlenCall) -> Tensor:
 # Public functions
 
 
-def relative_attention_varlen(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    *,
-    max_distance: int | tuple[int, int],
-    seqused_k: Tensor | None = None,
-    rel_keys: Tensor | None = None,
-    rel_values: Tensor | None = None,
-    is_causal: bool = False,
-    dropout_p: float = 0.0,
-    scale: float | None = None,
-    implementation: Implementation | None = None,
-) -> Tensor:
+@_with_arguments_of(validate_varlen_call)
+def relative_attention_varlen(call: VarlenCall) -> Tensor:
     r"""Clipped relative attention over a packed batch of sequences of different lengths.
 
     :func:`relpos.relative_attention` for each sequence, without padding: sequence ``s`` has
@@ -497,24 +482,21 @@ def relative_attention_varlen(
         >>> relative_attention_varlen(q, k, v, cu, cu, max_distance=4, rel_keys=table).shape
         torch.Size([10, 2, 8])
     """
-    call = validate_varlen_call(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        max_distance=max_distance, rel_keys=rel_keys, rel_values=rel_values,
-        is_causal=is_causal, dropout_p=dropout_p, scale=scale, implementation=implementation,
-        seqused_k=seqused_k)
     return _run(call)
 
 
-def explain_backends_varlen(*args: object, **kwargs: object) -> dict[str, str | None]:
+@_with_arguments_of(validate_varlen_call)
+def explain_backends_varlen(call: VarlenCall) -> dict[str, str | None]:
     """For the arguments of :func:`relative_attention_varlen`: each backend, in the order
     auto-selection tries them (native first), with why it would not serve the call, or None.
     The first None is what :func:`select_backend_varlen` names."""
-    return _explain(validate_varlen_call(*args, **kwargs))  # type: ignore[arg-type]
+    return _explain(call)
 
 
-def select_backend_varlen(*args: object, **kwargs: object) -> str:
+@_with_arguments_of(validate_varlen_call)
+def select_backend_varlen(call: VarlenCall) -> str:
     """The backend :func:`relative_attention_varlen` runs for these arguments."""
-    return _backend_for(validate_varlen_call(*args, **kwargs))  # type: ignore[arg-type]
+    return _backend_for(call)
 
 
 # ------------------------------------------------------------------------------------------

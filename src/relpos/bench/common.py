@@ -309,6 +309,21 @@ def csv_text(head: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return buf.getvalue()
 
 
+def print_report(title: str, doc: str | None, meta: Mapping[str, str], body: Sequence[str],
+                 out: Path | None, name: str) -> int:
+    """Print a benchmark script's markdown report and, with ``out``, write it to
+    ``out/name``: the title, the second paragraph of the script's docstring ``doc`` (what it
+    measures), the header ``meta`` and the ``body`` lines. Returns 0 (the exit status)."""
+    text = "\n".join([
+        f"# {title}", "", " ".join((doc or "").split("\n\n")[1].split()), "",
+        *markdown_meta(meta), "", *body, "",
+    ])
+    print(text)
+    if out:
+        write_files({out / name: text})
+    return 0
+
+
 def write_files(files: Mapping[Path, str]) -> list[Path]:
     """Write each text atomically (:func:`relpos._io.atomic_write_text`), making the
     directories first; returns the paths in order."""

@@ -109,20 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     table, meta = run(args.repeats, args.warmup)
-    text = "\n".join([
-        "# relpos encoder: inference, padded batches, dropout",
-        "",
-        " ".join((__doc__ or "").split("\n\n")[1].split()),
-        "",
-        *common.markdown_meta(meta),
-        "",
-        *table,
-        "",
-    ])
-    print(text)
-    if args.out:
-        common.write_files({args.out / "encoder_variants.md": text})
-    return 0
+    return common.print_report(
+        "relpos encoder: inference, padded batches, dropout",
+        __doc__, meta, table, args.out, "encoder_variants.md")
 
 
 if __name__ == "__main__":

@@ -123,20 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     build.build_into(args.dir)  # keeps the variants already there
     table, meta = run(args.dir, args.rounds, args.repeats, args.threads)
-    text = "\n".join([
-        "# Native kernels: portable variants against this CPU's build",
-        "",
-        " ".join((__doc__ or "").split("\n\n")[1].split()),
-        "",
-        *common.markdown_meta(meta),
-        "",
-        *table,
-        "",
-    ])
-    print(text)
-    if args.out:
-        common.write_files({args.out / "kernel_variants.md": text})
-    return 0
+    return common.print_report(
+        "Native kernels: portable variants against this CPU's build",
+        __doc__, meta, table, args.out, "kernel_variants.md")
 
 
 if __name__ == "__main__":

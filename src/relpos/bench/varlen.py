@@ -279,20 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     lines, meta = run(args.tokens, args.encoder_tokens, args.repeats, args.warmup)
-    text = "\n".join([
-        "# Packed variable-length batches against padded ones",
-        "",
-        " ".join((__doc__ or "").split("\n\n")[1].split()),
-        "",
-        *common.markdown_meta(meta),
-        "",
-        *lines,
-        "",
-    ])
-    print(text)
-    if args.out:
-        common.write_files({args.out / "varlen.md": text})
-    return 0
+    return common.print_report(
+        "Packed variable-length batches against padded ones",
+        __doc__, meta, lines, args.out, "varlen.md")
 
 
 if __name__ == "__main__":
