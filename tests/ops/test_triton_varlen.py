@@ -191,3 +191,16 @@ def test_selection_and_reasons():
     with pytest.raises(RuntimeError, match="dropout"):
         relpos.relative_attention_varlen(*args, **kwargs, dropout_p=0.1,
                                          implementation="triton")
+
+
+def test_non_contiguous_inputs():
+    # Head-major memory seen as (T, H, D), and a strided slice of a wider tensor: the same
+    # numbers and gradients as the reference on the same views.
+    p = _problem(((2, 3, 3), (5, 5, 5)), per_head=True)
+    g = torch.Generator().manual_seed(4)
+    T, Tk = p["q"].shape[0], p["k"].shape[0]
+    p["q"] = torch.randn(H, T, 4, generator=g, dtype=F64).transpose(0, 1).requires_grad_(True)
+    wide = torch.randn(Tk, H, 12, generator=g, dtype=F64)
+    p["k"] = wide[:, :, ::3].detach().requires_grad_(True)  # stride 3 in the last dim
+    assert not p["q"].is_contiguous() and not p["k"].is_contiguous()
+    _check(p, is_causal=True)
