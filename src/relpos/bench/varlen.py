@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import itertools
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -168,6 +167,7 @@ def _encoder_cases(lengths: list[int]) -> dict[str, Callable[[], None]]:
 
 def _decode_cases(lengths: list[int]) -> dict[str, Callable[[], None]]:
     from relpos.models import ModelConfig, RelativeTransformerLM
+    from relpos.varlen import cu_seqlens_from_lengths
 
     torch.manual_seed(0)
     model = RelativeTransformerLM(ModelConfig(
@@ -181,7 +181,7 @@ def _decode_cases(lengths: list[int]) -> dict[str, Callable[[], None]]:
         padded_cache = model.new_cache()
         model(ids, key_mask=real, cache=padded_cache)
         packed_cache = model.new_packed_cache(B)
-        model(ids[real], cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)]),
+        model(ids[real], cu_seqlens=cu_seqlens_from_lengths(lengths),
               cache=packed_cache)
     step_cu = torch.arange(B + 1)
 

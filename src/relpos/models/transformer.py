@@ -12,7 +12,6 @@ positions unless the config asks for an absolute baseline (``positions="learned"
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import numbers
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from relpos.cache import KVCache, PackedKVCache
 from relpos.models.config import ModelConfig
 from relpos.models.decoding import StepDecoder, sinusoidal_positions
 from relpos.modules.transformer import RelativeTransformerEncoderLayer
+from relpos.varlen import cu_seqlens_from_lengths
 
 __all__ = ["RelativeTransformerEncoderModel", "RelativeTransformerLM", "build_model"]
 
@@ -275,7 +275,7 @@ class RelativeTransformerLM(_Backbone):
         if n_max == 0:
             return [torch.tensor(o, dtype=torch.long) for o in out]
         ids = torch.cat([p.to(self.embed.weight.device) for p in prompts])
-        cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        cu = cu_seqlens_from_lengths(lengths)
         cache = self.new_packed_cache(N, capacity=max(lengths) + n_max, growable=False)
         was_training = self.training
         self.eval()
@@ -295,7 +295,7 @@ class RelativeTransformerLM(_Backbone):
                 steps = [0] * N
                 for s in live:
                     steps[s] = 1
-                step_cu = torch.tensor([0, *itertools.accumulate(steps)])
+                step_cu = cu_seqlens_from_lengths(steps)
                 logits = self(token[still], cu_seqlens=step_cu, cache=cache)  # (len(live), V)
         finally:
             self.train(was_training)
