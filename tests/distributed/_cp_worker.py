@@ -44,7 +44,8 @@ def _close(name: str, a: torch.Tensor | None, b: torch.Tensor | None, fails: lis
 
 
 def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, causal: bool,
-             tables: str, mask: str, layout: str, seed: int) -> list[str]:
+             tables: str, mask: str, layout: str, seed: int, mode: str = "all_gather",
+             dropout: float = 0.0) -> list[str]:
     chunks = world if layout == "contiguous" else 2 * world
     n = chunk * chunks
     left, right = (K, K) if isinstance(K, int) else K
@@ -62,8 +63,12 @@ def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, cau
         hidden = shard_sequence(torch.arange(n), dim=0, layout=layout, rank=1, world_size=world)
         key_mask[:, hidden] = False
     full = [t.clone().requires_grad_() for t in (q, k, v)]
+    # With dropout: the single-process native call drawn after manual_seed(seed); the ranks
+    # seed their generators differently (rank 0 as the single process): rank 0's draw rules.
+    torch.manual_seed(seed)
     ref = relative_attention(*full, max_distance=K, rel_keys=rk, rel_values=rv,
-                             key_mask=key_mask, is_causal=causal)
+                             key_mask=key_mask, is_causal=causal, dropout_p=dropout,
+                             implementation="native" if dropout else None)
     (ref * w).sum().backward()
     ref_tables = [None if t is None else t.grad.clone() for t in (rk, rv)]
     for t in (rk, rv):
@@ -74,9 +79,11 @@ def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, cau
         return shard_sequence(x, dim=dim, layout=layout)
 
     local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(seed + 7919 * rank)
     out = context_parallel_attention(
         *local, max_distance=K, rel_keys=rk, rel_values=rv, is_causal=causal,
-        key_mask=None if key_mask is None else shard(key_mask, 1), layout=layout)
+        key_mask=None if key_mask is None else shard(key_mask, 1), layout=layout, mode=mode,
+        dropout_p=dropout)
     (out * shard(w)).sum().backward()
     fails: list[str] = []
     _close("out", out.detach(), shard(ref.detach()), fails)
@@ -94,19 +101,24 @@ def cases(world: int) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     table_kinds = itertools.cycle(["keys", "values", "shared", "per_head"])
     masks = itertools.cycle(["none", "random", "none", "hide_rank1"])
-    for K, causal, layout in itertools.product((1, 3, (2, 1)), (False, True),
-                                              ("contiguous", "head_tail")):
-        base = K if isinstance(K, int) else K[0]
-        for chunk in (base - 1, base, base + 1):
-            if chunk < 1:
-                continue
+    for K, causal, layout, mode in itertools.product(
+            (0, 1, 3, (2, 1), (0, 3)), (False, True), ("contiguous", "head_tail"),
+            ("all_gather", "ring")):
+        base = max(K) if isinstance(K, tuple) else K
+        for chunk in sorted({max(c, 1) for c in (base - 1, base, base + 1, 3 * base)}):
             out.append(dict(K=K, chunk=chunk, causal=causal, tables=next(table_kinds),
-                            mask=next(masks), layout=layout, seed=len(out)))
+                            mask=next(masks), layout=layout, seed=len(out), mode=mode))
     # Every table kind with each mask kind at least once, causal head_tail (unequal work).
-    for i, (tables, mask) in enumerate(itertools.product(
-            ("keys", "values", "shared", "per_head"), ("none", "random", "hide_rank1"))):
+    for i, (tables, mask, mode) in enumerate(itertools.product(
+            ("keys", "values", "shared", "per_head"), ("none", "random", "hide_rank1"),
+            ("all_gather", "ring"))):
         out.append(dict(K=(2, 1), chunk=2, causal=True, tables=tables, mask=mask,
-                        layout="head_tail", seed=1000 + i))
+                        layout="head_tail", seed=1000 + i, mode=mode))
+    # Dropout keyed by global positions: equals the single-process native call's mask.
+    for i, (causal, layout, mode) in enumerate(itertools.product(
+            (False, True), ("contiguous", "head_tail"), ("all_gather", "ring"))):
+        out.append(dict(K=2, chunk=3, causal=causal, tables="shared", mask="random",
+                        layout=layout, seed=2000 + i, mode=mode, dropout=0.3))
     return out
 
 

@@ -53,7 +53,7 @@ def _run_ranks(world: int) -> None:
     assert all(p.returncode == 0 for p in procs), report[-6000:]
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_equal_one_process(world: int) -> None:
     _run_ranks(world)
 
@@ -62,16 +62,37 @@ def _qkv(n: int = 4) -> torch.Tensor:
     return torch.randn(1, 1, n, 2, dtype=torch.float64)
 
 
-def test_ring_mode_is_refused() -> None:
+def test_unknown_mode_is_refused() -> None:
     x = _qkv()
-    with pytest.raises(ValueError, match=r"mode must be one of \('all_gather',\).*'ring'"):
-        context_parallel_attention(x, x, x, max_distance=1, mode="ring")
+    with pytest.raises(ValueError, match=r"mode must be one of \('all_gather', 'ring'\), "
+                                         r"got 'ulysses'"):
+        context_parallel_attention(x, x, x, max_distance=1, mode="ulysses")
 
 
-def test_dropout_is_refused() -> None:
-    x = _qkv()
-    with pytest.raises(ValueError, match=r"dropout_p=0\.0 only, got 0\.1.*dropout stream"):
-        context_parallel_attention(x, x, x, max_distance=1, dropout_p=0.1)
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_a_group_of_one_runs_the_local_call(mode: str) -> None:
+    import torch.distributed as dist
+
+    from relpos.functional import relative_attention
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 2, 5, 3, generator=g, dtype=torch.float64) for _ in range(3))
+        table = torch.randn(3, 3, generator=g, dtype=torch.float64)
+        mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+        for seed in (3, 4):
+            torch.manual_seed(seed)
+            got = context_parallel_attention(q, k, v, max_distance=1, rel_keys=table,
+                                             rel_values=table, key_mask=mask, is_causal=True,
+                                             dropout_p=0.25, mode=mode)
+            torch.manual_seed(seed)
+            want = relative_attention(q, k, v, max_distance=1, rel_keys=table,
+                                      rel_values=table, key_mask=mask, is_causal=True,
+                                      dropout_p=0.25)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_unknown_layout_is_refused() -> None:

@@ -17,7 +17,17 @@ Modes: ``"all_gather"`` gathers the keys and values of all ranks in one collecti
 values and the key mask concatenated on the last dim, so the backward is one collective too),
 then runs one :func:`~relpos.functional.relative_attention` call per local query segment with
 its global offset as ``query_start``; a causal segment at offset g reads only keys
-``[0, g + L_seg)``. The ring mode is not built yet.
+``[0, g + L_seg)``. ``"ring"`` keeps one visiting shard (plus the next one in flight) instead
+of the whole sequence: the key/value shards travel around the ranks by point-to-point sends
+(``batch_isend_irecv``, the next shard posted before this one is computed), each step runs one
+native kernel call per (local query chunk, visiting key chunk) at that pair's offset, and the
+partial results merge by logsumexp; the backward hands every call the global output and
+logsumexp (DESIGN.md section 3) while the key/value gradients ride a second ring back to their
+owners. Chunks are never concatenated, so a far chunk costs plain attention plus one constant
+per row (the kernel's far regions), and only neighbouring chunks touch the band.
+
+Dropout is keyed by global (query, key) positions (the kernels' dropout placement), so a run
+with a seed equals the single-process run with that seed (rank 0's draw is used everywhere).
 
 Table gradients are this rank's partial sums: nothing here all-reduces them. DDP or FSDP
 reduce them like every other weight's gradient (the sum over ranks is the single-process
@@ -34,13 +44,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from relpos.functional import relative_attention, validate_call
+from relpos.ops._lse import merge_rows
+from relpos.ops._numerics import accumulation_dtype
+from relpos.positions import check_window
 
 __all__ = ["LAYOUTS", "MODES", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
 #: The layouts of a sharded sequence.
 LAYOUTS: tuple[str, ...] = ("contiguous", "head_tail")
-#: The modes of :func:`context_parallel_attention` that are built.
-MODES: tuple[str, ...] = ("all_gather",)
+#: The modes of :func:`context_parallel_attention`.
+MODES: tuple[str, ...] = ("all_gather", "ring")
 
 #: Device types each backend serves (a backend not named here is not checked).
 _BACKEND_DEVICES: dict[str, frozenset[str]] = {
@@ -210,6 +223,159 @@ def unshard_sequence(
     return _reorder(parts, dim=dim, layout=layout, world=world)
 
 
+def _native_for(query: Tensor, what: str) -> None:
+    """Refuse ``what`` unless relpos's native CPU kernels serve ``query``."""
+    from relpos.ops import native
+    from relpos.ops.native import build as native_build
+
+    if query.device.type != "cpu":
+        raise ValueError(
+            f"{what} runs on relpos's native CPU kernels, but the tensors are on "
+            f"{query.device}: use mode='all_gather' without dropout there"
+        )
+    if not native.available():
+        raise RuntimeError(
+            f"{what} needs relpos's native CPU kernels, which are not available here: "
+            f"{native_build.failure() or 'RELPOS_NATIVE=0'}"
+        )
+
+
+class _Plan:
+    """Who holds which chunks of the sequence, and the call's kernel options."""
+
+    def __init__(self, *, layout: str, rank: int, world: int, n_local: int, left: int,
+                 right: int, is_causal: bool, scale: float, dropout_p: float,
+                 seed: Tensor | None, group: Any) -> None:
+        self.layout, self.rank, self.world, self.group = layout, rank, world, group
+        self.n = n_local * world
+        self.c = self.n // _chunks(layout, world)
+        self.options: dict[str, Any] = dict(left=left, right=right, is_causal=is_causal,
+                                            scale=scale, dropout_p=dropout_p)
+        self.seed = seed
+
+    def pieces(self, owner: int) -> list[tuple[slice, int]]:
+        """``(rows of the owner's shard, global position of its first row)`` per chunk."""
+        return [(slice(i * self.c, (i + 1) * self.c), g * self.c)
+                for i, g in enumerate(_local_chunks(self.layout, owner, self.world))]
+
+    def pairs(self, owner: int) -> list[tuple[slice, int, slice, int]]:
+        """The kernel calls of one ring step: (local query rows, their global start, the
+        visiting shard's key rows, their global start), skipping key chunks that lie wholly
+        after the query chunk of a causal call."""
+        return [(qs, gq, ks, gk) for qs, gq in self.pieces(self.rank)
+                for ks, gk in self.pieces(owner)
+                if not (self.options["is_causal"] and gk >= gq + self.c)]
+
+    def seed_at(self, gq: int, gk: int) -> Tensor | None:
+        """The dropout stream of one kernel call, placed at its global rows and keys."""
+        if self.seed is None:
+            return None
+        return torch.cat([self.seed, torch.tensor([self.n, gq, gk], dtype=torch.int64)])
+
+
+def _ring_exchange(send: list[Tensor], group: Any, rank: int, world: int) -> tuple[
+    list[Tensor], list[Any]
+]:
+    """Post sends of ``send`` to the next rank and receives of tensors shaped alike from the
+    previous one (all posted before any wait); returns the receive buffers and the requests."""
+    nxt = dist.get_global_rank(group, (rank + 1) % world) if group is not None else (
+        (rank + 1) % world)
+    prv = dist.get_global_rank(group, (rank - 1) % world) if group is not None else (
+        (rank - 1) % world)
+    recv = [torch.empty_like(t) for t in send]
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recv]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list[Any]) -> None:
+    for r in requests:
+        r.wait()
+
+
+def _key_bias(key_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    if key_mask is None:
+        return None
+    return torch.zeros(key_mask.shape, dtype=dtype, device=key_mask.device).masked_fill(
+        ~key_mask, -torch.inf)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention over the shards (inputs already in the accumulation dtype)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, rk: Tensor | None,
+                rv: Tensor | None, kb: Tensor | None, plan: _Plan) -> Tensor:
+        from relpos.ops.native import op
+
+        B, H, n_local, D = q.shape
+        Dv = v.shape[3]
+        out = q.new_zeros(B, H, n_local, Dv)
+        z = q.new_full((B, H, n_local), -torch.inf)  # log-mass so far
+        filled: set[int] = set()
+        held = [torch.cat([k, v], dim=-1).contiguous()] + ([] if kb is None else [kb])
+        for step in range(plan.world):
+            owner = (plan.rank - step) % plan.world
+            if step < plan.world - 1:
+                coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
+            kv = held[0]
+            for qs, gq, ks, gk in plan.pairs(owner):
+                o, lse = op.forward(
+                    q[:, :, qs], kv[:, :, ks, :D], kv[:, :, ks, D:], rk, rv,
+                    None if kb is None else held[1][:, ks], None, plan.seed_at(gq, gk),
+                    query_start=gq - gk, **plan.options)
+                log_mass = lse.masked_fill(lse == torch.inf, -torch.inf)  # empty rows: no mass
+                merge_rows(out, z, qs, o, log_mass, first=gq not in filled)
+                filled.add(gq)
+            if step < plan.world - 1:
+                _wait(requests)
+                held = coming
+        lse = z.masked_fill(z == -torch.inf, torch.inf)  # the kernels' convention: +inf
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, rk, rv, kb, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        from relpos.ops.native import op
+
+        plan: _Plan = ctx.plan
+        q, k, v, rk, rv, kb, out, lse = ctx.saved_tensors
+        D = q.shape[3]
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros_like(q)
+        drk = None if rk is None else torch.zeros_like(rk)
+        drv = None if rv is None else torch.zeros_like(rv)
+        held = [torch.cat([k, v], dim=-1).contiguous()] + ([] if kb is None else [kb])
+        dkv = torch.zeros_like(held[0])  # the gradient of the visiting shard, riding along
+        for step in range(plan.world):
+            owner = (plan.rank - step) % plan.world
+            if step < plan.world - 1:
+                coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
+            kv = held[0]
+            for qs, gq, ks, gk in plan.pairs(owner):
+                g = op._backward(
+                    grad_out[:, :, qs], q[:, :, qs], kv[:, :, ks, :D], kv[:, :, ks, D:], rk, rv,
+                    None if kb is None else held[1][:, ks], None, plan.seed_at(gq, gk),
+                    out[:, :, qs], lse[:, :, qs], query_start=gq - gk, **plan.options)
+                dq[:, :, qs] += g[0]
+                dkv[:, :, ks, :D] += g[1]
+                dkv[:, :, ks, D:] += g[2]
+                if drk is not None:
+                    drk += g[3]
+                if drv is not None:
+                    drv += g[4]
+            # This shard's gradient goes on to the next rank (after the last step: its owner).
+            sent = dkv
+            (dkv,), grad_requests = _ring_exchange([sent], plan.group, plan.rank, plan.world)
+            if step < plan.world - 1:
+                _wait(requests)
+                held = coming
+            _wait(grad_requests)
+            del sent
+        return (dq, dkv[..., :D], dkv[..., D:], drk, drv, None, None)
+
+
 def context_parallel_attention(
     query: Tensor,
     key: Tensor,
@@ -230,35 +396,34 @@ def context_parallel_attention(
 
     Each rank passes its shard of the queries, keys and values ``(B, H, n_local, D)`` (values
     ``(B, H, n_local, Dv)``) and of ``key_mask`` ``(B, n_local)`` (True = real token), cut as
-    ``layout`` says (:func:`shard_sequence`); every rank the same ``n_local``. Returns this
+    ``layout`` says (:func:`shard_sequence`); every rank the same ``n_local`` (pad the
+    sequence to a multiple of the layout's chunk count and mask the padding). Returns this
     rank's rows ``(B, H, n_local, Dv)`` of :func:`~relpos.functional.relative_attention` over
     the whole sequence of ``n = P * n_local`` positions, and its gradients in the backward.
-    The other arguments mean what they mean there.
+    The other arguments mean what they mean there. ``layout="head_tail"`` balances causal
+    work; without ``is_causal`` it is allowed and brings nothing (every rank's work is equal
+    either way).
 
     ``mode="all_gather"``: one all-gather of the keys and values (and key mask) per call, one
-    reduce-scatter-equivalent in the backward (an all-reduce and a slice on gloo). Gradients
-    of ``rel_keys``/``rel_values`` are this rank's partial sums, not all-reduced here: DDP or
-    FSDP reduce them like any other weight. A group of one rank runs the local call.
+    reduce-scatter-equivalent in the backward (an all-reduce and a slice on gloo); runs on
+    any backend relative_attention has. ``mode="ring"``: ``P - 1`` point-to-point steps
+    forward, ``P - 1`` plus ``P`` backward (see docs/scaling.md), holding two shards of keys
+    and values instead of the whole sequence; runs on the native CPU kernels, as does
+    ``dropout_p > 0`` in either mode. Gradients of ``rel_keys``/``rel_values`` are this
+    rank's partial sums, not all-reduced here: DDP or FSDP reduce them like any other weight.
+    A group of one rank runs the local call.
 
     Raises:
-        ValueError: ``mode`` other than ``"all_gather"`` (ring is not built yet), ``dropout_p
-            > 0`` (the kernels key their dropout stream by local rows, so it would not equal a
-            single-process run), an unknown layout, shards that differ across ranks or that the
-            layout cannot split, tensors on a device the group's backend does not serve, and
-            every bad input that ``relative_attention`` refuses.
-        RuntimeError: torch.distributed not initialized.
+        ValueError: an unknown mode or layout, shards that differ across ranks or that the
+            layout cannot split, tensors on a device the group's backend does not serve (or,
+            for ring mode and dropout, not on the CPU), and every bad input that
+            ``relative_attention`` refuses.
+        RuntimeError: torch.distributed not initialized; ring mode or dropout without the
+            native kernels.
     """
     if mode not in MODES:
-        raise ValueError(
-            f"mode must be one of {MODES}, got {mode!r} (the ring mode is not built yet)"
-        )
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     layout = _check_layout(layout)
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p > 0:
-        raise ValueError(
-            f"context_parallel_attention takes dropout_p=0.0 only, got {dropout_p}: the kernels "
-            "key their dropout stream by local rows, so sharded dropout would not equal the "
-            "single-process run (apply dropout outside attention, or run without it)"
-        )
     rank, world = _initialized_group(group)
     # Every local argument checked before any collective (is_causal, tables, shapes, dtypes).
     validate_call(query, key, value, max_distance=max_distance, rel_keys=rel_keys,
@@ -270,25 +435,32 @@ def context_parallel_attention(
             f"length, got {query.shape[2]} and {key.shape[2]}"
         )
     _check_device(query, group)
+    dropout = float(dropout_p) > 0.0
+    if world > 1 and (mode == "ring" or dropout):
+        _native_for(query, "mode='ring'" if mode == "ring" else "dropout under context parallelism")
     kwargs: dict[str, Any] = dict(max_distance=max_distance, rel_keys=rel_keys,
                                   rel_values=rel_values, is_causal=is_causal, scale=scale)
     if world == 1:
-        return relative_attention(query, key, value, key_mask=key_mask, **kwargs)
+        return relative_attention(query, key, value, key_mask=key_mask, dropout_p=dropout_p,
+                                  **kwargs)
+
+    from relpos.ops import native
 
     B, H, n_local, D = query.shape
     Dv = value.shape[3]
+    seed = native.draw_seed() if dropout else torch.zeros(2, dtype=torch.int64)
     meta = _gather_meta(
-        [n_local, B, H, D, Dv, key_mask is not None, _code(str(query.dtype))],
+        [n_local, B, H, D, Dv, key_mask is not None, _code(str(query.dtype)), *seed.tolist()],
         query.device, group, world,
     )
     lengths = [m[0] for m in meta]
     if len(set(lengths)) > 1:
         raise ValueError(
             f"layout {layout!r} needs one shard length on every rank, got n_local by rank "
-            f"{lengths}: shard a sequence whose length is a multiple of "
-            f"{_chunks(layout, world)} with shard_sequence"
+            f"{lengths}: pad the sequence to a multiple of {_chunks(layout, world)} (mask the "
+            f"padding with key_mask) and shard it with shard_sequence"
         )
-    if any(m != meta[0] for m in meta):
+    if any(m[:7] != meta[0][:7] for m in meta):
         dtypes = "equal" if len({m[6] for m in meta}) == 1 else "differ"
         raise ValueError(
             "the ranks' shards differ in (n_local, B, H, D, Dv, key_mask given): "
@@ -299,25 +471,58 @@ def context_parallel_attention(
             f"layout 'head_tail' holds two equal chunks per rank, got odd n_local={n_local}: "
             f"the sequence length must be a multiple of 2P = {2 * world}"
         )
+    n = n_local * world
+    # The window narrowed to the whole sequence (offsets lie in [-(n - 1), n - 1]).
+    left, right = check_window(max_distance)
+    lo, hi = min(left, n - 1), min(right, n - 1)
+    tables = [None if t is None else (t if t.dim() == 3 else t[None])[:, left - lo:left + hi + 1]
+              for t in (rel_keys, rel_values)]
+    if rel_keys is None and rel_values is None:
+        lo = hi = 0
+    D_scale = float(D) ** -0.5 if scale is None else float(scale)
+    plan = _Plan(layout=layout, rank=rank, world=world, n_local=n_local, left=lo, right=hi,
+                 is_causal=is_causal, scale=D_scale, dropout_p=float(dropout_p),
+                 seed=torch.tensor(meta[0][7:9], dtype=torch.int64) if dropout else None,
+                 group=group)
+    if mode == "ring":
+        acc = accumulation_dtype(query.dtype)
+        q, k, v = (t.to(acc) for t in (query, key, value))
+        rk, rv = (None if t is None else t.to(acc) for t in tables)
+        out = _Ring.apply(q, k, v, rk, rv, _key_bias(key_mask, acc), plan)
+        return out.to(query.dtype)
+    return _all_gather_attention(query, key, value, key_mask, tables, plan, kwargs)
 
-    # One collective for keys, values and the key mask: concatenated on the last dim.
+
+def _all_gather_attention(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None,
+                          tables: list[Tensor | None], plan: _Plan,
+                          kwargs: dict[str, Any]) -> Tensor:
+    """All-gather mode: one collective for keys, values and the key mask (concatenated on the
+    last dim), then one call per local query segment at its global offset."""
+    B, H, n_local, D = query.shape
+    Dv = value.shape[3]
     pieces = [key, value]
     if key_mask is not None:
         pieces.append(key_mask.to(key.dtype)[:, None, :, None].expand(B, H, n_local, 1))
-    parts = _AllGather.apply(torch.cat(pieces, dim=-1), group, rank, world)
-    full = _reorder(parts, dim=2, layout=layout, world=world)  # (B, H, n, D + Dv [+ 1])
+    parts = _AllGather.apply(torch.cat(pieces, dim=-1), plan.group, plan.rank, plan.world)
+    full = _reorder(parts, dim=2, layout=plan.layout, world=plan.world)  # (B, H, n, D+Dv[+1])
     k_all, v_all = full[..., :D], full[..., D:D + Dv]
     mask_all = None if key_mask is None else full[:, 0, :, D + Dv] > 0.5
-
-    chunks = _chunks(layout, world)
-    c = (n_local * world) // chunks
     outs = []
-    for i, g_chunk in enumerate(_local_chunks(layout, rank, world)):
-        g = g_chunk * c  # global position of this segment's first query
-        q_seg = query[:, :, i * c:(i + 1) * c]
-        stop = g + c if is_causal else n_local * world  # keys after the segment stay hidden
-        outs.append(relative_attention(
-            q_seg, k_all[:, :, :stop], v_all[:, :, :stop],
-            key_mask=None if mask_all is None else mask_all[:, :stop], query_start=g, **kwargs,
-        ))
+    for qs, g in plan.pieces(plan.rank):
+        q_seg = query[:, :, qs]
+        stop = g + plan.c if plan.options["is_causal"] else plan.n  # keys after stay hidden
+        if plan.seed is None:
+            outs.append(relative_attention(
+                q_seg, k_all[:, :, :stop], v_all[:, :, :stop], query_start=g,
+                key_mask=None if mask_all is None else mask_all[:, :stop], **kwargs,
+            ))
+            continue
+        # Dropout: the native op, its stream placed at this segment's global rows.
+        from relpos.ops.native import op  # noqa: F401  (registers relpos::native_attention)
+
+        bias = _key_bias(None if mask_all is None else mask_all[:, :stop],
+                         accumulation_dtype(query.dtype))
+        outs.append(torch.ops.relpos.native_attention(
+            q_seg, k_all[:, :, :stop], v_all[:, :, :stop], tables[0], tables[1], bias, None,
+            plan.seed_at(g, 0), query_start=g, **plan.options)[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -105,11 +105,12 @@ def disabled() -> bool:
 
 
 def _cache_root() -> Path:
+    # Absolute: the build runs in a child process with another working directory.
     given = os.environ.get("RELPOS_CACHE_DIR")
     if given:
-        return Path(given).expanduser()
+        return Path(given).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "relpos"
+    return ((Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "relpos").absolute()
 
 
 def _cpu_flags() -> str:

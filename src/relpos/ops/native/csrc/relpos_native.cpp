@@ -301,19 +301,42 @@ struct Dropout {
   uint32_t threshold = 0;  // keep iff hash >= threshold
   double inv_keep = 1.0;
 
+  // Placement (a seed of five int64): the dropout rows and keys of a call that computes one
+  // piece of a larger attention (context parallelism) are the larger call's: query i of head
+  // bh is row bh * rows_per_head + row_offset + i, key j is key key_offset + j. Without it
+  // (two int64): row bh * L + i, key j.
+  bool placed = false;
+  int64_t rows_per_head = 0, row_offset = 0, key_offset = 0;
+
   Dropout(double p, const c10::optional<Tensor>& seed) {
     if (p > 0.0) {
-      TORCH_CHECK(seed.has_value() && seed->numel() == 2 && seed->scalar_type() == at::kLong,
-                  "dropout needs a seed tensor of two int64");
+      TORCH_CHECK(seed.has_value() && (seed->numel() == 2 || seed->numel() == 5) &&
+                      seed->scalar_type() == at::kLong,
+                  "dropout needs a seed tensor of two int64 (or five: seed, then rows per "
+                  "head, row offset, key offset)");
       auto s = seed->contiguous();
       const int64_t* sp = s.data_ptr<int64_t>();
       seed0 = static_cast<uint64_t>(sp[0]);
       seed1 = static_cast<uint64_t>(sp[1]);
+      if (s.numel() == 5) {
+        TORCH_CHECK(sp[2] >= 0 && sp[3] >= 0 && sp[4] >= 0,
+                    "a dropout placement needs rows per head, row offset and key offset >= 0, "
+                    "got ", sp[2], ", ", sp[3], ", ", sp[4]);
+        placed = true;
+        rows_per_head = sp[2];
+        row_offset = sp[3];
+        key_offset = sp[4];
+      }
       on = true;
       const double t = std::ldexp(p, 32);
       threshold = t >= 4294967295.0 ? 4294967295u : static_cast<uint32_t>(t);
       inv_keep = 1.0 / (1.0 - p);
     }
+  }
+
+  // The dropout row of query 0 of head bh of a padded call of L queries.
+  inline int64_t first_row(int64_t bh, int64_t L) const {
+    return placed ? bh * rows_per_head + row_offset : bh * L;
   }
 
   // The two 32-bit keys of dropout row `row`.
@@ -434,11 +457,12 @@ static inline void set_head_tables(const Geometry& g, const Inputs<T>& in, Head<
 
 // Head bh = b * H + h of a padded call.
 template <typename T>
-static inline Head<T> head_of(const Geometry& g, const Inputs<T>& in, int64_t bh) {
+static inline Head<T> head_of(const Geometry& g, const Inputs<T>& in, const Dropout& drop,
+                              int64_t bh) {
   Head<T> hd;
   hd.b = bh / g.H;
   hd.h = bh % g.H;
-  hd.dropout_row = bh * g.L;
+  hd.dropout_row = drop.first_row(bh, g.L);
   hd.q = in.q + bh * g.L * g.D;
   hd.k = in.k + bh * g.S * g.D;
   hd.v = in.v + bh * g.S * g.Dv;
@@ -729,7 +753,7 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
   const int64_t j0 = seg.j0;
 #pragma omp simd
   for (int64_t j = 0; j < seg.n_visible; ++j) {
-    const bool kept = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th);
+    const bool kept = Dropout::keep(static_cast<uint32_t>(drop.key_offset + j0 + j), k1, k2, th);
     s[j] = kept ? s[j] * inv_keep : T(0);
   }
 }
@@ -837,7 +861,7 @@ static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const 
     ForwardBlock<T> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
-      forward_task<T>(g, head_of(g, in, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
+      forward_task<T>(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
                       out + bh * L * g.Dv, lse + bh * L);
     }
   });
@@ -972,7 +996,7 @@ static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_
   const int64_t j0 = seg.j0;
 #pragma omp simd
   for (int64_t j = 0; j < nv; ++j) {
-    const T w = Dropout::keep(static_cast<uint32_t>(j0 + j), k1, k2, th) ? inv_keep : T(0);
+    const T w = Dropout::keep(static_cast<uint32_t>(drop.key_offset + j0 + j), k1, k2, th) ? inv_keep : T(0);
     p_dropped[j] = s[j] * w;
     dp[j] = s[j] * (dp[j] * w - row_delta);  // dS
   }
@@ -1189,7 +1213,7 @@ static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout,
       if (dav) std::fill(dav, dav + R * Dv, T(0));
       const HeadGradients<T> gr{dout + bh * L * Dv, out + bh * L * Dv, lse + bh * L,
                                 dq + bh * L * D, dk + bh * S * D, dv + bh * S * Dv, dak, dav};
-      backward_task<T>(g, head_of(g, in, bh), gr, in.attn_bias, scale, in.ak_finite, drop, w,
+      backward_task<T>(g, head_of(g, in, drop, bh), gr, in.attn_bias, scale, in.ak_finite, drop, w,
                        BQ, BK);
     }
   });
@@ -1453,7 +1477,8 @@ static void keep_row(const Dropout& drop, int64_t row, int64_t S, bool* keep) {
   uint32_t k1 = 0, k2 = 0;
   if (drop.on) drop.row_keys(row, k1, k2);
   for (int64_t j = 0; j < S; ++j)
-    keep[j] = !drop.on || Dropout::keep(static_cast<uint32_t>(j), k1, k2, drop.threshold);
+    keep[j] = !drop.on || Dropout::keep(static_cast<uint32_t>(drop.key_offset + j), k1, k2,
+                                        drop.threshold);
 }
 
 // Returns the keep mask (B, H, L, S) of a padded call.
@@ -1462,7 +1487,9 @@ Tensor dropout_mask(const Tensor& seed, int64_t B, int64_t H, int64_t L, int64_t
   const Dropout drop(dropout_p, seed);
   auto mask = at::empty({B, H, L, S}, at::TensorOptions().dtype(at::kBool));
   bool* mp = mask.data_ptr<bool>();
-  for (int64_t row = 0; row < B * H * L; ++row) keep_row(drop, row, S, mp + row * S);
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t i = 0; i < L; ++i)
+      keep_row(drop, drop.first_row(bh, L) + i, S, mp + (bh * L + i) * S);
   return mask;
 }
 
@@ -1613,6 +1640,7 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   auto out = at::empty({vc.pk.H, vc.pk.Tq, vc.Dv}, q.options());
   auto lse = at::empty({vc.pk.H, vc.pk.Tq}, q.options());
   const Dropout drop(options.dropout_p, seed);
+  TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen", [&] {
     const auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
     forward_varlen_impl<scalar_t>(vc, in, static_cast<scalar_t>(options.scale), drop,
@@ -1658,6 +1686,7 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   if (ak) dak_part = at::empty({n_groups, H, vc.R, vc.D}, q.options());
   if (av) dav_part = at::empty({n_groups, H, vc.R, vc.Dv}, q.options());
   const Dropout drop(options.dropout_p, seed);
+  TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen", [&] {
     auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
     if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
@@ -1689,6 +1718,7 @@ std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seq
   Packing pk = packing(cu_q, cu_k, H, -1, -1);
   const Tensor used = checked_seqused(seqused_k, pk);
   const Dropout drop(dropout_p, seed);
+  TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   std::vector<Tensor> masks;
   for (int64_t s = 0; s < pk.N; ++s) {
     const int64_t L = pk.queries(s), S = pk.keys(s);
