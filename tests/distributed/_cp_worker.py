@@ -14,7 +14,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from relpos.distributed import context_parallel_attention, shard_sequence, unshard_sequence
+from relpos.distributed import (
+    context_parallel,
+    context_parallel_attention,
+    shard_sequence,
+    unshard_sequence,
+)
 from relpos.functional import relative_attention
 
 TOL = 1e-10
@@ -163,6 +168,73 @@ def refusals(rank: int, world: int) -> list[str]:
     return fails
 
 
+def _reduced_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(g)
+        out[name] = g
+    return out
+
+
+def module_cases(rank: int, world: int) -> list[str]:
+    """A relpos LM and a torch.nn.TransformerEncoder of relpos layers under
+    context_parallel(...) equal the whole-sequence model: outputs and reduced gradients, with
+    attention dropout (keyed by global positions) and a padding mask."""
+    import copy
+
+    from relpos.models import ModelConfig, RelativeTransformerLM
+    from relpos.modules import RelativeMultiheadAttention, RelativeTransformerEncoderLayer
+
+    fails: list[str] = []
+    for mode, layout in itertools.product(("all_gather", "ring"), ("contiguous", "head_tail")):
+        n = 6 * world
+        torch.manual_seed(0)
+        lm = RelativeTransformerLM(ModelConfig(vocab_size=11, d_model=8, num_layers=2,
+                                               num_heads=2, max_distance=(3, 2))).double()
+        for m in lm.modules():  # attention dropout only: other dropouts draw per shard
+            if isinstance(m, RelativeMultiheadAttention):
+                m.dropout = 0.2
+        lm.train()
+        ids = torch.randint(0, 11, (2, n), generator=torch.Generator().manual_seed(1))
+        sharded = copy.deepcopy(lm)
+        context_parallel(sharded, layout=layout, mode=mode)
+        torch.manual_seed(5)
+        whole = lm(ids)
+        w = torch.randn(whole.shape, generator=torch.Generator().manual_seed(2),
+                        dtype=torch.float64)
+        (whole * w).sum().backward()
+        torch.manual_seed(5)
+        mine = sharded(shard_sequence(ids, dim=1, layout=layout))
+        (mine * shard_sequence(w, dim=1, layout=layout)).sum().backward()
+        _close(f"LM {mode} {layout}: logits", mine.detach(),
+               shard_sequence(whole.detach(), dim=1, layout=layout), fails)
+        reduced = _reduced_grads(sharded)
+        for name, p in lm.named_parameters():
+            _close(f"LM {mode} {layout}: d {name}", reduced[name], p.grad, fails)
+
+        layer = RelativeTransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True,
+                                                max_distance=2).double()
+        encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        cp_encoder = copy.deepcopy(encoder)
+        context_parallel(cp_encoder, layout=layout, mode=mode)
+        x = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(3),
+                        dtype=torch.float64)
+        padding = torch.zeros(2, n, dtype=torch.bool)
+        padding[1, n - 5:] = True
+        whole = encoder(x, src_key_padding_mask=padding)
+        whole.sum().backward()
+        mine = cp_encoder(shard_sequence(x, dim=1, layout=layout),
+                          src_key_padding_mask=shard_sequence(padding, dim=1, layout=layout))
+        mine.sum().backward()
+        _close(f"encoder {mode} {layout}: out", mine.detach(),
+               shard_sequence(whole.detach(), dim=1, layout=layout), fails)
+        reduced = _reduced_grads(cp_encoder)
+        for name, p in encoder.named_parameters():
+            _close(f"encoder {mode} {layout}: d {name}", reduced[name], p.grad, fails)
+    return fails
+
+
 def main() -> int:
     rank, world, port = (int(a) for a in sys.argv[1:4])
     torch.set_num_threads(1)
@@ -178,6 +250,7 @@ def main() -> int:
                 break  # the ranks may be out of step now: stop before a collective hangs
         else:
             fails += refusals(rank, world)
+            fails += module_cases(rank, world)
     finally:
         dist.destroy_process_group()
     for f in fails:

@@ -13,5 +13,7 @@ from relpos.distributed.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
+from relpos.distributed.modules import context_parallel, is_context_parallel
 
-__all__ = ["LAYOUTS", "MODES", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "MODES", "context_parallel", "context_parallel_attention",
+           "is_context_parallel", "shard_sequence", "unshard_sequence"]

@@ -361,10 +361,9 @@ class _Ring(torch.autograd.Function):
                 dq[:, :, qs] += g[0]
                 dkv[:, :, ks, :D] += g[1]
                 dkv[:, :, ks, D:] += g[2]
-                if drk is not None:
-                    drk += g[3]
-                if drv is not None:
-                    drv += g[4]
+                for total, part in ((drk, g[3]), (drv, g[4])):
+                    if total is not None and part is not None:
+                        total += part
             # This shard's gradient goes on to the next rank (after the last step: its owner).
             sent = dkv
             (dkv,), grad_requests = _ring_exchange([sent], plan.group, plan.rank, plan.world)
