@@ -5,6 +5,14 @@
 computes the relative index from the runtime length, so it serves every length, not only the
 example's. It runs the bucketed backend. ONNX needs the ``onnx`` extra
 (``pip install 'relpos[onnx]'``: onnx, onnxscript, onnxruntime).
+
+:func:`export_speech_encoder` does the same for a Hugging Face speech encoder patched with
+:func:`relpos.integrations.transformers.patch` (w2v-BERT 2.0's ``Wav2Vec2BertModel``,
+SeamlessM4T v2's ``SeamlessM4Tv2SpeechEncoder``): inputs ``input_features`` and
+``attention_mask``, output ``last_hidden_state``, dynamic batch and length. Stock
+``transformers`` attention does not export with a dynamic length (sdpa's reshape fails in the
+exporter), so an unpatched model is refused; :func:`check_speech_encoder` compares the file with
+any torch model (the stock one, for instance) on padded batches.
 """
 
 from __future__ import annotations
@@ -25,7 +33,15 @@ from relpos._io import atomic_save
 from relpos.export.saving import MODELS
 from relpos.modules import RelativeMultiheadAttention, RelativeTransformerEncoderLayer
 
-__all__ = ["ONNX_PACKAGES", "check_onnx", "export_onnx", "require_onnx"]
+__all__ = [
+    "ONNX_PACKAGES",
+    "SPEECH_ENCODERS",
+    "check_onnx",
+    "check_speech_encoder",
+    "export_onnx",
+    "export_speech_encoder",
+    "require_onnx",
+]
 
 ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 
@@ -252,4 +268,235 @@ def check_onnx(
         with torch.no_grad():
             want = torch_module(*args)
         worst = max(worst, float((got.to(want.dtype) - want).abs().max()))
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face speech encoders patched with relpos.integrations.transformers
+
+SPEECH_ENCODERS: dict[str, str] = {
+    "Wav2Vec2BertModel": "transformers.models.wav2vec2_bert.modeling_wav2vec2_bert",
+    "SeamlessM4Tv2SpeechEncoder": "transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2",
+}
+"""The ``transformers`` classes :func:`export_speech_encoder` exports, by name, with the module
+that defines them."""
+
+#: The dtypes the exported ``attention_mask`` input may have (1 = real frame, 0 = padding).
+MASK_DTYPES = (torch.int64, torch.int32, torch.bool)
+
+
+class _SpeechEncoderWrapper(nn.Module):
+    """``(input_features, attention_mask)`` in, ``last_hidden_state`` out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        out = self.model(input_features, attention_mask=attention_mask)
+        return out.last_hidden_state
+
+
+def _speech_encoder_class_name(model: object) -> str:
+    """The name in :data:`SPEECH_ENCODERS` of ``model``'s class, or a ``TypeError``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"export_speech_encoder expects a transformers speech encoder (nn.Module), got "
+            f"{type(model).__name__}"
+        )
+    for cls in type(model).__mro__:
+        module = SPEECH_ENCODERS.get(cls.__name__)
+        if module is not None and cls.__module__ == module:
+            return cls.__name__
+    hint = ""
+    if isinstance(getattr(model, "speech_encoder", None), nn.Module):
+        hint = "; pass its speech encoder, model.speech_encoder"
+    raise TypeError(
+        f"cannot export a {type(model).__name__} as a speech encoder; allowed: "
+        f"{', '.join(SPEECH_ENCODERS)}{hint}"
+    )
+
+
+def _feature_size(model: nn.Module) -> int:
+    config: Any = getattr(model, "config", None)
+    size = getattr(config, "feature_projection_input_dim", None)
+    if not isinstance(size, int):
+        raise ValueError(
+            f"{type(model).__name__}.config has no feature_projection_input_dim (got {size!r})"
+        )
+    return size
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def export_speech_encoder(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    attention_mask: bool = True,
+    mask_dtype: torch.dtype = torch.int64,
+    example_length: int = 16,
+    example_batch: int = 2,
+    opset_version: int | None = None,
+    optimize: bool = True,
+) -> Path:
+    """Export a relpos-patched Hugging Face speech encoder to ONNX, atomically.
+
+    The graph takes ``input_features`` ``(batch, length, feature_projection_input_dim)`` (the
+    model's float dtype) and, with ``attention_mask`` (the default), ``attention_mask``
+    ``(batch, length)`` of ``mask_dtype`` (1 = real frame, 0 = padding, as the feature
+    extractor returns it: its numpy mask is int32), and returns ``last_hidden_state``
+    ``(batch, frames, hidden_size)`` (``frames`` = ``length``, or fewer when the model has an
+    adapter that subsamples). Batch and length are dynamic: one file serves every batch size
+    and every length. The model is exported in eval mode (no dropout, no SpecAugment) and left
+    in the mode it was in.
+
+    Args:
+        model: a ``Wav2Vec2BertModel`` or ``SeamlessM4Tv2SpeechEncoder`` (see
+            :data:`SPEECH_ENCODERS`) patched with
+            :func:`relpos.integrations.transformers.patch`.
+        path: destination ``.onnx`` file (its directory is created).
+        attention_mask: add the ``attention_mask`` input.
+        mask_dtype: its dtype: ``torch.int64``, ``torch.int32`` or ``torch.bool``.
+        example_length: the length of the tracing example (>= 2); the graph serves every length.
+        example_batch: the batch of the tracing example (>= 2, so the batch axis stays dynamic).
+        opset_version: ONNX opset (None = the exporter's default).
+        optimize: run the exporter's graph optimizer.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: if the ``onnx`` extra is not installed (one line).
+        TypeError: for a model of another class (a whole ``SeamlessM4Tv2Model``: pass its
+            ``speech_encoder``) or a ``mask_dtype`` not allowed.
+        ValueError: for a model not patched by relpos (patch it first) or bad sizes.
+        RuntimeError: if the exporter fails (its one informative line).
+    """
+    from relpos.integrations.transformers import is_patched
+
+    name = _speech_encoder_class_name(model)
+    if not is_patched(model):
+        raise ValueError(
+            f"this {name} is not patched: its attention is transformers' own, which "
+            "torch.onnx.export(dynamo=True) cannot export with a dynamic length (sdpa fails "
+            "in its reshape); call relpos.integrations.transformers.patch(model) first"
+        )
+    if mask_dtype not in MASK_DTYPES:
+        raise TypeError(
+            f"mask_dtype must be one of {', '.join(map(str, MASK_DTYPES))}, got {mask_dtype!r}"
+        )
+    _check_int("example_length", example_length, 2)
+    _check_int("example_batch", example_batch, 2)
+    require_onnx()
+    features = _feature_size(model)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(example_batch, example_length, features, dtype=dtype)
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    length = torch.export.Dim("length", min=1, max=1 << 20)
+    args: tuple[Tensor, ...] = (x,)
+    dynamic: dict[str, Any] = {"input_features": {0: batch, 1: length}}
+    input_names = ["input_features"]
+    if attention_mask:
+        args = (x, torch.ones(example_batch, example_length, dtype=mask_dtype))
+        dynamic["attention_mask"] = {0: batch, 1: length}
+        input_names.append("attention_mask")
+    wrapper = _SpeechEncoderWrapper(model)
+    was_training = model.training
+    wrapper.eval()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*shares the same shape constraints")
+            program = torch.onnx.export(
+                wrapper, args, dynamo=True, dynamic_shapes=dynamic, input_names=input_names,
+                output_names=["last_hidden_state"], opset_version=opset_version,
+                optimize=optimize, verbose=False,
+            )
+    except Exception as err:
+        raise RuntimeError(f"ONNX export of {name} failed: {_summary(err)}") from err
+    finally:
+        model.train(was_training)
+    assert program is not None
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return atomic_save(Path(path), lambda tmp: program.save(tmp))
+
+
+def _real_frames(model: nn.Module, mask: Tensor, frames: int) -> Tensor:
+    """``(B, frames)`` bool: the output frames of ``model`` that come from real input frames
+    (``mask``: ``(B, L)``, right padding), its adapter's subsampling included."""
+    lengths = mask.long().sum(1)
+    adapter: Any = getattr(model, "adapter", None)
+    if frames != mask.shape[1] and adapter is not None:
+        sub = getattr(model, "_compute_sub_sample_lengths_from_attention_mask", None)
+        if sub is not None:  # SeamlessM4T v2: one formula for the whole adapter
+            lengths = sub(mask).long()
+        else:  # w2v-BERT: each adapter layer subsamples
+            seq = lengths.float()
+            for _ in adapter.layers:
+                seq = adapter._compute_sub_sample_lengths_from_attention_mask(seq)
+            lengths = seq.long()
+    return torch.arange(frames)[None, :] < lengths[:, None]
+
+
+def check_speech_encoder(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    lengths: Iterable[int] = (5, 16, 37),
+    *,
+    batch_size: int = 3,
+    seed: int = 0,
+) -> float:
+    """Run a file written by :func:`export_speech_encoder` in onnxruntime and compare it with
+    ``model`` (any torch speech encoder of the same weights: the patched one, or the stock one
+    with ``eager`` or ``sdpa`` attention) at several lengths.
+
+    Each length runs a batch of ``batch_size`` random feature rows: the first row is full, the
+    others right-padded to random lengths (with an ``attention_mask`` input; without one, every
+    row is full). Only real frames are compared (padded frames are not part of the output).
+
+    Returns:
+        The largest absolute difference over all lengths.
+
+    Raises:
+        ImportError: if onnxruntime is missing (one line).
+        ValueError: for bad sizes.
+    """
+    _check_int("batch_size", batch_size, 1)
+    lengths = [_check_int("length", n, 1) for n in lengths]
+    require_onnx()
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    inputs = {i.name: i.type for i in session.get_inputs()}
+    masked = "attention_mask" in inputs
+    mask_dtype = {"tensor(int64)": torch.int64, "tensor(int32)": torch.int32,
+                  "tensor(bool)": torch.bool}.get(inputs.get("attention_mask", ""), torch.int64)
+    features = _feature_size(model)
+    dtype = next(model.parameters()).dtype
+    reference = _SpeechEncoderWrapper(model)
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    try:
+        for n in lengths:
+            x = torch.randn(batch_size, n, features, generator=gen).to(dtype)
+            real = torch.full((batch_size,), n)
+            if masked and n > 1:
+                real[1:] = torch.randint(1, n + 1, (batch_size - 1,), generator=gen)
+            mask = (torch.arange(n)[None, :] < real[:, None]).to(mask_dtype)
+            feeds = {"input_features": x.numpy()}
+            if masked:
+                feeds["attention_mask"] = mask.numpy()
+            got = torch.from_numpy(session.run(None, feeds)[0])
+            with torch.no_grad():
+                want = reference(x, mask if masked else None)
+            keep = _real_frames(model, mask, want.shape[1])
+            worst = max(worst, float((got.to(want.dtype) - want)[keep].abs().max()))
+    finally:
+        model.train(was_training)
     return worst

@@ -45,6 +45,7 @@ K clip distance (``n_positions``).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -237,12 +238,24 @@ def _has_relative_self_attention(model: nn.Module) -> bool:
                is not None for m in model.modules())
 
 
+def _log_patched(model: nn.Module, count: int) -> None:
+    """Say in eole's log (its ``"eole"`` logger) that relpos serves ``model``'s attention."""
+    patched: list[Any] = [m for m in model.modules() if getattr(m, PATCHED, False)]
+    clips = sorted({int(m.n_positions) for m in patched})
+    logging.getLogger("eole").info(
+        "relpos: patched %d self-attention layers of %s (position_encoding_type=Relative, "
+        "n_positions=%s)", count, type(model).__name__, ", ".join(map(str, clips)),
+    )
+
+
 def patch_on_build() -> None:
     """Patch every eole model with Shaw relative positions built from now on in this process.
 
     Wraps ``eole.models.model.BaseModel.build``, which ``for_training`` and ``for_inference``
     (so ``eole train`` and ``eole predict``) call; models with other positions are built as
-    before. Calling it again does nothing.
+    before. Calling it again does nothing. Each model patched says so in eole's log (the
+    ``"eole"`` logger, at INFO): ``relpos: patched 12 self-attention layers of
+    EncoderDecoderModel (position_encoding_type=Relative, n_positions=20)``.
 
     Raises:
         ModuleNotFoundError: without the ``eole`` package.
@@ -258,7 +271,7 @@ def patch_on_build() -> None:
     def build_and_patch(cls: type, *args: Any, **kwargs: Any) -> nn.Module:
         model = build(cls, *args, **kwargs)
         if _has_relative_self_attention(model):
-            patch(model)
+            _log_patched(model, patch(model))
         return model
 
     setattr(build_and_patch, PATCHED, True)
