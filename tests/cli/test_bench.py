@@ -194,3 +194,28 @@ def test_help_is_plain_text_in_every_subcommand(capsys) -> None:  # type: ignore
             main([name.replace("_", "-"), "--help"])
         text = capsys.readouterr().out
         assert "``" not in text and ":mod:" not in text and ":func:" not in text, name
+
+
+def test_the_attention_plot_keeps_its_legend_off_the_lines(tmp_path) -> None:
+    """The legend of ``attention.png`` sits outside every panel, so it covers no line (sdpa,
+    the reference, runs where a legend inside would go), and lists each backend once."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from relpos.bench.attention import Result, _figure, _plot
+
+    results = [Result(n=n, K=K, backend=b, fwdbwd_ms=t * n / 512)
+               for K in (16, 64) for b, t in (("fused", 50.0), ("sdpa", 20.0))
+               for n in (512, 1024, 2048)]
+    fig = _figure(results)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["fused", "sdpa"]
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert ax.get_legend() is None
+    path = _plot(results, tmp_path / "attention.png")
+    assert path is not None and path.read_bytes().startswith(b"\x89PNG")

@@ -1,4 +1,5 @@
-"""``relpos table``: the handbook's console table, reproduced character for character."""
+"""``relpos table``: the worked example of the handbook section on clipped relative positions
+(Shaw et al., 2018), reproduced character for character."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from relpos import clip_relative_position, relative_position_index
 from relpos.cli import main
 
-# The block as printed in the handbook section this project starts from (Out[7]), copied
+# The block as the handbook section on clipped relative positions prints it (Out[7]), copied
 # character for character: the tests hold the fact themselves and read nothing outside the
 # repository.
 EXPECTED_BLOCK = """\

@@ -454,18 +454,15 @@ def _markdown(results: list[Result], meta: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def _plot(results: list[Result], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    from relpos._io import atomic_write
+def _figure(results: list[Result]) -> Any:
+    """The figure of ``attention.png``: forward + backward time against n, a panel per K, a
+    line per backend, one legend for all panels outside them on the right (inside, it would
+    cover lines: sdpa, the reference every ratio is to, runs along the bottom right)."""
+    from matplotlib.figure import Figure
 
     Ks = sorted({r.K for r in results})
-    fig, axes = plt.subplots(1, len(Ks), figsize=(5 * len(Ks), 4), squeeze=False)
+    fig = Figure(figsize=(5 * len(Ks), 4))
+    axes = fig.subplots(1, len(Ks), squeeze=False)
     for ax, K in zip(axes[0], Ks, strict=True):
         for backend in dict.fromkeys(r.backend for r in results):
             pts = [(r.n, r.fwdbwd_ms) for r in results
@@ -478,11 +475,27 @@ def _plot(results: list[Result], path: Path) -> Path | None:
         ax.set_ylabel("forward + backward (ms)")
         ax.set_title(f"K = {K}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+    handles: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center left",
+                   bbox_to_anchor=(1.0, 0.5), title="backend")
+    return fig
+
+
+def _plot(results: list[Result], path: Path) -> Path | None:
     try:
-        atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=80))
-    finally:
-        plt.close(fig)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    from relpos._io import atomic_write
+
+    fig = _figure(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # "tight" takes in the legend outside the panels.
+    atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=80,
+                                                  bbox_inches="tight"))
     return path

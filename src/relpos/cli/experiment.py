@@ -4,10 +4,10 @@ with 95% intervals, figures and a report whose verdicts are computed from the nu
 
 Examples::
 
-    relpos experiment                 # the default study (about 20 minutes on 2 CPU cores)
-    relpos experiment --quick         # a small sweep (under 3 minutes)
-    relpos experiment --full          # the whole study (about 50 minutes)
-    relpos experiment --long          # agreement and pysrc until learned (about 6.5 hours)
+    relpos experiment                 # the default study
+    relpos experiment --quick         # a small sweep
+    relpos experiment --full          # the whole study
+    relpos experiment --long          # agreement and pysrc until learned
     relpos experiment --out runs/exp --seeds 0,1,2,3 --ks 0,4,16 --tasks recall
     relpos experiment --out runs/exp --code-ks 4,16,64 --reuse   # keeps the finished runs
 
@@ -15,6 +15,8 @@ An --out that holds an experiment (results.json.gz, report.md, figures, runs/*.j
 refused unless --reuse keeps its finished runs (runs with other settings are retrained;
 run files and figures not part of the new sweep are removed afterwards, and said so) or
 --overwrite replaces it (its files are removed first).
+
+How long each preset takes is said in ``--help`` (:data:`PRESET_TIMES`).
 """
 
 from __future__ import annotations
@@ -49,29 +51,43 @@ def _models(text: str) -> tuple[str, ...]:
     return names
 
 
+#: How long each preset takes on the reference machine: the strings
+#: ``relpos.training.experiment.calibrate.time_claim`` makes of each preset's plan of runs,
+#: written out here because that module loads torch and ``--help`` must not (a test checks
+#: that they agree, and the README's with them).
+PRESET_TIMES = {
+    "default": "about 6 minutes on 2 CPU cores",
+    "quick": "about 1 minute on 2 CPU cores",
+    "full": "about 20 minutes on 2 CPU cores",
+    "long": "about 6.5 hours on 2 CPU cores with 2 jobs",
+}
+
 SUMMARY = "sweep the clip distance K: where does it matter?"
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Train small causal transformers with clipped relative positions over K (plus absolute
 baselines), 3 seeds each, on offset recall, long-range agreement and a character-level LM of
 the running Python's standard library (pysrc: bits per character at 1x/4x/8x the training
 length, closing-bracket accuracy by opener distance, the training signal per table row);
-print an up-front time estimate and progress; write results.json.gz, figures and a report
-with 95% intervals to --out. An --out that holds an experiment is refused unless --reuse
-keeps its finished runs or --overwrite replaces it.
+print an up-front time estimate for this machine and progress; write results.json.gz,
+figures and a report with 95% intervals to --out, and print a summary: the verdict on each
+claim, which K to choose, where the report and figures are. The default study takes
+{PRESET_TIMES["default"]} (one torch thread, nothing else running). An --out that holds an
+experiment is refused unless --reuse keeps its finished runs or --overwrite replaces it.
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``relpos experiment``."""
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="a small sweep (under 3 minutes)")
+    size.add_argument("--quick", action="store_true",
+                      help=f"a small sweep ({PRESET_TIMES['quick']})")
     size.add_argument("--full", action="store_true",
-                      help="the whole study (about 50 minutes on 2 CPU cores)")
+                      help=f"the whole study ({PRESET_TIMES['full']})")
     size.add_argument("--long", action="store_true",
                       help="agreement and pysrc (20 seeds each; K=128 and unclipped of "
-                           "pysrc 61) trained until learned, with learning curves (about "
-                           "6.5 hours on 2 CPU cores, 2 jobs; --reuse trains only the runs "
-                           "not yet in --out)")
+                           "pysrc 61) trained until learned, with learning curves "
+                           f"({PRESET_TIMES['long']}; --reuse trains only the runs not yet "
+                           "in --out)")
     p.add_argument("--out", default="runs/experiment", metavar="DIR", help="output directory")
     p.add_argument("--seeds", type=_args.int_list(0, _args.SEED_MAX, distinct=True),
                    metavar="S,S,...",
@@ -204,5 +220,4 @@ def run(args: argparse.Namespace) -> int:
         if "already holds" in str(err) or "corpus" in str(err):
             raise CLIError(str(err)) from None
         raise
-    print(f"results, figures and report.md in {args.out}")
     return 0

@@ -1,8 +1,9 @@
 """``relpos heatmap``: the clipped relative position matrix, as an image or as text.
 
-``relpos heatmap --length 10 --max-distance 4 -o clipped.png`` draws the handbook figure
-(rows = queries i, columns = keys j, cell = clip(j - i, -k, k)); without ``-o`` the matrix
-is printed. Images need the ``plot`` extra (matplotlib).
+``relpos heatmap --length 10 --max-distance 4 -o clipped.png`` draws the matrix of the worked
+example of the handbook section on clipped relative positions (Shaw et al., 2018): rows =
+queries i, columns = keys j, cell = clip(j - i, -k, k); without ``-o`` the matrix is
+printed. Images need the ``plot`` extra (matplotlib).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``relpos table``: the clipped offset of every key seen from one query.
 
-With no options it prints the table of the handbook section relpos starts from
-(length 10, query 5, K = 4)::
+With no options it prints the worked example of the handbook section on clipped relative
+positions (Shaw et al., 2018): length 10, query 5, K = 4::
 
     Query position: 5
     Maximum relative distance (k): 4
@@ -36,8 +36,9 @@ _TEXT_COLUMNS = (("Position", 9), ("Raw Offset", 12), ("Clipped Offset", 15))
 SUMMARY = "print the clipped offset of every key seen from one query"
 DESCRIPTION = """\
 Print, for one query position, the raw offset j - i of every key position j and its clipped
-value clip(j - i, -k, k), or clip(j - i, -L, R) with --left/--right. The defaults reproduce
-the handbook table: length 10, query 5, k = 4.
+value clip(j - i, -k, k), or clip(j - i, -L, R) with --left/--right. The defaults print the
+worked example of the handbook section on clipped relative positions (Shaw et al., 2018):
+length 10, query 5, k = 4.
 """
 
 
@@ -82,7 +83,8 @@ def table_rows(length: int, query: int, max_distance: Window) -> list[dict[str, 
 
 
 def format_text(length: int, query: int, max_distance: Window) -> str:
-    """The handbook's console table, generalised to any length, query and K (or window)."""
+    """The worked example's console table, generalised to any length, query and K (or
+    window)."""
     rows = table_rows(length, query, max_distance)
     cells = [
         (str(r["position"]), f"{r['raw_offset']:+d}", f"{r['clipped_offset']:+d}") for r in rows
@@ -91,7 +93,7 @@ def format_text(length: int, query: int, max_distance: Window) -> str:
         max(slot, *(len(c[n]) + 2 for c in cells)) for n, (_, slot) in enumerate(_TEXT_COLUMNS)
     ]
     titles = [title for title, _ in _TEXT_COLUMNS]
-    # The handbook writes the titles joined by " | " (first flush left, last flush right).
+    # The worked example writes the titles joined by " | " (first flush left, last flush right).
     header = f"{titles[0]:<{widths[0]}}|{' ' + titles[1]:<{widths[1]}}|{titles[2]:>{widths[2]}}"
     lines = [
         f"Query position: {query}",

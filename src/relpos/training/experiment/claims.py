@@ -1,4 +1,5 @@
-"""What the numbers of the K sweep say: the seed's claims with their verdicts
+"""What the numbers of the K sweep say: the claims of the handbook section on clipped
+relative positions (Shaw et al., 2018) with their verdicts
 (:func:`claims`, :func:`signal_claims`), and which K to choose per dependency distance
 (:func:`guidance`).
 
@@ -50,6 +51,7 @@ __all__ = [
     "Counts",
     "claims",
     "guidance",
+    "guidance_rows",
     "signal_claims",
     "undecided_ks",
 ]
@@ -269,15 +271,18 @@ def _gap(groups: dict[str, list[dict]], ref: str, counts: Counts
 
 def _subset(code: bool, n: int, low: int, high: int) -> Counts:
     """Per-run (hits, count) of the subset ``low <= d <= high`` at length ``n``: closing
-    brackets by opener distance (``pysrc``: the seed's 10-20 range, or the buckets inside
+    brackets by opener distance (``pysrc``: the claims' 10-20 range, or the buckets inside
     the range), or synthetic targets by dependency distance."""
     if code:
         return code_counts(n, low, high)
     return lambda r: pooled_counts(r, n, lambda d: low <= d <= high)
 
 
-def guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
-    """Per dependency range: the smallest K shown enough and the largest shown not."""
+def guidance_rows(results: dict[str, Any], task: str, depth: int) -> list[dict[str, Any]]:
+    """Per dependency range of ``task`` at ``depth``: ``span`` (``"4"`` or ``"5-16"``),
+    ``learned`` (some model reaches :data:`FLOOR`), ``enough`` (the smallest K shown within
+    :data:`SMALL_PP` of the reference, or None), ``short`` (the largest K shown worse, or
+    None), ``reference`` (the reference's accuracy interval) and ``ref`` (its label)."""
     n = train_length(results, task)
     groups = configurations(runs_of(results["runs"], task, depth))
     ref = _reference(groups, n)
@@ -290,18 +295,30 @@ def guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
         distances = sorted({d for runs in groups.values() for r in runs
                             for d in by_distance(r, n)})
         ranges = [(d, d) for d in distances]
-    lines = []
+    rows = []
     for lo, hi in ranges:
         counts = _subset(code, n, lo, hi)
         enough, short = _enough(groups, ref, _gap(groups, ref, counts), SMALL_PP / 100)
-        best = accuracy_interval([counts(r) for r in groups[ref]])
-        span = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        if not _learned(groups, list(groups), counts):
-            lines.append(f"| {task}, depth {depth} | {span} | not learned (every model's "
-                         f"mean below {100 * FLOOR:g}%) | - | {pct(best)} |")
+        rows.append({"span": f"{lo}" if lo == hi else f"{lo}-{hi}",
+                     "learned": _learned(groups, list(groups), counts),
+                     "enough": enough, "short": short,
+                     "reference": accuracy_interval([counts(r) for r in groups[ref]]),
+                     "ref": ref})
+    return rows
+
+
+def guidance(results: dict[str, Any], task: str, depth: int) -> list[str]:
+    """Per dependency range: the smallest K shown enough and the largest shown not (rows of
+    the report's table)."""
+    lines = []
+    for row in guidance_rows(results, task, depth):
+        head = f"| {task}, depth {depth} | {row['span']} |"
+        if not row["learned"]:
+            lines.append(f"{head} not learned (every model's mean below {100 * FLOOR:g}%) | - "
+                         f"| {pct(row['reference'])} |")
             continue
-        lines.append(f"| {task}, depth {depth} | {span} | {kstr(enough, 'none shown')} | "
-                     f"{kstr(short, '-')} | {pct(best)} |")
+        lines.append(f"{head} {kstr(row['enough'], 'none shown')} | "
+                     f"{kstr(row['short'], '-')} | {pct(row['reference'])} |")
     return lines
 
 

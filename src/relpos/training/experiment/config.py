@@ -1,5 +1,9 @@
 """The K sweep's configuration: what it trains and evaluates, its presets (:meth:`full`,
-:meth:`long`, :meth:`quick`) and the ``relpos experiment`` command that reproduces it."""
+:meth:`long`, :meth:`quick`) and the ``relpos experiment`` command that reproduces it.
+
+How long a preset takes is stated in one place only, from its plan of runs:
+:func:`relpos.training.experiment.calibrate.time_claim` (the time on the reference machine,
+2 CPU cores)."""
 
 from __future__ import annotations
 
@@ -146,7 +150,7 @@ class ExperimentConfig:
 
     @classmethod
     def full(cls) -> ExperimentConfig:
-        """The whole study (about 50 minutes on 2 CPU cores)."""
+        """The whole study: every K, both absolute baselines, depths 1 and 2."""
         return cls(
             ks=(0, 1, 2, 4, 8, 16, 32, 64),
             depths=(1, 2),
@@ -162,8 +166,8 @@ class ExperimentConfig:
     def long(cls) -> ExperimentConfig:
         """The long study: agreement and ``pysrc`` (20 seeds each) trained until learned,
         large evaluations, and the learning curves the budget was chosen from (the curve K
-        at 1/4 and 1/2 of it, and ``pysrc`` at 2x and 4x it), two jobs; about 6.5 hours on 2
-        CPU cores (``reuse`` extends a finished sweep by its new runs alone).
+        at 1/4 and 1/2 of it, and ``pysrc`` at 2x and 4x it), two jobs (``reuse`` extends a
+        finished sweep by its new runs alone).
 
         ``pysrc``'s K=128 and unclipped models get 41 more seeds (61 in all): beyond the
         training length both put every far offset on table rows no training pair reached,
@@ -194,7 +198,7 @@ class ExperimentConfig:
 
     @classmethod
     def quick(cls) -> ExperimentConfig:
-        """A small sweep for under 3 minutes on 2 CPU cores."""
+        """A small sweep: recall and ``pysrc``, fewer K, steps and evaluated tokens."""
         return cls(
             tasks=("recall", CODE_TASK),
             ks=(0, 4, 16, 64),

@@ -37,7 +37,7 @@ def evaluate_code(
         deviation of the sequences' means (listed, 4 digits, in ``bpc_per_sequence``, so
         two models evaluated on the same windows can be compared sequence by sequence);
         ``brackets`` maps an opener-distance bucket ``"lo-hi"`` (and the
-        seed's ``"10-20"``) to ``{"count", "hits", "type_hits"}``: closers whose opener is
+        claims' ``"10-20"``) to ``{"count", "hits", "type_hits"}``: closers whose opener is
         in the window, how many the model predicts exactly (argmax over all characters),
         and how many it ranks above the other two closers (the bracket type).
     """

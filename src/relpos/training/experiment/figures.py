@@ -1,6 +1,8 @@
 """Figures of the K sweep (need the ``plot`` extra, matplotlib): accuracy heatmaps over
-model x distance (colour scale fitted to the data), length-extrapolation curves with 95%
-bands, bits per character against K with bands, and the per-row training signal."""
+model x distance (in %, cells and colour bar alike; colour scale fitted to the data; d = K
+marked by a white bar outlined in black), length-extrapolation curves with 95% bands, bits
+per character against K with bands (the absolute baselines as horizontal lines), and the
+per-row training signal."""
 
 from __future__ import annotations
 
@@ -39,6 +41,18 @@ def _heatmap(ax: Any, grid: list[list[float]], rows: list[str], cols: list[str],
     return image
 
 
+def _colorbar(fig: Any, image: Any, axes: Any, label: str) -> None:
+    """The heatmaps' colour bar, in % like the cells (whole numbers where the tick is one)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def percent(value: float, _: Any) -> str:
+        v = 100 * value
+        return f"{v:.0f}" if abs(v - round(v)) < 1e-6 else f"{v:.1f}"
+
+    fig.colorbar(image, ax=list(axes), shrink=0.9, label=f"{label}, % (fitted scale)",
+                 format=FuncFormatter(percent))
+
+
 def _range(values: list[float]) -> tuple[float, float]:
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
@@ -50,14 +64,20 @@ def _range(values: list[float]) -> tuple[float, float]:
 
 
 def _mark_k(ax: Any, labels: list[str], edges: list[int]) -> None:
-    """A white tick at the first column whose distance reaches K."""
+    """A white bar outlined in black (seen on every colour of the map) at the left edge of
+    the first column whose distance reaches K (none where that is the first column: every
+    distance shown reaches K)."""
+    from matplotlib.patheffects import Normal, Stroke
+
+    outline = [Stroke(linewidth=3.6, foreground="black"), Normal()]
     for row, label in enumerate(labels):
         if not label.startswith("K="):
             continue
         k = int(label[2:])
         cols = [c for c, d in enumerate(edges) if d >= k]
-        if cols:
-            ax.plot(cols[0] - 0.5, row, marker="|", color="white", markersize=9)
+        if cols and cols[0] > 0:
+            ax.plot([cols[0] - 0.5] * 2, [row - 0.42, row + 0.42], color="white",
+                    linewidth=1.8, solid_capstyle="butt", path_effects=outline, zorder=3)
 
 
 def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
@@ -95,7 +115,7 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
             ax.set_xlabel("dependency distance d")
             _mark_k(ax, labels, distances)
         if image is not None:
-            fig.colorbar(image, ax=list(axes), shrink=0.9, label="accuracy (fitted scale)")
+            _colorbar(fig, image, axes, "subset accuracy")
         paths.append(save_figure(fig, out / f"heatmap_{task}.png", dpi=100))
 
         fig = Figure(figsize=(4.4 * len(depths) + 1.6, 3.4), layout="constrained")
@@ -172,28 +192,38 @@ def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) ->
     labels = list(groups)
     paths = []
     # Heatmaps: closing-bracket accuracy by model x opener distance, at 1x and the longest.
+    # A bucket in which no closer was scored (no opener that far back in the evaluated
+    # windows) is left out, and the axis says so.
     panels = []
     for m in sorted({n, max(lengths)}):
-        buckets = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo < m]
+        possible = [f"{lo}-{hi}" for lo, hi in BUCKETS if lo < m]
+        buckets = [b for b in possible
+                   if any(bracket_counts(r, m, b)[1] for g in groups.values() for r in g)]
+        empty = [b for b in possible if b not in buckets]
         grid = [[accuracy_interval([bracket_counts(r, m, b) for r in g]).mean for b in buckets]
                 for g in groups.values()]
-        panels.append((m, buckets, grid))
-    vmin, vmax = _range([v for *_, grid in panels for row in grid for v in row])
+        panels.append((m, buckets, grid, empty))
+    vmin, vmax = _range([v for *_, grid, _ in panels for row in grid for v in row])
     fig = Figure(figsize=(4.6 * len(panels) + 0.8, 4.0), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     image = None
-    for ax, (m, buckets, grid) in zip(axes, panels, strict=True):
+    for ax, (m, buckets, grid, empty) in zip(axes, panels, strict=True):
         image = _heatmap(ax, grid, labels, buckets, vmin, vmax,
                          f"closing-bracket accuracy, length {m}")
-        ax.set_xlabel("opener distance d (characters)")
+        left_out = (f"\n(d = {', '.join(empty)} left out: no closer scored)"
+                    if empty else "")
+        ax.set_xlabel(f"opener distance d (characters){left_out}")
         _mark_k(ax, labels, [int(b.split("-")[1]) for b in buckets])
     if image is not None:
-        fig.colorbar(image, ax=list(axes), shrink=0.9, label="subset accuracy (fitted scale)")
+        _colorbar(fig, image, axes, "subset accuracy")
     paths.append(save(fig, out / f"heatmap_{CODE}.png", dpi=100))
 
     # Bits per character against K, one line per evaluation length, with bands.
     rel = [lab for lab in labels if lab.startswith("K=") or lab == "unclipped"]
-    fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+    # The absolute baselines the data has, each a line style: a horizontal line per length.
+    styles = dict(zip([lab for lab in labels if lab not in rel], ("--", ":", "-."),
+                      strict=False))
+    fig = Figure(figsize=(7.6, 3.6), layout="constrained")
     ax = fig.subplots()
     xs = list(range(len(rel)))
     for m in lengths:
@@ -202,18 +232,19 @@ def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) ->
                           label=f"length {m} ({m // n}x)")
         ax.fill_between(xs, [iv.low for iv in ivs], [iv.high for iv in ivs],
                         color=line.get_color(), alpha=0.2, linewidth=0)
-        for j, lab in enumerate(lab for lab in labels if lab not in rel):
+        for lab, style in styles.items():
             iv = bpc_interval(groups[lab], m)
             if not math.isnan(iv.mean):
-                ax.axhline(iv.mean, color=line.get_color(), linewidth=0.8,
-                           linestyle=("--", ":", "-.")[j % 3])
-                ax.text(xs[-1], iv.mean, f" {lab}", fontsize=6, va="bottom",
-                        color=line.get_color())
+                ax.axhline(iv.mean, color=line.get_color(), linewidth=0.9, linestyle=style)
+    for lab, style in styles.items():  # legend entries: the style of each baseline
+        ax.plot([], [], color="gray", linewidth=0.9, linestyle=style,
+                label=f"{lab} positions (each length's colour)")
     ax.set_xticks(xs, [lab.replace("K=", "") for lab in rel], fontsize=7)
-    ax.set_xlabel("clip distance K (dashed/dotted: absolute baselines)")
+    ax.set_xlabel("clip distance K" + (" (horizontal lines: absolute-position baselines)"
+                                       if styles else ""))
     ax.set_ylabel("validation bits per character")
     ax.set_title(f"{CODE}: bits per character vs K (trained at {n}), 95% bands", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     paths.append(save(fig, out / f"bpc_{CODE}.png", dpi=100))
 
     # Length extrapolation: bits per character by evaluation length.

@@ -1,5 +1,6 @@
-"""The report of the K sweep: what K to choose, the seed's claims with verdicts, tables,
-the training-signal measurement and figures.
+"""The report of the K sweep: the claims of the handbook section on clipped relative
+positions (Shaw et al., 2018) with verdicts, what K to choose, tables, the training-signal
+measurement and figures; and the short summary of it that ``relpos experiment`` prints.
 
 Every number and statement in ``report.md`` is computed from the results document that
 :func:`relpos.training.experiment.run_experiment` writes (``results.json.gz``); none is
@@ -43,7 +44,7 @@ from relpos.training.experiment.results import (
 from relpos.training.experiment.seeds import NARROW_PP, to_settle
 from relpos.training.experiment.stats import accuracy_interval
 
-__all__ = ["BPC_SMALL", "SMALL_PP", "claims", "make_report", "write_report"]
+__all__ = ["BPC_SMALL", "SMALL_PP", "claims", "make_report", "make_summary", "write_report"]
 
 # LARGE_PP (5.0) was kept for callers of the first report; no verdict uses it. Deprecated in
 # 0.1, the name goes in 0.2.
@@ -52,8 +53,10 @@ __getattr__ = module_getattr(__name__, {
 })
 
 
-#: The seed's words behind each claim row (by the row's ``claim``).
-SEED_WORDS = {
+#: What the study answers: the handbook section on clipped relative positions.
+SOURCE = "the handbook section on clipped relative positions (Shaw et al., 2018)"
+#: The handbook section's words behind each claim row (by the row's ``claim``).
+HANDBOOK_WORDS = {
     "typical K is 16-128 (the K needed lies there)":
         "Typical values range from 16 to 128",
     "K=16 suffices for 10-20 token dependencies":
@@ -118,9 +121,9 @@ def _signal_table(results: dict[str, Any]) -> list[str]:
 
 def _claims_section(rows: list[dict[str, Any]], seeds: str) -> list[str]:
     lines = [
-        "## The seed's claims, answered",
+        "## The claims, answered",
         "",
-        f"Each claim of the handbook section, per task, with the evidence ({seeds}, "
+        f"Each claim of {SOURCE} that the study tests, per task, with the evidence ({seeds}, "
         f"95% intervals) and the verdict: YES or NO when the interval lies on one side of "
         f"the claim's threshold ({SMALL_PP:g} pp of accuracy, {BPC_SMALL:g} bits per "
         f"character, 10x for the training signal), otherwise inconclusive, with what would "
@@ -128,24 +131,11 @@ def _claims_section(rows: list[dict[str, Any]], seeds: str) -> list[str]:
         f"(±{BPC_SMALL:g} bits per character).",
         "",
     ]
-    order: list[str] = []
-    for r in rows:
-        if r["claim"] not in order:
-            order.append(r["claim"])
-    for number, claim in enumerate(order, 1):
-        mine = [r for r in rows if r["claim"] == claim]
-        tally = []
-        for word in ("yes", "no"):
-            wheres = [r["where"] for r in mine if r["verdict"] == word]
-            if wheres:
-                tally.append(f"**{word.upper()}** on {'; '.join(wheres)}.")
-        undecided = [r["where"] for r in mine if r["verdict"].startswith("inconclusive")]
-        if undecided:
-            tally.append(f"Inconclusive on {'; '.join(undecided)}.")
+    for number, (claim, mine) in enumerate(_by_claim(rows), 1):
         lines += [
             f"### {number}. {claim}",
             "",
-            f"The seed: \"{SEED_WORDS.get(claim, claim)}.\" {' '.join(tally)}",
+            f"The handbook: \"{HANDBOOK_WORDS.get(claim, claim)}.\" {_tally(mine)}",
             "",
             "| task, depth | evidence (labelled: overall or subset) | verdict | to settle it |",
             "|---|---|---|---|",
@@ -454,15 +444,105 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
             "## Figures",
             "",
             "Heatmaps: mean accuracy by model and distance, colour scale fitted to the data "
-            "(the numbers are printed in the cells; a white tick marks d = K). Bits per "
-            "character: mean with the 95% band. Extrapolation: mean by evaluation length "
-            "with bands. Signal: per-row pairs, gradient norm and distance moved.",
+            "(the numbers, in %, are printed in the cells; a white bar outlined in black "
+            "marks d = K; a column without a scored target is left out). Bits per "
+            "character: mean with the 95% band, the absolute baselines as horizontal lines. "
+            "Extrapolation: mean by evaluation length with bands. Signal: per-row pairs, "
+            "gradient norm and distance moved.",
             "",
             *[f"![{f}]({f})" for f in figures],
             "",
         ]
     lines += ["## Reproduce", "", "```", results.get("command", "relpos experiment"), "```", "",
-              "Reruns with the same command, seeds and thread count on the same machine give "
-              "identical numbers; another CPU (ISA) or torch build gives slightly different "
-              "numbers, which the intervals are there to absorb.", ""]
+              _reference_time(cfg) + "Reruns with the same command, seeds and thread count on "
+              "the same machine give identical numbers; another CPU (ISA) or torch build gives "
+              "slightly different numbers, which the intervals are there to absorb.", ""]
+    return "\n".join(lines)
+
+
+def _reference_time(cfg: dict[str, Any]) -> str:
+    """``This sweep takes about 20 minutes on 2 CPU cores ...`` (the sweep's
+    :func:`~relpos.training.experiment.calibrate.time_claim`), or nothing for a document
+    whose configuration this version cannot read."""
+    from relpos.training.experiment.calibrate import time_claim
+    from relpos.training.experiment.config import ExperimentConfig
+
+    try:
+        claim = time_claim(ExperimentConfig.from_dict(cfg))
+    except (TypeError, ValueError):
+        return ""
+    return (f"This sweep takes {claim} (one torch thread per job, nothing else running; "
+            "the estimate printed up front is timed on the machine at hand). ")
+
+
+def _tally(mine: list[dict[str, Any]]) -> str:
+    """``**YES** on recall, depth 1. Inconclusive on agree, depth 1.``: a claim's verdicts,
+    task by task (``bold``: YES and NO in markdown bold)."""
+    tally = []
+    for word in ("yes", "no"):
+        wheres = [r["where"] for r in mine if r["verdict"] == word]
+        if wheres:
+            tally.append(f"**{word.upper()}** on {'; '.join(wheres)}.")
+    undecided = [r["where"] for r in mine if r["verdict"].startswith("inconclusive")]
+    if undecided:
+        tally.append(f"Inconclusive on {'; '.join(undecided)}.")
+    return " ".join(tally)
+
+
+def _by_claim(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The claim rows grouped by claim, in the order they first appear."""
+    order: list[str] = []
+    for r in rows:
+        if r["claim"] not in order:
+            order.append(r["claim"])
+    return [(claim, [r for r in rows if r["claim"] == claim]) for claim in order]
+
+
+def _k_choice(rows: list[dict[str, Any]]) -> str:
+    """``K=4 for d=1-3; K=8 for d=4-6; not learned for d=5-16``: the smallest K shown enough,
+    over runs of consecutive distance ranges that share it."""
+    parts: list[tuple[str, list[str]]] = []
+    for row in rows:
+        said = (("K=" + str(row["enough"])) if row["enough"] is not None else "none shown"
+                ) if row["learned"] else "not learned"
+        if parts and parts[-1][0] == said:
+            parts[-1][1].append(row["span"])
+        else:
+            parts.append((said, [row["span"]]))
+
+    def spans(xs: list[str]) -> str:
+        first, last = xs[0].split("-")[0], xs[-1].split("-")[-1]
+        return first if first == last else f"{first}-{last}"
+
+    return "; ".join(f"{said} for d={spans(xs)}" for said, xs in parts)
+
+
+def make_summary(results: dict[str, Any], report: Path, figures: Sequence[Path] = ()) -> str:
+    """What ``relpos experiment`` prints when it is done (the report itself is in
+    ``report``): the sweep in one line, each claim's verdicts in one line, which K to
+    choose per task and depth, and the paths of the report and the figures."""
+    from relpos.training.experiment.claims import guidance_rows
+
+    cfg = results["config"]
+    runs = len(results.get("runs", ()))
+    wall = (results.get("sweep_seconds", math.nan) + results.get("earlier_seconds", 0.0)) / 60
+    lines = [f"relpos experiment: {runs} runs, {seed_text(cfg)}; {wall:.1f} min."]
+    grouped = _by_claim(claims(results) + signal_claims(results))
+    if grouped:
+        lines.append(f"The claims of {SOURCE}, with their verdicts per task (evidence and "
+                     "95% intervals in the report):")
+        lines += [f"  {n}. {claim}: {_tally(mine).replace('**', '')}"
+                  for n, (claim, mine) in enumerate(grouped, 1)]
+    choice = [(f"{task}, depth {depth}", rows) for task in cfg["tasks"]
+              for depth in depths(results, task)
+              if (rows := guidance_rows(results, task, depth))]
+    if choice:
+        lines.append(f"Which K to choose: the smallest K shown within {SMALL_PP:g} pp of the "
+                     "reference, by dependency distance d:")
+        lines += [f"  {where} (reference {rows[0]['ref']}): {_k_choice(rows)}"
+                  for where, rows in choice]
+    lines.append(f"Report: {report}")
+    if figures:
+        folder = Path(figures[0]).parent
+        lines.append(f"Figures in {folder}: " + ", ".join(Path(f).name for f in figures))
     return "\n".join(lines)

@@ -46,7 +46,7 @@ __all__ = [
     "train_length",
 ]
 
-#: Opener-distance buckets of the closing-bracket targets of ``pysrc``, and the seed's
+#: Opener-distance buckets of the closing-bracket targets of ``pysrc``, and the claims'
 #: 10-20 range (tallied on its own).
 BUCKETS: tuple[tuple[int, int], ...] = (
     (1, 4), (5, 16), (17, 32), (33, 64), (65, 128), (129, 512), (513, 2048))
@@ -274,7 +274,7 @@ def signal_groups(results: dict[str, Any]) -> dict[str, list[dict]]:
 
 
 def code_counts(n: int, low: int, high: int) -> Callable[[dict], tuple[int, int]]:
-    """Closing brackets with the opener ``low..high`` back, at length ``n``: the seed's
+    """Closing brackets with the opener ``low..high`` back, at length ``n``: the claims'
     ``10-20`` range, or the buckets of :data:`BUCKETS` that lie inside it (pooled)."""
     if (low, high) == SEED_RANGE:
         labels = [f"{low}-{high}"]

@@ -1,4 +1,4 @@
-"""The training signal each relative-table row receives: the seed's undertraining argument,
+"""The training signal each relative-table row receives: the handbook's undertraining argument,
 measured.
 
 In causal self-attention of length L, offset ``-d`` (the key ``d`` positions before the

@@ -31,11 +31,11 @@ import torch
 from relpos._io import atomic_write_bytes, atomic_write_text
 from relpos._sysinfo import environment
 from relpos.training.checkpoint import atomic_write_json
-from relpos.training.experiment.calibrate import calibrate, cost
+from relpos.training.experiment.calibrate import calibrate, cost, sweep_seconds
 from relpos.training.experiment.config import CODE_TASK, ExperimentConfig, default_command
 from relpos.training.experiment.evaluate import chance, evaluate_code
 from relpos.training.experiment.figures import write_figures
-from relpos.training.experiment.report import make_report
+from relpos.training.experiment.report import make_report, make_summary
 from relpos.training.experiment.results import (
     BUCKETS,
     LEGACY_RESULTS_FILE,
@@ -96,7 +96,9 @@ def run_experiment(
             ``out_dir`` that are not part of it (and a plain ``results.json`` of an
             earlier sweep, which ``results.json.gz`` replaces).
         overwrite: remove the files of an experiment already in ``out_dir`` first.
-        log: where to print the estimate, the report and what was removed (None = stdout).
+        log: where to print the estimate, the summary (:func:`~relpos.training.experiment.
+            report.make_summary`: verdicts, which K, where the report and figures are) and
+            what was removed (None = stdout).
         command: the command line to record in the report (None = derived from ``config``).
 
     Returns:
@@ -152,10 +154,8 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         estimate = 0.0
         if left:
             unit = calibrate(config, tasks)
-            jobs = max(1, min(config.jobs, len(left),
-                              (os.cpu_count() or 1) // config.threads))
-            # Runs share out over the jobs; none finishes before its own longest run.
-            estimate = unit * max(sum(left) / jobs, max(left))
+            jobs = max(1, min(config.jobs, (os.cpu_count() or 1) // config.threads))
+            estimate = sweep_seconds(left, unit, jobs)
         curves = sum(1 for s in specs if s.steps)
         extra = config.code_extra_seeds if CODE_TASK in config.tasks else ()
         say(f"relpos experiment ({config.preset}): {len(specs)} runs "
@@ -217,7 +217,7 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
     figures = write_figures(results, out)
     report = make_report(results, figures=[f.name for f in figures])
     atomic_write_text(out / REPORT_FILE, report)
-    say(report)
+    say(make_summary(results, out / REPORT_FILE, figures))
     if reuse:
         if reused or retrained:
             say(f"reused {reused} finished run(s) of {out}; retrained {retrained} whose "
