@@ -1,4 +1,5 @@
-"""The README's Python blocks run as written, and its commands are the ones CI runs."""
+"""The README's commands are the ones CI runs, its convention matrices are relpos's, and only
+two of its Python blocks are not run (tests/test_doc_blocks.py runs its blocks)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,21 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-# A Python block right after this comment is compiled but not run (it downloads a model).
-NOT_RUN = "<!-- README test: compiled, not run"
-
-
-def _python_blocks() -> list[tuple[bool, str]]:
-    """``(run, source)`` of every Python block of the README."""
-    found = re.findall(r"(<!-- README test: [^\n]*-->\n)?```python\n(.*?)```", README, flags=re.S)
-    return [(not marker.startswith(NOT_RUN), block) for marker, block in found]
-
-
-def test_python_blocks_run():
-    blocks = _python_blocks()
-    assert blocks, "the README has no Python example"
-    for run, block in blocks:
-        code = compile(block, "README.md", "exec")
-        if run:
-            exec(code, {})
-
-
 def test_only_the_hugging_face_and_eole_blocks_are_not_run():
-    skipped = [block for run, block in _python_blocks() if not run]
-    assert len(skipped) == 2
-    assert "from relpos.integrations.transformers import patch" in skipped[0]
-    assert "patch(model)" in skipped[0]
+    # Every other Python block runs (tests/test_doc_blocks.py runs the README's blocks).
+    from test_doc_blocks import parse
+
+    blocks, problems = parse("README.md")
+    assert not problems, problems
+    python = [b for b in blocks if b.lang == "python"]
+    skipped = [b for b in python if not b.runs]
+    assert len(python) >= 6 and len(skipped) == 2
+    assert skipped[0].directive("network") is not None
+    assert "from relpos.integrations.transformers import patch" in skipped[0].text
+    assert "patch(model)" in skipped[0].text
     assert "pip install 'relpos[transformers]'" in README
-    assert "relpos.integrations.eole.patch_on_build()" in skipped[1]  # it starts eole
+    assert skipped[1].directive("skip") is not None
+    assert "relpos.integrations.eole.patch_on_build()" in skipped[1].text  # it patches eole
     assert "pip install 'relpos[eole]'" in README
 
 

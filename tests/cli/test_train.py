@@ -1,10 +1,12 @@
-"""``relpos train``'s output: the loss unit, evaluation lines without the progress bar, and
-``--lines`` runs (packed, or padded with ``--pad``)."""
+"""``relpos train``'s output: the loss unit, evaluation lines without the progress bar,
+``--lines`` runs (packed, or padded with ``--pad``), ``--resume`` of a finished run, and a
+used ``--out`` refused on every rank under torchrun."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -79,3 +81,74 @@ def test_lines_train_packed_and_pad_gives_the_same_losses(tmp_path, capsys):
     saved = load_checkpoint(padded / "checkpoints").state
     assert saved["step"] == 5 and saved["train"]["pad"] is True
     assert saved["task"]["unit"] == "line"
+
+
+# --- a finished run, and a used --out under torchrun ---------------------------------------
+
+TINY = ["--task", "recall", "--distances", "1,2", "--length", "8", "--steps", "2",
+        "--batch-size", "4", "--d-model", "16", "--heads", "2", "--layers", "1", "-k", "2",
+        "--eval-every", "0", "--no-progress"]
+
+
+def _snapshot(root):
+    """Every file's bytes and every path's mtime under ``root``."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns,
+                                       p.read_bytes() if p.is_file() else b"")
+            for p in sorted(root.rglob("*"))}
+
+
+def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    _train([*TINY, "--out", str(out)], capsys)
+    seconds = json.loads((out / "metrics.json").read_text())["train_seconds"]
+    before = _snapshot(out)
+    for extra in ([], ["--steps", "2"], ["--eval-every", "1"]):
+        before_threads = torch.get_num_threads()
+        code = main(["train", "--resume", "--out", str(out), *extra])
+        torch.set_num_threads(before_threads)
+        printed, err = capsys.readouterr()
+        assert code == 0 and err == "", err
+        assert printed == (f"{out} already finished 2 steps; pass --steps N > 2 to train "
+                           "longer\n")
+        assert _snapshot(out) == before
+    assert json.loads((out / "metrics.json").read_text())["train_seconds"] == seconds
+    # Training longer still trains; a run stopped before its metrics were written resumes.
+    printed = _train(["--resume", "--steps", "3", "--out", str(out)], capsys)
+    assert f"resuming {out} from step 2 to step 3" in printed
+    (out / "metrics.json").unlink()
+    printed = _train(["--resume", "--out", str(out)], capsys)
+    assert "already finished" not in printed and (out / "metrics.json").is_file()
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 3
+
+
+def test_torchrun_refuses_a_used_out_in_one_line_and_status_2_on_every_rank(tmp_path, capsys):
+    import re
+    import subprocess
+    import sys
+
+    from relpos.training.distributed import free_port
+
+    out = tmp_path / "run"
+    _train([*TINY, "--out", str(out)], capsys)
+    before = _snapshot(out)
+    logs = tmp_path / "logs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Each rank's stdout and stderr go to its own files under logs/ (-r 3).
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--log-dir", str(logs),
+         "-r", "3", "-m", "relpos", "train", *TINY, "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode != 0
+    # torchrun's own summary (unavoidable): both ranks exited with status 2.
+    assert len(re.findall(r"exitcode\s*:\s*2 ", proc.stderr)) == 2, proc.stderr
+    errs = sorted(logs.rglob("stderr.log"))
+    assert len(errs) == 2, list(logs.rglob("*"))
+    for err in errs:
+        assert err.read_text() == (
+            f"relpos: error: --out {str(out)!r} already holds a run (checkpoints, "
+            "metrics.json); pass --resume to continue it, --overwrite to replace it, or "
+            "choose another --out\n")
+        assert (err.parent / "stdout.log").read_text() == ""
+    assert _snapshot(out) == before

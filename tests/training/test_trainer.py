@@ -391,7 +391,8 @@ def test_cli_resume_needs_no_options_and_extends_with_steps(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", *SMALL, "--out", str(out)]) == 0
     assert main(["train", "--resume", "--no-progress", "--out", str(out)]) == 0
-    assert f"resuming {out} from step 3 to step 3" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"{out} already finished 3 steps; pass --steps N > 3 to train longer" in said
     # Agreeing options are fine; a larger --steps trains on, on the run's schedule.
     assert main(["train", "--resume", "-k", "2", "--per-head", "--steps", "5",
                  "--no-progress", "--out", str(out)]) == 0

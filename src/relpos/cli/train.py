@@ -3,7 +3,7 @@
 Examples::
 
     relpos train --task recall -k 8 --layers 1 --steps 300 --out runs/recall-k8
-    relpos train --out runs/recall-k8 --resume                    # the saved settings
+    relpos train --out runs/recall-k8 --resume                    # continue a stopped run
     relpos train --out runs/recall-k8 --resume --steps 600        # train longer
     relpos train --task recall -k 4 --out runs/recall-k8 --overwrite  # start over
     relpos train --text notes.txt --length 128 --out runs/text
@@ -17,7 +17,8 @@ values, options given must agree with them, except the ones that do not change w
 learned (``--eval-lengths``, ``--eval-every``, ``--checkpoint-every``, ``--threads``,
 ``--device``, ``--nproc``, ``--no-progress``) and ``--steps``: a larger ``--steps`` trains
 longer (the learning-rate schedule of the run stays: after its cosine decay the rate holds
-at the floor), a smaller one (not below the checkpoint's step) stops earlier.
+at the floor), a smaller one (not below the checkpoint's step) stops earlier. A run that
+already finished the steps asked for is left as it is (one line says so).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from relpos._deprecated import module_getattr, moved
-from relpos.cli import CLIError, _args
+from relpos.cli import CLIError, _args, _one_line
 from relpos.cli._args import non_negative_int, positive_int
 
 POSITIONS = ("relative", "learned", "sinusoidal", "none")
@@ -95,7 +97,8 @@ metrics.json) unless --resume continues it or --overwrite replaces it. --resume 
 run's settings from its checkpoint: leave the options out (those given must agree with the
 saved ones); --eval-lengths, --eval-every and --checkpoint-every may differ, and --steps: a
 larger one trains longer on the run's learning-rate schedule (the floor rate after its end),
-a smaller one (not below the checkpoint's step) stops earlier. --text FILE --lines trains on
+a smaller one (not below the checkpoint's step) stops earlier; a run that already finished
+them is left as it is. --text FILE --lines trains on
 the lines of FILE (one line an example, up to --length tokens, batched by a budget of
 --batch-size x --length tokens) padding-free: the lines go through the model packed end to
 end, so no compute is spent on padding; --pad runs the same batches padded with a key mask
@@ -281,9 +284,11 @@ def _conflicts(args: argparse.Namespace, saved: dict[str, Any]) -> list[str]:
 
 def _resume_settings(
     args: argparse.Namespace, out: Path, *, say: bool
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, Any] | None:
     """(task, model config, train config) of ``--resume``: the saved run's, with the
-    options it lets differ; ``say``: print where it resumes."""
+    options it lets differ; ``say``: print where it resumes. None when the run already
+    finished the steps asked for (rank 0 says so in one line; nothing is written)."""
+    from relpos.training.resume import finished
     from relpos.training.tasks import task_from_config
     from relpos.training.trainer import read_saved_run
 
@@ -302,6 +307,11 @@ def _resume_settings(
             f"--steps {steps} is below the step of the checkpoint in {str(out)!r}, "
             f"{saved.step}; allowed: {saved.step} or more"
         )
+    if finished(out, saved, steps):
+        if _rank() == 0:
+            print(f"{out} already finished {steps} steps; pass --steps N > {steps} to train "
+                  "longer", flush=True)
+        return None
     changes: dict[str, Any] = {"steps": steps, "schedule_steps": saved.train.schedule}
     for name in ("eval_every", "checkpoint_every"):
         if getattr(args, name) is not None:
@@ -357,36 +367,73 @@ def _out_of_memory(err: BaseException) -> bool:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    out = _args.check_output_dir(args.out)
+def _preflight(args: argparse.Namespace, out: Path, launching: bool) -> tuple[Any, Any, Any] | None:
+    """(task, model config, train config) of the run asked for, or None when ``--resume``
+    finds it finished; raises CLIError (or ValueError, OSError) to refuse it. Writes
+    nothing."""
     if args.text is not None and not Path(args.text).is_file():
         what = "is a directory" if Path(args.text).is_dir() else "does not exist"
         raise CLIError(f"text file {args.text!r} {what}; allowed: a UTF-8 text file")
 
-    import torch
+    from relpos.training.trainer import previous_run
 
-    from relpos.training import init_distributed, launch, train
-    from relpos.training.distributed import shutdown
-    from relpos.training.trainer import clear_run, previous_run, summarize
-
-    launching = args.nproc is not None and "WORLD_SIZE" not in os.environ
     if args.resume:
         say = not launching and _rank() == 0  # the processes launched say it
-        task, model_config, config = _resume_settings(args, out, say=say)
+        settings = _resume_settings(args, out, say=say)
+        if settings is None:  # finished already: nothing to train, nothing written
+            return None
+        task, model_config, config = settings
     else:
         task, model_config, config = _new_settings(args)
     world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
     if config.batch_size % world:
         what = f"--nproc {world}" if launching else f"the {world} processes"
         raise CLIError(f"--batch-size {config.batch_size} must be divisible by {what}")
-    if not args.resume and _rank() == 0:
+    # Every rank checks --out (before any process group exists), so under torchrun every
+    # rank refuses a used --out itself.
+    if not args.resume and not args.overwrite:
         found = previous_run(out)
-        if found and not args.overwrite:
+        if found:
             raise CLIError(
                 f"--out {str(out)!r} already holds a run "
                 f"({', '.join(p.name for p in found)}); pass --resume to continue it, "
                 "--overwrite to replace it, or choose another --out"
             )
+    return task, model_config, config
+
+
+def run(args: argparse.Namespace) -> int:
+    out = _args.check_output_dir(args.out)
+
+    import torch
+
+    from relpos.training import init_distributed, launch, train
+    from relpos.training.distributed import refuse_together, shutdown
+    from relpos.training.trainer import clear_run, previous_run, summarize
+
+    launching = args.nproc is not None and "WORLD_SIZE" not in os.environ
+    ranks = 1 if launching else int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks == 1:
+        settings = _preflight(args, out, launching)
+    else:
+        # Under torchrun a rank that refuses says why in one line and exits with status 2
+        # only once every rank knows, so torchrun stops none of them first: each one exits
+        # 2, with one line (the first refusal, in rank order, for a rank that had none).
+        try:
+            settings = _preflight(args, out, launching)
+        except (CLIError, ValueError, OSError) as err:
+            print(f"relpos: error: {_one_line(err)}", file=sys.stderr, flush=True)
+            refuse_together(_one_line(err))
+            return 2
+        refusal = refuse_together(None)
+        if refusal is not None:
+            print(f"relpos: error: {refusal}", file=sys.stderr, flush=True)
+            return 2
+    if settings is None:
+        return 0
+    task, model_config, config = settings
+    if args.overwrite and _rank() == 0:
+        found = previous_run(out)
         if found:
             clear_run(out)
             print(f"--overwrite: removed the previous run's {', '.join(p.name for p in found)} "

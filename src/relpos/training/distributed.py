@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DistContext", "free_port", "init_distributed", "launch", "rank_share", "rank_slice",
-           "shutdown"]
+           "refuse_together", "shutdown"]
 
 #: Default limit of :func:`launch` (None = no limit); a stuck run is killed after it.
 LAUNCH_TIMEOUT_S: float | None = None
@@ -76,6 +77,38 @@ def init_distributed(device: str = "auto", *, timeout_s: float = 600.0) -> DistC
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return DistContext(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+
+
+def refuse_together(refusal: str | None, *, timeout_s: float = 120.0) -> str | None:
+    """Under torchrun (``WORLD_SIZE`` > 1), before any process group: tell the other ranks
+    whether this one refuses to start (``refusal``, its one-line reason, already reported;
+    None: it would start) and learn theirs. Returns the first refusal in rank order, or None
+    when every rank starts; outside torchrun, ``refusal`` itself.
+
+    torchrun stops the other ranks (SIGTERM) as soon as one exits with an error, so a rank
+    that exits at once after refusing gets the others killed before they say anything. Here
+    no rank returns before every rank has decided, and a rank that refuses (or learns of a
+    refusal) ignores SIGTERM from then on, so it ends as it returns: every rank exits with its
+    own status. Uses the store of the torchrun agent (``MASTER_ADDR``, ``MASTER_PORT``).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return refusal
+    rank = int(os.environ.get("RANK", "0"))
+    # SIG_IGN, not a Python handler: Python resets its handlers while it shuts down.
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    prefix = ("relpos/start/" + os.environ.get("TORCHELASTIC_RUN_ID", "") + "/"
+              + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store.set(f"{prefix}/{rank}", "refused:" + refusal if refusal is not None else "starts")
+    keys = [f"{prefix}/{r}" for r in range(world)]
+    store.wait(keys)
+    answers = [store.get(key).decode() for key in keys]
+    found = next((a.removeprefix("refused:") for a in answers if a.startswith("refused:")), None)
+    if found is None:
+        signal.signal(signal.SIGTERM, previous)
+    return found
 
 
 def shutdown(ctx: DistContext) -> None:

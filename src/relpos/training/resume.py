@@ -4,6 +4,7 @@ the optimizer state and the RNG states from the checkpoint (:func:`restore`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,9 @@ from relpos.training.checkpoint import (
     set_rng_state,
 )
 from relpos.training.config import TrainConfig
-from relpos.training.rundir import CHECKPOINT_DIR
+from relpos.training.rundir import CHECKPOINT_DIR, METRICS_FILE
 
-__all__ = ["SavedRun", "read_saved_run", "restore"]
+__all__ = ["SavedRun", "finished", "read_saved_run", "restore"]
 
 
 def _compare(saved: dict[str, Any], wanted: dict[str, Any], prefix: str) -> list[str]:
@@ -117,6 +118,20 @@ def read_saved_run(out_dir: str | Path) -> SavedRun:
     if "name" not in state["task"]:
         raise CheckpointError(f"damaged checkpoint {str(ckpt_dir)!r}: its task has no name")
     return SavedRun(int(state["step"]), model, dict(state["task"]), train)
+
+
+def finished(out_dir: str | Path, saved: SavedRun, steps: int) -> bool:
+    """Whether the run in ``out_dir``, whose latest checkpoint is ``saved``, already finished
+    ``steps`` steps: its checkpoint is at that step and its ``metrics.json`` reports that
+    many steps. A run stopped after its last checkpoint and before its metrics has not
+    finished (resuming it writes them)."""
+    if saved.step != steps:
+        return False
+    try:
+        metrics = json.loads((Path(out_dir) / METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and metrics.get("steps") == steps
 
 
 
