@@ -259,6 +259,27 @@ def test_a_rebuild_is_announced_like_a_first_build(
     assert build._problem(build.library_path(directory)) is None
 
 
+def test_sources_newer_than_the_build_but_the_same_content_rebuild_nothing(
+        tmp_path: Path, built: Path, fake_gxx: dict[str, str]) -> None:
+    # A fresh checkout or a `touch` gives the sources new timestamps: the build is keyed on
+    # their content (and the flags), so the build that exists serves, untouched.
+    directory = _copy(built, tmp_path / "cache")
+    library = build.library_path(directory)
+    before = library.stat().st_mtime_ns
+    stamps = {src: src.stat() for src in build.SOURCES}
+    try:
+        for src in build.SOURCES:
+            os.utime(src, ns=(stamps[src].st_atime_ns, before + 60 * 10**9))
+        done, result = _run({**fake_gxx, "RELPOS_CACHE_DIR": str(tmp_path / "cache")})
+    finally:
+        for src, st in stamps.items():
+            os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _native_without_warnings(result), (result, done.stderr)
+    assert "compiling" not in done.stderr, done.stderr
+    assert library.stat().st_mtime_ns == before
+    assert build._problem(library) is None
+
+
 def test_relpos_kernels_reports_a_damaged_library(
         in_process_cache: Path, built: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from relpos.cli import main
