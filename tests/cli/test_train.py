@@ -4,9 +4,12 @@ used ``--out`` refused on every rank under torchrun."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +155,106 @@ def test_torchrun_refuses_a_used_out_in_one_line_and_status_2_on_every_rank(tmp_
             "choose another --out\n")
         assert (err.parent / "stdout.log").read_text() == ""
     assert _snapshot(out) == before
+
+
+# --- scaling: --context-parallel, --cp-mode, --fsdp, --activation-checkpointing --------------
+
+SCALE = ["--task", "recall", "--distances", "1,2", "--length", "8", "--batch-size", "4",
+         "--d-model", "16", "--heads", "2", "--layers", "1", "-k", "2", "--eval-every", "0",
+         "--no-progress"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--context-parallel", "3", "--nproc", "2"], "--context-parallel 3 must divide --nproc 2"),
+    (["--context-parallel", "2"], "shards each sequence over 2 processes; pass --nproc 2"),
+    (["--fsdp"], "--fsdp shards over processes; pass --nproc N"),
+    (["--nproc", "4", "--context-parallel", "2", "--batch-size", "3"],
+     "--batch-size 3 must be divisible by the 2 data-parallel groups"),
+    (["--nproc", "2", "--length", "2"], "task 'recall' needs length >= 3, got 2"),
+    (["--cp-mode", "ulysses"], "invalid choice: 'ulysses'"),
+])
+def test_scaling_options_that_cannot_run_are_refused_in_one_line_before_any_launch(
+        tmp_path, capsys, argv, says):
+    out = tmp_path / "run"
+    code = main(["train", *SCALE, *argv, "--out", str(out)])
+    printed, err = capsys.readouterr()
+    assert code == 2 and says in err, err
+    assert err.count("\n") == 1 and err.startswith("relpos: error: "), err
+    assert printed == "" and not out.exists()
+
+
+def test_packed_lines_need_pad_under_context_parallelism(tmp_path, capsys):
+    path = _lines_file(tmp_path)
+    code = main(["train", "--text", str(path), *LINES, "--nproc", "2", "--context-parallel",
+                 "2", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--context-parallel shards padded batches" in err
+    assert "add --pad" in err and err.count("\n") == 1
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs...), read from /proc: torchrun starts
+    its ranks in sessions of their own, so a process group does not hold them."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks")
+def test_a_killed_context_parallel_fsdp_run_resumes_from_its_last_checkpoint(tmp_path, capsys):
+    """A run on dp 1 x cp 2 with FSDP2 and activation checkpointing, every process SIGKILLed
+    after a checkpoint, resumes (here on dp 2 with FSDP2, another layout) and ends with the
+    losses of one uninterrupted process, step by step."""
+    import signal
+    import subprocess
+    import time
+
+    from relpos.ops.native import build
+    from relpos.training.checkpoint import has_checkpoint, read_state
+
+    build.load(quiet=True)  # built here once; the ranks only load it
+    steps = 120
+    run = [*SCALE, "--steps", str(steps), "--checkpoint-every", "5"]
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relpos", "train", *run, "--nproc", "2", "--context-parallel",
+         "2", "--fsdp", "--activation-checkpointing", "--out", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "checkpoints").is_dir() and has_checkpoint(out / "checkpoints"):
+                killed_at = read_state(out / "checkpoints")["step"]
+                break
+            time.sleep(0.02)
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        printed = proc.communicate(timeout=60)[0]
+    assert killed_at is not None and killed_at < steps, printed[-3000:]
+    assert not (out / "metrics.json").exists(), "the run finished before it could be killed"
+    capsys.readouterr()
+
+    # The ranks print to the terminal, not through this process: read the run's files.
+    _train(["--resume", "--nproc", "2", "--fsdp", "--no-progress", "--out", str(out)], capsys)
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert resumed["resumed_from"] >= killed_at and resumed["parallelism"]["fsdp"]
+    _train([*run, "--out", str(tmp_path / "straight")], capsys)
+    straight = json.loads((tmp_path / "straight" / "metrics.json").read_text())
+    assert [row[0] for row in resumed["history"]["train"]] == list(range(1, steps + 1))
+    assert [row[1] for row in resumed["history"]["train"]] == pytest.approx(
+        [row[1] for row in straight["history"]["train"]], rel=1e-4, abs=1e-6)

@@ -158,6 +158,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--nproc", type=positive_int, metavar="N",
                    help="train data-parallel in N processes (launches torchrun on 127.0.0.1)")
+    g = p.add_argument_group(
+        "scaling (over the processes of --nproc or torchrun; none changes what is learned, "
+        "so each may differ on --resume)")
+    g.add_argument("--context-parallel", type=positive_int, metavar="C",
+                   help="shard each sequence over C processes (context parallelism; the "
+                        "process count must be a multiple of C; default 1)")
+    g.add_argument("--cp-mode", choices=("ring", "all_gather"),
+                   help="context-parallel attention: ring (memory per process falls as 1/C) "
+                        "or all_gather (gathers keys and values; default ring)")
+    g.add_argument("--fsdp", action="store_true", default=None,
+                   help="shard weights, gradients and optimizer state with FSDP2 instead of "
+                        "replicating them (DDP)")
+    g.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute each block's activations in the backward (less memory, "
+                        "about one more forward)")
     _args.add_no_progress(g)
 
 
@@ -367,6 +382,18 @@ def _out_of_memory(err: BaseException) -> bool:
     )
 
 
+def parallelism(args: argparse.Namespace) -> Any:
+    """The :class:`relpos.training.parallel.Parallelism` the scaling options ask for."""
+    from relpos.training.parallel import Parallelism
+
+    return Parallelism(
+        context_parallel=args.context_parallel or 1,
+        mode=args.cp_mode or "ring",
+        fsdp=bool(args.fsdp),
+        activation_checkpointing=bool(args.activation_checkpointing),
+    )
+
+
 def _preflight(args: argparse.Namespace, out: Path, launching: bool) -> tuple[Any, Any, Any] | None:
     """(task, model config, train config) of the run asked for, or None when ``--resume``
     finds it finished; raises CLIError (or ValueError, OSError) to refuse it. Writes
@@ -375,7 +402,7 @@ def _preflight(args: argparse.Namespace, out: Path, launching: bool) -> tuple[An
         what = "is a directory" if Path(args.text).is_dir() else "does not exist"
         raise CLIError(f"text file {args.text!r} {what}; allowed: a UTF-8 text file")
 
-    from relpos.training.trainer import previous_run
+    from relpos.training.trainer import check_setup, previous_run
 
     if args.resume:
         say = not launching and _rank() == 0  # the processes launched say it
@@ -385,10 +412,28 @@ def _preflight(args: argparse.Namespace, out: Path, launching: bool) -> tuple[An
         task, model_config, config = settings
     else:
         task, model_config, config = _new_settings(args)
+    check_setup(model_config, task, config)  # here, not in each launched process
     world = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1"))
-    if config.batch_size % world:
-        what = f"--nproc {world}" if launching else f"the {world} processes"
-        raise CLIError(f"--batch-size {config.batch_size} must be divisible by {what}")
+    what = f"--nproc {world}" if launching else f"the {world} processes"
+    parallel = parallelism(args)
+    cp = parallel.context_parallel
+    if world == 1 and cp > 1:
+        raise CLIError(f"--context-parallel {cp} shards each sequence over {cp} processes; "
+                       f"pass --nproc {cp} (or a multiple of {cp}) or launch with torchrun")
+    if world % cp:
+        raise CLIError(f"--context-parallel {cp} must divide {what} (allowed: a divisor of "
+                       f"{world}; --nproc {cp}, {2 * cp}, ... for {cp})")
+    if parallel.fsdp and world == 1:
+        raise CLIError("--fsdp shards over processes; pass --nproc N (N >= 2) or launch "
+                       "with torchrun")
+    if cp > 1 and task.variable_length and not config.pad:
+        raise CLIError(f"--context-parallel shards padded batches; task {task.name!r} has "
+                       "rows of different lengths, trained packed: add --pad")
+    dp = world // cp
+    if config.batch_size % dp:
+        shards = what if cp == 1 else f"the {dp} data-parallel groups of {what} / " \
+            f"--context-parallel {cp}"
+        raise CLIError(f"--batch-size {config.batch_size} must be divisible by {shards}")
     # Every rank checks --out (before any process group exists), so under torchrun every
     # rank refuses a used --out itself.
     if not args.resume and not args.overwrite:
@@ -457,6 +502,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             ctx=ctx,
             log=print,
+            parallel=parallelism(args),
         )
     except RuntimeError as err:
         if not _out_of_memory(err):

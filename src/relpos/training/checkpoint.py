@@ -127,6 +127,9 @@ def optimizer_state_from_parts(tensors: dict[str, Tensor], document: dict) -> di
         state.setdefault(int(index), {})[name] = value
     for index, entries in document.get("scalars", {}).items():
         state.setdefault(int(index), {}).update(entries)
+    # One order whatever order the file's tensors came back in (parameters by index, each
+    # one's entries by name), so that every process holds the same dict.
+    state = {i: dict(sorted(state[i].items())) for i in sorted(state)}
     # JSON turns tuples (AdamW's betas) into lists; give them back their type.
     groups = [
         {k: tuple(v) if k != "params" and isinstance(v, list) else v for k, v in g.items()}

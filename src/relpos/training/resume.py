@@ -28,11 +28,20 @@ from relpos.training.rundir import CHECKPOINT_DIR, METRICS_FILE
 __all__ = ["SavedRun", "finished", "read_saved_run", "restore"]
 
 
+def _as_saved(value: Any) -> Any:
+    """``value`` as it reads back from the checkpoint's JSON (tuples are lists there)."""
+    if isinstance(value, (tuple, list)):
+        return [_as_saved(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_saved(v) for k, v in value.items()}
+    return value
+
+
 def _compare(saved: dict[str, Any], wanted: dict[str, Any], prefix: str) -> list[str]:
     diffs = []
     for name in sorted(set(saved) | set(wanted)):
         a, b = saved.get(name), wanted.get(name)
-        if a != b:
+        if _as_saved(a) != _as_saved(b):
             diffs.append(f"{prefix}{name} {a!r} (checkpoint) vs {b!r} (now)")
     return diffs
 

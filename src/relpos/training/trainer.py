@@ -25,6 +25,7 @@ that already holds a run unless it resumes it or is told to replace it (``overwr
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +42,17 @@ from relpos.training.config import TrainConfig, lr_at
 from relpos.training.distributed import DistContext, rank_share, rank_slice
 from relpos.training.evaluation import evaluate, forward, masked_stats, nats
 from relpos.training.evaluation import summarize as summarize
+from relpos.training.parallel import (
+    Layout,
+    Parallelism,
+    fresh_rng,
+    full_state,
+    full_weights,
+    layout,
+    load_optimizer_state,
+    parallelize,
+    shard_batch,
+)
 from relpos.training.resume import SavedRun, read_saved_run, restore
 from relpos.training.rundir import CHECKPOINT_DIR as CHECKPOINT_DIR
 from relpos.training.rundir import METRICS_FILE, clear_run, prepare_out_dir, previous_run
@@ -73,6 +85,7 @@ def train(
     overwrite: bool = False,
     on_backward: Callable[[int, nn.Module], None] | None = None,
     log: Callable[[str], None] | None = None,
+    parallel: Parallelism | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train a model on a task; returns the (unwrapped) model and the metrics document.
 
@@ -99,6 +112,10 @@ def train(
             step, so the raw gradients can be read (the K study's per-row signal).
         log: where the periodic evaluation lines go without a progress bar (rank 0 only;
             None = nowhere). With one they are written above it.
+        parallel: context parallelism, FSDP2 and activation checkpointing (see
+            :mod:`relpos.training.parallel`); None = data parallelism (DDP) alone. Under
+            context parallelism or FSDP the returned model is a plain copy of the trained
+            weights (on rank 0; the others get the sharded model).
 
     Losses are cross-entropies in nats per scored position (divide by ln 2 for bits).
 
@@ -111,17 +128,28 @@ def train(
         relpos.training.CheckpointError: (a ValueError) on a damaged checkpoint.
     """
     ctx = ctx or DistContext()
-    _check_setup(model_config, task, config)
-    rank_slice(config.batch_size, ctx)  # the global batch must split evenly over the ranks
+    par = parallel or Parallelism()
+    check_setup(model_config, task, config)
+    par.check(ctx.world_size)
+    if par.context_parallel > 1 and task.variable_length and not config.pad:
+        raise ValueError(
+            f"context parallelism shards padded batches; task {task.name!r} has rows of "
+            "different lengths, trained packed: train them padded (pad=True, --pad)"
+        )
+    lay = layout(ctx, par, causal=model_config.causal)
+    rank_slice(config.batch_size, lay.dp)  # the global batch must split over the dp ranks
     out = prepare_out_dir(out_dir, is_main=ctx.is_main, resume=resume, overwrite=overwrite)
     run = _new_run(model_config, task, config, ctx, out)
+    run.lay, run.par = lay, par
     if resume:
         _resume(run)
+    _parallelize(run)
     if out is not None and ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
     seconds = _train_steps(run, progress=progress, on_step=on_step, on_backward=on_backward,
                            log=log)
-    return run.model, _final_metrics(run, seconds, resumed=resume)
+    metrics = _final_metrics(run, seconds, resumed=resume)
+    return (run.eval_model or run.model), metrics
 
 
 @dataclass
@@ -141,13 +169,21 @@ class _Run:
     first_step: int = 0
     #: ``train``: ``[step, loss, accuracy]`` rows; ``eval``: the periodic evaluations.
     history: dict[str, list[Any]] = field(default_factory=lambda: {"train": [], "eval": []})
+    lay: Layout | None = None
+    par: Parallelism = field(default_factory=Parallelism)
+    #: What runs the training step (the model, or DDP around it).
+    net: nn.Module | None = None
+    #: Parameter names by optimizer index (the checkpoint's numbering).
+    names: list[str] = field(default_factory=list)
+    #: A plain copy of the weights that rank 0 evaluates when the model spans ranks.
+    eval_model: nn.Module | None = None
 
     @property
     def ckpt_dir(self) -> Path | None:
         return self.out / CHECKPOINT_DIR if self.out is not None else None
 
 
-def _check_setup(model_config: Any, task: Task, config: TrainConfig) -> None:
+def check_setup(model_config: Any, task: Task, config: TrainConfig) -> None:
     """Refuse a model that cannot learn ``task`` at the lengths of ``config``, and ``pad``
     where there is no padding."""
     if config.pad and not task.variable_length:
@@ -216,6 +252,40 @@ def _resume(run: _Run) -> None:
     )
 
 
+def _parallelize(run: _Run) -> None:
+    """Make ``run.net``: the model under the run's parallelism. FSDP replaces the weights
+    with shards, so the optimizer is rebuilt over them and given the state it had."""
+    from relpos.training.parallel import _names
+
+    assert run.lay is not None
+    run.names = _names(run.model, run.optimizer.param_groups)
+    plain_state = run.optimizer.state_dict()
+    run.net = parallelize(run.model, run.ctx, run.lay, run.par)
+    if run.par.fsdp and run.ctx.distributed:
+        run.optimizer = torch.optim.AdamW(
+            _param_groups(run.model, run.config.weight_decay), lr=run.config.lr,
+            betas=(0.9, 0.98), eps=1e-8)
+        if plain_state["state"]:
+            load_optimizer_state(run.model, run.optimizer, plain_state, run.names)
+
+
+def _eval_copy(run: _Run) -> nn.Module:
+    """The model rank 0 evaluates: the run's own, or, when it spans ranks (context
+    parallelism, FSDP), a plain copy of its weights. Every rank calls it (FSDP gathers)."""
+    if not (run.par.spans_ranks and run.ctx.distributed):
+        return run.model
+    from relpos.models import ModelConfig, build_model
+
+    weights = full_weights(run.model, fsdp=run.par.fsdp)
+    if not run.ctx.is_main:
+        return run.model
+    with fresh_rng():
+        copy = build_model(ModelConfig.from_dict(run.model_cfg)).to(run.ctx.device)
+    copy.load_state_dict(weights)
+    run.eval_model = copy
+    return copy
+
+
 def _train_steps(
     run: _Run,
     *,
@@ -228,7 +298,7 @@ def _train_steps(
     evaluation and checkpoint when due, the progress bar and ``on_step``; returns the
     seconds they took."""
     config, ctx = run.config, run.ctx
-    net = _distributed(run.model, ctx)
+    net = run.net if run.net is not None else _distributed(run.model, ctx)
     bar = None
     if progress and ctx.is_main and run.first_step < config.steps:
         bar = _progress_bar(config.steps, run.first_step)
@@ -241,12 +311,14 @@ def _train_steps(
         now = tokens / max(time.perf_counter() - tick, 1e-9)
         rate = now if rate == 0 else 0.9 * rate + 0.1 * now
         done = step + 1
-        if _due(config.eval_every, done, config.steps) and ctx.is_main:
-            line = _periodic_evaluation(run, done)
-            if bar is not None:
-                bar.write(line)
-            elif log is not None:
-                log(line)
+        if _due(config.eval_every, done, config.steps):
+            evaluated = _eval_copy(run)  # every rank: FSDP gathers the weights
+            if ctx.is_main:
+                line = _periodic_evaluation(run, done, evaluated)
+                if bar is not None:
+                    bar.write(line)
+                elif log is not None:
+                    log(line)
         if _due(config.checkpoint_every, done, config.steps):
             _checkpoint(run, done)
         if bar is not None:
@@ -315,7 +387,8 @@ def _train_step(
     # Normalise by the GLOBAL number of scored positions so that DDP's gradient
     # average equals the single-process gradient of the whole batch.
     global_count = max(int(full.mask.sum()), 1)
-    batch = full.slice(*rank_share(len(full), ctx)).to(ctx.device)
+    lay = run.lay or Layout(dp=ctx)
+    batch = shard_batch(full.slice(*rank_share(len(full), lay.dp)), lay).to(ctx.device)
     loss, ce, correct, mask = _rank_loss(net, model, batch, pad=config.pad,
                                          global_count=global_count, world_size=ctx.world_size)
     optimizer.zero_grad(set_to_none=True)
@@ -368,10 +441,10 @@ def _rank_loss(
     return loss, ce, correct, mask
 
 
-def _evaluate(run: _Run, length: int) -> dict[str, Any]:
-    """:func:`evaluate` of the run's model on its task at ``length``."""
+def _evaluate(run: _Run, length: int, model: nn.Module | None = None) -> dict[str, Any]:
+    """:func:`evaluate` of the run's model (or ``model``) on its task at ``length``."""
     return evaluate(
-        run.model,
+        run.model if model is None else model,
         run.task,
         seed=run.config.seed,
         length=length,
@@ -381,10 +454,10 @@ def _evaluate(run: _Run, length: int) -> dict[str, Any]:
     )
 
 
-def _periodic_evaluation(run: _Run, done: int) -> str:
+def _periodic_evaluation(run: _Run, done: int, model: nn.Module | None = None) -> str:
     """Evaluate at the first eval length after step ``done``, into the history; returns the
     line that reports it."""
-    ev = _evaluate(run, run.config.eval_lengths[0])
+    ev = _evaluate(run, run.config.eval_lengths[0], model)
     run.history["eval"].append(
         {
             "step": done,
@@ -398,13 +471,20 @@ def _periodic_evaluation(run: _Run, done: int) -> str:
 
 
 def _checkpoint(run: _Run, step: int) -> None:
-    """Save the run at ``step`` (rank 0, with an output directory)."""
-    if run.ckpt_dir is None or not run.ctx.is_main:
+    """Save the run at ``step`` (rank 0, with an output directory; under FSDP every rank
+    calls it, to gather the states)."""
+    if run.ckpt_dir is None:
+        return
+    fsdp = run.par.fsdp and run.ctx.distributed
+    if not (run.ctx.is_main or fsdp):
+        return
+    weights, optimizer_state = full_state(run.model, run.optimizer, run.names, fsdp=fsdp)
+    if not run.ctx.is_main:
         return
     save_checkpoint(
         run.ckpt_dir,
-        model_state=run.model.state_dict(),
-        optimizer_state=run.optimizer.state_dict(),
+        model_state=weights,
+        optimizer_state=optimizer_state,
         rng_state=rng_state(),
         state={
             "step": step,
@@ -423,9 +503,12 @@ def _final_metrics(run: _Run, train_seconds: float, *, resumed: bool) -> dict[st
     checkpoint and ``metrics.json`` are written."""
     config, ctx = run.config, run.ctx
     metrics: dict[str, Any] = {"format_version": 1}
+    evaluated = _eval_copy(run)  # every rank: FSDP gathers the weights
     if not ctx.is_main:
+        if run.first_step < config.steps:
+            _checkpoint(run, config.steps)  # FSDP: the ranks take part in the gather
         return metrics
-    evals = [_evaluate(run, n) for n in config.eval_lengths]
+    evals = [_evaluate(run, n, evaluated) for n in config.eval_lengths]
     history = run.history
     last = history["train"][-1] if history["train"] else [0, float("nan"), float("nan")]
     metrics.update(
@@ -435,6 +518,7 @@ def _final_metrics(run: _Run, train_seconds: float, *, resumed: bool) -> dict[st
             "train": run.train_cfg,
             "parameters": sum(p.numel() for p in run.model.parameters()),
             "world_size": ctx.world_size,
+            "parallelism": dataclasses.asdict(run.par),
             "steps": config.steps,
             "resumed_from": run.first_step if resumed else None,
             "final_train_loss": last[1],
