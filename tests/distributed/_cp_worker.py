@@ -235,6 +235,37 @@ def module_cases(rank: int, world: int) -> list[str]:
     return fails
 
 
+def traffic_cases(rank: int, world: int) -> list[str]:
+    """The calls and bytes of one layer's attention, forward and backward, counted, against
+    relpos.distributed.traffic (the formula of docs/scaling.md)."""
+    from relpos.distributed import count_traffic, traffic
+
+    fails: list[str] = []
+    Bt, Ht, Dt, DVt, n_local = 2, 3, 4, 5, 6
+    for mode, mask, dtype in itertools.product(("all_gather", "ring"), (False, True),
+                                               (torch.float64, torch.float32)):
+        g = torch.Generator().manual_seed(7 + rank)
+        q, k = (torch.randn(Bt, Ht, n_local, Dt, generator=g, dtype=dtype,
+                            requires_grad=True) for _ in range(2))
+        v = torch.randn(Bt, Ht, n_local, DVt, generator=g, dtype=dtype, requires_grad=True)
+        key_mask = torch.ones(Bt, n_local, dtype=torch.bool) if mask else None
+        tk = torch.randn(5, Dt, dtype=dtype, requires_grad=True)
+        with count_traffic(world) as fwd:
+            out = context_parallel_attention(q, k, v, group=None, max_distance=2, rel_keys=tk,
+                                             is_causal=True, key_mask=key_mask, mode=mode)
+        with count_traffic(world) as bwd:
+            out.square().sum().backward()
+        want = traffic(mode, world=world, batch=Bt, heads=Ht, n_local=n_local, head_dim=Dt,
+                       value_dim=DVt, key_mask=mask, dtype=dtype, backend="gloo")
+        got = (fwd.calls, bwd.calls, fwd.bytes, bwd.bytes)
+        expected = (want.forward_calls, want.backward_calls, want.forward_bytes,
+                    want.backward_bytes)
+        if got != expected:
+            fails.append(f"traffic {mode} mask={mask} {dtype}: counted {got}, formula "
+                         f"{expected}")
+    return fails
+
+
 def main() -> int:
     rank, world, port = (int(a) for a in sys.argv[1:4])
     torch.set_num_threads(1)
@@ -251,6 +282,7 @@ def main() -> int:
         else:
             fails += refusals(rank, world)
             fails += module_cases(rank, world)
+            fails += traffic_cases(rank, world)
     finally:
         dist.destroy_process_group()
     for f in fails:

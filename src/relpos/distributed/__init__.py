@@ -14,6 +14,8 @@ from relpos.distributed.context_parallel import (
     unshard_sequence,
 )
 from relpos.distributed.modules import context_parallel, is_context_parallel
+from relpos.distributed.traffic import Traffic, TrafficCounter, count_traffic, traffic
 
-__all__ = ["LAYOUTS", "MODES", "context_parallel", "context_parallel_attention",
-           "is_context_parallel", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "MODES", "Traffic", "TrafficCounter", "context_parallel",
+           "context_parallel_attention", "count_traffic", "is_context_parallel", "shard_sequence",
+           "traffic", "unshard_sequence"]

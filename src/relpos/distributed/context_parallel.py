@@ -111,6 +111,11 @@ def _code(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
+#: Integers each rank contributes to the small all-gather that checks the shards first
+#: (``_gather_meta`` in :func:`context_parallel_attention`).
+META_INTS = 9
+
+
 def _gather_meta(values: list[int], device: torch.device, group: Any, world: int) -> list[
     list[int]
 ]:
