@@ -313,21 +313,21 @@ class _Ring(torch.autograd.Function):
                 rv: Tensor | None, kb: Tensor | None, plan: _Plan) -> Tensor:
         from relpos.ops.native import op
 
-        B, H, n_local, D = q.shape
+        B, H, n_local = q.shape[:3]
         Dv = v.shape[3]
         out = q.new_zeros(B, H, n_local, Dv)
         z = q.new_full((B, H, n_local), -torch.inf)  # log-mass so far
         filled: set[int] = set()
-        held = [torch.cat([k, v], dim=-1).contiguous()] + ([] if kb is None else [kb])
+        # The visiting shard: keys, values (and key bias) as they are, no copy made to send.
+        held = [k.contiguous(), v.contiguous()] + ([] if kb is None else [kb.contiguous()])
         for step in range(plan.world):
             owner = (plan.rank - step) % plan.world
             if step < plan.world - 1:
                 coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
-            kv = held[0]
             for qs, gq, ks, gk in plan.pairs(owner):
                 o, lse = op.forward(
-                    q[:, :, qs], kv[:, :, ks, :D], kv[:, :, ks, D:], rk, rv,
-                    None if kb is None else held[1][:, ks], None, plan.seed_at(gq, gk),
+                    q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], rk, rv,
+                    None if kb is None else held[2][:, ks], None, plan.seed_at(gq, gk),
                     query_start=gq - gk, **plan.options)
                 log_mass = lse.masked_fill(lse == torch.inf, -torch.inf)  # empty rows: no mass
                 merge_rows(out, z, qs, o, log_mass, first=gq not in filled)
@@ -346,38 +346,38 @@ class _Ring(torch.autograd.Function):
 
         plan: _Plan = ctx.plan
         q, k, v, rk, rv, kb, out, lse = ctx.saved_tensors
-        D = q.shape[3]
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
         drk = None if rk is None else torch.zeros_like(rk)
         drv = None if rv is None else torch.zeros_like(rv)
-        held = [torch.cat([k, v], dim=-1).contiguous()] + ([] if kb is None else [kb])
-        dkv = torch.zeros_like(held[0])  # the gradient of the visiting shard, riding along
+        held = [k.contiguous(), v.contiguous()] + ([] if kb is None else [kb.contiguous()])
+        # The gradient of the visiting shard's keys and values, riding along with it.
+        dkv = [torch.zeros_like(held[0]), torch.zeros_like(held[1])]
         for step in range(plan.world):
             owner = (plan.rank - step) % plan.world
             if step < plan.world - 1:
                 coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
-            kv = held[0]
             for qs, gq, ks, gk in plan.pairs(owner):
                 g = op._backward(
-                    grad_out[:, :, qs], q[:, :, qs], kv[:, :, ks, :D], kv[:, :, ks, D:], rk, rv,
-                    None if kb is None else held[1][:, ks], None, plan.seed_at(gq, gk),
+                    grad_out[:, :, qs], q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], rk,
+                    rv, None if kb is None else held[2][:, ks], None, plan.seed_at(gq, gk),
                     out[:, :, qs], lse[:, :, qs], query_start=gq - gk, **plan.options)
                 dq[:, :, qs] += g[0]
-                dkv[:, :, ks, :D] += g[1]
-                dkv[:, :, ks, D:] += g[2]
+                dkv[0][:, :, ks] += g[1]
+                dkv[1][:, :, ks] += g[2]
                 for total, part in ((drk, g[3]), (drv, g[4])):
                     if total is not None and part is not None:
                         total += part
+                del g
             # This shard's gradient goes on to the next rank (after the last step: its owner).
             sent = dkv
-            (dkv,), grad_requests = _ring_exchange([sent], plan.group, plan.rank, plan.world)
+            dkv, grad_requests = _ring_exchange(sent, plan.group, plan.rank, plan.world)
             if step < plan.world - 1:
                 _wait(requests)
                 held = coming
             _wait(grad_requests)
             del sent
-        return (dq, dkv[..., :D], dkv[..., D:], drk, drv, None, None)
+        return (dq, dkv[0], dkv[1], drk, drv, None, None)
 
 
 def context_parallel_attention(
