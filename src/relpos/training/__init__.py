@@ -11,6 +11,7 @@ from relpos.training.checkpoint import (
     save_checkpoint,
 )
 from relpos.training.distributed import DistContext, init_distributed, launch
+from relpos.training.parallel import Parallelism
 from relpos.training.trainer import TrainConfig, evaluate, lr_at, train
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "DistContext",
+    "Parallelism",
     "TrainConfig",
     "evaluate",
     "init_distributed",
