@@ -50,7 +50,7 @@ def _close(name: str, a: torch.Tensor | None, b: torch.Tensor | None, fails: lis
 
 def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, causal: bool,
              tables: str, mask: str, layout: str, seed: int, mode: str = "all_gather",
-             dropout: float = 0.0) -> list[str]:
+             dropout: float = 0.0, head_group: int | None = None) -> list[str]:
     chunks = world if layout == "contiguous" else 2 * world
     n = chunk * chunks
     left, right = (K, K) if isinstance(K, int) else K
@@ -88,7 +88,7 @@ def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, cau
     out = context_parallel_attention(
         *local, max_distance=K, rel_keys=rk, rel_values=rv, is_causal=causal,
         key_mask=None if key_mask is None else shard(key_mask, 1), layout=layout, mode=mode,
-        dropout_p=dropout)
+        dropout_p=dropout, head_group=head_group)
     (out * shard(w)).sum().backward()
     fails: list[str] = []
     _close("out", out.detach(), shard(ref.detach()), fails)
@@ -124,6 +124,13 @@ def cases(world: int) -> list[dict[str, object]]:
             (False, True), ("contiguous", "head_tail"), ("all_gather", "ring"))):
         out.append(dict(K=2, chunk=3, causal=causal, tables="shared", mask="random",
                         layout=layout, seed=2000 + i, mode=mode, dropout=0.3))
+    # All-gather mode a head at a time (re-gathered in the backward): every table kind and
+    # mask, causal and not, both layouts.
+    for i, (tables, mask, causal, layout) in enumerate(itertools.product(
+            ("keys", "values", "shared", "per_head"), ("none", "random"), (False, True),
+            ("contiguous", "head_tail"))):
+        out.append(dict(K=(2, 1), chunk=2, causal=causal, tables=tables, mask=mask,
+                        layout=layout, seed=3000 + i, mode="all_gather", head_group=1))
     return out
 
 
@@ -146,6 +153,19 @@ def refusals(rank: int, world: int) -> list[str]:
     except ValueError as e:
         if "head_tail" not in str(e):
             fails.append(f"odd head_tail: unclear error {e}")
+    # head_group: all-gather mode only, no dropout, an int >= 1 (refused before any
+    # collective, on every rank alike).
+    x = torch.randn(1, 2, 4, 2, dtype=torch.float64)
+    for kwargs, says in ((dict(mode="ring", head_group=1), "mode='all_gather'"),
+                         (dict(head_group=1, dropout_p=0.1), "dropout"),
+                         (dict(head_group=0), "head_group must be an int >= 1"),
+                         (dict(head_group=True), "head_group must be an int >= 1")):
+        try:
+            context_parallel_attention(x, x, x, max_distance=1, **kwargs)
+            fails.append(f"head_group {kwargs} was not refused")
+        except ValueError as e:
+            if says not in str(e):
+                fails.append(f"head_group {kwargs}: unclear error {e}")
     # Round trip of values (with gradient), labels and a padding mask, both layouts.
     for layout in ("contiguous", "head_tail"):
         n = 4 * world
@@ -217,7 +237,9 @@ def module_cases(rank: int, world: int) -> list[str]:
                                                 max_distance=2).double()
         encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         cp_encoder = copy.deepcopy(encoder)
-        context_parallel(cp_encoder, layout=layout, mode=mode)
+        # head_group=1 (a head at a time, re-gathered in the backward) in one of the cases
+        grouped = 1 if mode == "all_gather" and layout == "head_tail" else None
+        context_parallel(cp_encoder, layout=layout, mode=mode, head_group=grouped)
         x = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(3),
                         dtype=torch.float64)
         padding = torch.zeros(2, n, dtype=torch.bool)
@@ -242,8 +264,10 @@ def traffic_cases(rank: int, world: int) -> list[str]:
 
     fails: list[str] = []
     Bt, Ht, Dt, DVt, n_local = 2, 3, 4, 5, 6
-    for mode, mask, dtype in itertools.product(("all_gather", "ring"), (False, True),
-                                               (torch.float64, torch.float32)):
+    for mode, mask, dtype, head_group in [
+            *itertools.product(("all_gather", "ring"), (False, True),
+                               (torch.float64, torch.float32), (None,)),
+            ("all_gather", True, torch.float64, 2), ("all_gather", False, torch.float32, 1)]:
         g = torch.Generator().manual_seed(7 + rank)
         q, k = (torch.randn(Bt, Ht, n_local, Dt, generator=g, dtype=dtype,
                             requires_grad=True) for _ in range(2))
@@ -252,16 +276,19 @@ def traffic_cases(rank: int, world: int) -> list[str]:
         tk = torch.randn(5, Dt, dtype=dtype, requires_grad=True)
         with count_traffic(world) as fwd:
             out = context_parallel_attention(q, k, v, group=None, max_distance=2, rel_keys=tk,
-                                             is_causal=True, key_mask=key_mask, mode=mode)
+                                             is_causal=True, key_mask=key_mask, mode=mode,
+                                             head_group=head_group)
         with count_traffic(world) as bwd:
             out.square().sum().backward()
         want = traffic(mode, world=world, batch=Bt, heads=Ht, n_local=n_local, head_dim=Dt,
-                       value_dim=DVt, key_mask=mask, dtype=dtype, backend="gloo")
+                       value_dim=DVt, key_mask=mask, dtype=dtype, backend="gloo",
+                       head_group=head_group)
         got = (fwd.calls, bwd.calls, fwd.bytes, bwd.bytes)
         expected = (want.forward_calls, want.backward_calls, want.forward_bytes,
                     want.backward_bytes)
         if got != expected:
-            fails.append(f"traffic {mode} mask={mask} {dtype}: counted {got}, formula "
+            fails.append(f"traffic {mode} mask={mask} {dtype} head_group={head_group}: "
+                         f"counted {got}, formula "
                          f"{expected}")
     return fails
 

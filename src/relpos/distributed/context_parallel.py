@@ -395,6 +395,7 @@ def context_parallel_attention(
     scale: float | None = None,
     layout: str = "contiguous",
     mode: str = "all_gather",
+    head_group: int | None = None,
 ) -> Tensor:
     """Shaw attention over a sequence sharded across the ranks of ``group`` (self-attention).
 
@@ -413,8 +414,12 @@ def context_parallel_attention(
     any backend relative_attention has. ``mode="ring"``: ``P - 1`` point-to-point steps
     forward, ``P - 1`` plus ``P`` backward (see docs/scaling.md), holding two shards of keys
     and values instead of the whole sequence; runs on the native CPU kernels, as does
-    ``dropout_p > 0`` in either mode. Gradients of ``rel_keys``/``rel_values`` are this
-    rank's partial sums, not all-reduced here: DDP or FSDP reduce them like any other weight.
+    ``dropout_p > 0`` in either mode. ``head_group=G`` (all-gather mode, no dropout) gathers
+    the keys and values of ``G`` heads at a time and re-gathers them in the backward
+    (``torch.utils.checkpoint``: each group's attention forward runs again), so a rank holds
+    the whole sequence of ``G`` heads, not of all ``H``. Gradients of ``rel_keys`` and
+    ``rel_values`` are this rank's partial sums, not all-reduced here: DDP or FSDP reduce them
+    like any other weight.
     A group of one rank runs the local call.
 
     Raises:
@@ -440,6 +445,15 @@ def context_parallel_attention(
         )
     _check_device(query, group)
     dropout = float(dropout_p) > 0.0
+    if head_group is not None:
+        if isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1:
+            raise ValueError(f"head_group must be an int >= 1 or None, got {head_group!r}")
+        if mode != "all_gather":
+            raise ValueError(f"head_group bounds what mode='all_gather' gathers; mode={mode!r} "
+                             "holds a few shards at a time already: leave head_group=None")
+        if dropout:
+            raise ValueError("head_group with dropout_p > 0 is not supported (the dropout "
+                             "stream is keyed by head): use head_group=None or mode='ring'")
     if world > 1 and (mode == "ring" or dropout):
         _native_for(query, "mode='ring'" if mode == "ring" else "dropout under context parallelism")
     kwargs: dict[str, Any] = dict(max_distance=max_distance, rel_keys=rel_keys,
@@ -494,7 +508,42 @@ def context_parallel_attention(
         rk, rv = (None if t is None else t.to(acc) for t in tables)
         out = _Ring.apply(q, k, v, rk, rv, _key_bias(key_mask, acc), plan)
         return out.to(query.dtype)
-    return _all_gather_attention(query, key, value, key_mask, tables, plan, kwargs)
+    H = query.shape[1]
+    if head_group is None or head_group >= H:
+        return _all_gather_attention(query, key, value, key_mask, tables, plan, kwargs)
+    return _all_gather_by_heads(query, key, value, key_mask, tables, plan, kwargs, head_group)
+
+
+def _all_gather_by_heads(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None,
+                         tables: list[Tensor | None], plan: _Plan, kwargs: dict[str, Any],
+                         head_group: int) -> Tensor:
+    """All-gather mode, ``head_group`` heads at a time; with autograd on, each group under
+    non-reentrant checkpointing, so its gathered keys and values are freed after its forward
+    and gathered again (same collectives, same order on every rank) in its backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    H = query.shape[1]
+    rel = {name: kwargs[name] for name in ("rel_keys", "rel_values")}
+    rest = {k: v for k, v in kwargs.items() if k not in rel}
+
+    def heads(t: Tensor | None, hs: slice) -> Tensor | None:
+        return t[hs] if t is not None and t.dim() == 3 else t  # per-head tables: their heads
+
+    def group_attention(q: Tensor, k: Tensor, v: Tensor, rk: Tensor | None,
+                        rv: Tensor | None) -> Tensor:
+        return _all_gather_attention(q, k, v, key_mask, tables, plan,
+                                     {**rest, "rel_keys": rk, "rel_values": rv})
+
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, *rel.values()))
+    outs = []
+    for h0 in range(0, H, head_group):
+        hs = slice(h0, min(h0 + head_group, H))
+        args = (query[:, hs], key[:, hs], value[:, hs], heads(rel["rel_keys"], hs),
+                heads(rel["rel_values"], hs))
+        outs.append(checkpoint(group_attention, *args, use_reentrant=False) if grad
+                    else group_attention(*args))
+    return torch.cat(outs, dim=1)
 
 
 def _all_gather_attention(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None,

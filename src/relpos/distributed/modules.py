@@ -40,7 +40,7 @@ def _attend(self: RelativeMultiheadAttention, q: Tensor, k: Tensor, v: Tensor, *
             is_causal: bool = False, need_weights: bool = False,
             query_start: int | None = None) -> tuple[Tensor, Tensor | None]:
     """``RelativeMultiheadAttention.attend`` on this rank's shard (see :func:`context_parallel`)."""
-    group, layout, mode = getattr(self, _MARK)
+    group, layout, mode, head_group = getattr(self, _MARK)
     if attn_mask is not None:  # a float key padding mask (torch.nn canonicalizes to float)
         key_mask, attn_mask = _as_key_mask(attn_mask, key_mask, q)
     refused = [name for name, given in (("attn_mask", attn_mask is not None),
@@ -56,6 +56,7 @@ def _attend(self: RelativeMultiheadAttention, q: Tensor, k: Tensor, v: Tensor, *
         q, k, v, group=group, max_distance=self.max_distance, rel_keys=self.rel_keys,
         rel_values=self.rel_values, is_causal=is_causal, key_mask=key_mask,
         dropout_p=self.dropout if self.training else 0.0, layout=layout, mode=mode,
+        head_group=head_group,
     )
     return out, None
 
@@ -98,7 +99,8 @@ def _forward(self: RelativeMultiheadAttention, query: Tensor, key: Tensor | None
 
 
 def context_parallel(model: nn.Module, group: Any = None, *, layout: str = "contiguous",
-                     mode: str = "ring", modules: list[nn.Module] | None = None) -> int:
+                     mode: str = "ring", modules: list[nn.Module] | None = None,
+                     head_group: int | None = None) -> int:
     """Route the self-attention of ``model``'s relpos attention modules over ``group``.
 
     Every :class:`~relpos.modules.RelativeMultiheadAttention` in ``model`` (or only those in
@@ -113,6 +115,8 @@ def context_parallel(model: nn.Module, group: Any = None, *, layout: str = "cont
     Table gradients are each rank's partial sums: DDP or FSDP over a mesh that includes the
     context-parallel ranks reduce them with the other weights. Returns how many modules it
     routed; calling it again re-routes them (to another group, layout or mode).
+    ``head_group``: all-gather mode only, gather that many heads at a time (see
+    :func:`~relpos.distributed.context_parallel_attention`).
 
     Raises:
         ValueError: an unknown layout or mode, no relpos attention module, a model with
@@ -123,6 +127,8 @@ def context_parallel(model: nn.Module, group: Any = None, *, layout: str = "cont
     layout = _check_layout(layout)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if head_group is not None and mode != "all_gather":
+        raise ValueError(f"head_group bounds what mode='all_gather' gathers, got mode={mode!r}")
     if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
         if group.ndim != 1:
             raise ValueError(f"context_parallel takes a 1-D device mesh (e.g. mesh['cp']), got "
@@ -142,7 +148,7 @@ def context_parallel(model: nn.Module, group: Any = None, *, layout: str = "cont
         raise ValueError(f"{type(model).__name__} holds no relpos RelativeMultiheadAttention "
                          f"module: nothing to run under context parallelism")
     for m in chosen:
-        setattr(m, _MARK, (group, layout, mode))
+        setattr(m, _MARK, (group, layout, mode, head_group))
         m.attend = types.MethodType(_attend, m)  # type: ignore[method-assign]
         m.forward = types.MethodType(_forward, m)  # type: ignore[method-assign]
     return len(chosen)

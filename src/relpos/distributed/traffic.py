@@ -41,7 +41,8 @@ class Traffic:
 
 def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head_dim: int,
             value_dim: int | None = None, key_mask: bool = False,
-            dtype: torch.dtype = torch.float32, backend: str = "nccl") -> Traffic:
+            dtype: torch.dtype = torch.float32, backend: str = "nccl",
+            head_group: int | None = None) -> Traffic:
     """The :class:`Traffic` of one call of ``mode`` on ``world`` ranks, each holding
     ``(batch, heads, n_local, head_dim)`` queries and keys and ``value_dim`` values, in
     ``dtype`` (ring mode sends in the accumulation dtype: float32 for half precision).
@@ -51,7 +52,9 @@ def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head
 
     - ``all_gather``: forward ``(P-1)·E'`` with ``E' = E + batch·heads·n_local`` when there is
       a key mask (one column more), else ``E``; backward ``(P-1)·E'`` (a reduce-scatter; on
-      gloo, which has none, an all-reduce: ``2(P-1)·E'``).
+      gloo, which has none, an all-reduce: ``2(P-1)·E'``). With ``head_group=G < H`` the
+      same bytes go in ``ceil(H/G)`` gathers, and the backward gathers them again first
+      (``(P-1)·E'`` more, in as many calls).
     - ``ring``: forward ``(P-1)·(E + M)``, ``M = batch·n_local`` with a key mask, else 0;
       backward ``(P-1)·(E + M) + P·E`` (the shards go round again, and their gradients go
       round a second ring: ``P`` hops, the last one home).
@@ -70,11 +73,14 @@ def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head
     if mode == "all_gather":
         size = torch.empty((), dtype=dtype).element_size()
         piece = (E + (batch * heads * n_local if key_mask else 0)) * size
+        groups = 1 if head_group is None or head_group >= heads else -(-heads // head_group)
         if "nccl" in backend:
-            back, back_calls = (P - 1) * piece, {"reduce_scatter_tensor": 1}
+            back, back_calls = (P - 1) * piece, {"reduce_scatter_tensor": groups}
         else:
-            back, back_calls = 2 * (P - 1) * piece, {"all_reduce": 1}
-        return Traffic({"all_gather": 2}, back_calls, meta + (P - 1) * piece, back)
+            back, back_calls = 2 * (P - 1) * piece, {"all_reduce": groups}
+        if groups > 1:  # the backward gathers each group again first
+            back, back_calls = back + (P - 1) * piece, {"all_gather": groups, **back_calls}
+        return Traffic({"all_gather": 1 + groups}, back_calls, meta + (P - 1) * piece, back)
     size = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
     hop = (E + (batch * n_local if key_mask else 0)) * size
     return Traffic({"all_gather": 1, "batch_isend_irecv": P - 1},
