@@ -95,6 +95,20 @@ def test_a_group_of_one_runs_the_local_call(mode: str) -> None:
         dist.destroy_process_group()
 
 
+def test_tensors_on_a_device_the_backend_does_not_serve_are_refused() -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.empty(1, 1, 4, 2, device="meta")
+        for mode in ("all_gather", "ring"):
+            with pytest.raises(ValueError, match=r"tensors are on meta, but the process "
+                                                 r"group's backend 'gloo' serves only \['cpu'\]"):
+                context_parallel_attention(x, x, x, max_distance=1, mode=mode)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_unknown_layout_is_refused() -> None:
     x = _qkv()
     with pytest.raises(ValueError, match="layout must be one of"):
