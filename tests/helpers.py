@@ -128,3 +128,41 @@ def serving_backends(**call: object) -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def run_ranks(worker: str, world: int, *args: str, timeout_s: float = 240.0) -> str:
+    """Run ``python WORKER RANK WORLD PORT *args`` as ``world`` processes (gloo ranks on
+    127.0.0.1 and a free port, one torch thread each), the native kernels built here first so
+    that the ranks only load them. Each rank is joined under ``timeout_s`` and killed after it
+    (a test may fail, never hang); fails the test unless every rank exits 0. Returns their
+    output."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from relpos.ops.native import build
+    from relpos.training.distributed import free_port
+
+    build.load(quiet=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, worker, str(r), str(world), str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for r in range(world)]
+    outputs = []
+    try:
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=timeout_s)[0])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a rank of {world} ran past {timeout_s} s (hung?)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    report = "\n".join(outputs)
+    assert all(p.returncode == 0 for p in procs), report[-6000:]
+    return report

@@ -1,4 +1,4 @@
-"""Context parallelism (relpos.distributed): 2 and 3 CPU ranks (gloo, 127.0.0.1) equal one
+"""Context parallelism (relpos.distributed): 2, 3 and 4 CPU ranks (gloo, 127.0.0.1) equal one
 process to 1e-10, forward and backward, on every layout, clip distance, window, table kind
 and key mask; the refusals; shard/unshard round trips.
 
@@ -8,8 +8,6 @@ after it: a test may fail, never hang.
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,40 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_ranks
 from relpos.distributed import context_parallel_attention, shard_sequence
-from relpos.ops.native import build
 
 WORKER = Path(__file__).with_name("_cp_worker.py")
 TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run_ranks(world: int) -> None:
-    build.load(quiet=True)  # compile the kernels here, once: the ranks only load them
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"a rank of {world} ran past {TIMEOUT_S} s (hung?)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    report = "\n".join(outputs)
-    assert all(p.returncode == 0 for p in procs), report[-6000:]
+    run_ranks(str(WORKER), world, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -10,48 +10,28 @@ it: a test may fail, never hang. The kernels are built here first, so ranks only
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from relpos.ops.native import build
-from relpos.training.distributed import DistContext, free_port
+from relpos.training.distributed import DistContext
 from relpos.training.parallel import Layout, Parallelism, shard_batch
 from relpos.training.tasks import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _parallel_run import run_tiny
 
+from helpers import run_ranks
+
 WORKER = Path(__file__).with_name("_parallel_worker.py")
 TIMEOUT_S = 240.0
 
 
 def _ranks(world: int, out: Path, spec: dict) -> dict:
-    build.load(quiet=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port),
-                               str(out), json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r in range(world)]
-    outputs = []
-    try:
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"a rank of {world} ran past {TIMEOUT_S} s (hung?)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-6000:]
+    run_ranks(str(WORKER), world, str(out), json.dumps(spec), timeout_s=TIMEOUT_S)
     return torch.load(out / "result.pt")
 
 
