@@ -11,14 +11,17 @@ Examples::
     relpos train --text notes.txt --lines --pad --length 256 --out runs/lines-padded
     relpos train --task agree --nproc 2 --out runs/agree-ddp      # 2 processes (torchrun)
     torchrun --nproc_per_node=2 -m relpos train --task agree --out runs/agree-ddp
+    relpos train --task recall --nproc 4 --context-parallel 2 --fsdp --out runs/cp  # dp 2 x cp 2
 
 Resuming reads the run's settings from its checkpoint: options left out take the saved
 values, options given must agree with them, except the ones that do not change what is
 learned (``--eval-lengths``, ``--eval-every``, ``--checkpoint-every``, ``--threads``,
-``--device``, ``--nproc``, ``--no-progress``) and ``--steps``: a larger ``--steps`` trains
-longer (the learning-rate schedule of the run stays: after its cosine decay the rate holds
-at the floor), a smaller one (not below the checkpoint's step) stops earlier. A run that
-already finished the steps asked for is left as it is (one line says so).
+``--device``, ``--nproc``, ``--no-progress``, the scaling options ``--context-parallel``,
+``--cp-mode``, ``--fsdp`` and ``--activation-checkpointing``) and ``--steps``: a larger
+``--steps`` trains longer (the learning-rate schedule of the run stays: after its cosine
+decay the rate holds at the floor), a smaller one (not below the checkpoint's step) stops
+earlier. A run that already finished the steps asked for is left as it is (one line says
+so).
 """
 
 from __future__ import annotations
@@ -158,6 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--nproc", type=positive_int, metavar="N",
                    help="train data-parallel in N processes (launches torchrun on 127.0.0.1)")
+    _args.add_no_progress(g)
     g = p.add_argument_group(
         "scaling (over the processes of --nproc or torchrun; none changes what is learned, "
         "so each may differ on --resume)")
@@ -173,7 +177,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="recompute each block's activations in the backward (less memory, "
                         "about one more forward)")
-    _args.add_no_progress(g)
 
 
 def _value(args: argparse.Namespace, name: str) -> Any:
