@@ -50,7 +50,8 @@ def _close(name: str, a: torch.Tensor | None, b: torch.Tensor | None, fails: lis
 
 def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, causal: bool,
              tables: str, mask: str, layout: str, seed: int, mode: str = "all_gather",
-             dropout: float = 0.0, head_group: int | None = None) -> list[str]:
+             dropout: float = 0.0, head_group: int | None = None,
+             strided: bool = False) -> list[str]:
     chunks = world if layout == "contiguous" else 2 * world
     n = chunk * chunks
     left, right = (K, K) if isinstance(K, int) else K
@@ -83,17 +84,22 @@ def run_case(rank: int, world: int, *, K: int | tuple[int, int], chunk: int, cau
     def shard(x: torch.Tensor, dim: int = 2) -> torch.Tensor:
         return shard_sequence(x, dim=dim, layout=layout)
 
-    local = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+    if strided:  # non-contiguous shards: (B, n_local, H, D) memory seen as (B, H, n_local, D)
+        leaves = [shard(t).transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+        inputs = [x.transpose(1, 2) for x in leaves]
+    else:
+        leaves = inputs = [shard(t).clone().requires_grad_() for t in (q, k, v)]
     torch.manual_seed(seed + 7919 * rank)
     out = context_parallel_attention(
-        *local, max_distance=K, rel_keys=rk, rel_values=rv, is_causal=causal,
+        *inputs, max_distance=K, rel_keys=rk, rel_values=rv, is_causal=causal,
         key_mask=None if key_mask is None else shard(key_mask, 1), layout=layout, mode=mode,
         dropout_p=dropout, head_group=head_group)
     (out * shard(w)).sum().backward()
     fails: list[str] = []
     _close("out", out.detach(), shard(ref.detach()), fails)
-    for name, mine, whole in zip(("dq", "dk", "dv"), local, full, strict=True):
-        _close(name, mine.grad, shard(whole.grad), fails)
+    for name, mine, whole in zip(("dq", "dk", "dv"), leaves, full, strict=True):
+        grad = mine.grad.transpose(1, 2) if strided else mine.grad
+        _close(name, grad, shard(whole.grad), fails)
     for name, t, want in zip(("d rel_keys", "d rel_values"), (rk, rv), ref_tables, strict=True):
         if t is not None:
             total = t.grad.clone()
@@ -124,6 +130,11 @@ def cases(world: int) -> list[dict[str, object]]:
             (False, True), ("contiguous", "head_tail"), ("all_gather", "ring"))):
         out.append(dict(K=2, chunk=3, causal=causal, tables="shared", mask="random",
                         layout=layout, seed=2000 + i, mode=mode, dropout=0.3))
+    # Non-contiguous shards (a transposed view), both modes and layouts, causal and not.
+    for i, (causal, layout, mode) in enumerate(itertools.product(
+            (False, True), ("contiguous", "head_tail"), ("all_gather", "ring"))):
+        out.append(dict(K=(2, 1), chunk=3, causal=causal, tables="per_head", mask="random",
+                        layout=layout, seed=4000 + i, mode=mode, strided=True))
     # All-gather mode a head at a time (re-gathered in the backward): every table kind and
     # mask, causal and not, both layouts.
     for i, (tables, mask, causal, layout) in enumerate(itertools.product(
