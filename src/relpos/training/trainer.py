@@ -220,12 +220,17 @@ def _new_run(
 
     torch.manual_seed(config.seed)
     model = build_model(model_config).to(ctx.device)
-    optimizer = torch.optim.AdamW(
-        _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-8
-    )
+    optimizer = _optimizer(model, config)
     return _Run(
         task=task, config=config, ctx=ctx, out=out, model=model, optimizer=optimizer,
         model_cfg=model_config.to_dict(), task_cfg=task.config(), train_cfg=config.to_dict(),
+    )
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """The run's AdamW over ``model``'s parameters (weight decay on matrices only)."""
+    return torch.optim.AdamW(
+        _param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-8
     )
 
 
@@ -262,9 +267,7 @@ def _parallelize(run: _Run) -> None:
     plain_state = run.optimizer.state_dict()
     run.net = parallelize(run.model, run.ctx, run.lay, run.par)
     if run.par.fsdp and run.ctx.distributed:
-        run.optimizer = torch.optim.AdamW(
-            _param_groups(run.model, run.config.weight_decay), lr=run.config.lr,
-            betas=(0.9, 0.98), eps=1e-8)
+        run.optimizer = _optimizer(run.model, run.config)
         if plain_state["state"]:
             load_optimizer_state(run.model, run.optimizer, plain_state, run.names)
 
@@ -279,11 +282,12 @@ def _eval_copy(run: _Run) -> nn.Module:
     weights = full_weights(run.model, fsdp=run.par.fsdp)
     if not run.ctx.is_main:
         return run.model
-    with fresh_rng():
-        copy = build_model(ModelConfig.from_dict(run.model_cfg)).to(run.ctx.device)
-    copy.load_state_dict(weights)
-    run.eval_model = copy
-    return copy
+    if run.eval_model is None:  # built once; later evaluations load the new weights into it
+        with fresh_rng():
+            run.eval_model = build_model(ModelConfig.from_dict(run.model_cfg)).to(
+                run.ctx.device)
+    run.eval_model.load_state_dict(weights)
+    return run.eval_model
 
 
 def _train_steps(
