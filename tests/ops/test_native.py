@@ -40,6 +40,42 @@ def test_matches_reference(L: int, S: int, K: int, causal: bool) -> None:
     assert_same_as_reference(p, "native", is_causal=causal)
 
 
+# Forward query blocks are 256, 128 or 64 rows (fewer rows when the call has few heads), the
+# backward's 128: shapes that take each, with partial last blocks and several key tiles.
+BLOCK_SHAPES = [(4, 16, 260, 270), (2, 8, 520, 530), (1, 2, 200, 600)]
+
+
+@pytest.mark.parametrize(("B", "H", "L", "S"), BLOCK_SHAPES)
+@pytest.mark.parametrize("K", [5, 300])
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_query_block_size_matches_reference(B: int, H: int, L: int, S: int, K: int,
+                                                  causal: bool) -> None:
+    p = make_problem(B=B, H=H, L=L, S=S, D=3, K=K, seed=L + K)
+    key_mask = torch.rand(B, S, generator=torch.Generator().manual_seed(K)) > 0.1
+    assert_same_as_reference(p, "native", is_causal=causal, key_mask=key_mask)
+
+
+@pytest.mark.parametrize(("B", "H", "L", "S", "D", "K"), [
+    (4, 16, 260, 270, 16, 16), (2, 8, 520, 530, 8, 64), (3, 2, 77, 93, 24, 5), (2, 3, 1, 517, 8, 7),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_rows_match_the_float64_reference(B: int, H: int, L: int, S: int, D: int, K: int,
+                                                  causal: bool) -> None:
+    """float32 runs the kernels' vector row passes (max, exp and sum, dS by segment) at every
+    segment length, masked tails included; its error against float64 stays at float32's."""
+    p64 = make_problem(B=B, H=H, L=L, S=S, D=D, K=K, seed=S)
+    p32 = make_problem(B=B, H=H, L=L, S=S, D=D, K=K, seed=S, dtype=torch.float32)
+    key_mask = torch.rand(B, S, generator=torch.Generator().manual_seed(D)) > 0.2
+    call = dict(is_causal=causal, key_mask=key_mask)
+    out_ref, grads_ref = forward_backward(p64, "reference", **call)
+    out, grads = forward_backward(p32, "native", **call)
+    for name, a, b in zip(["out", "dq", "dk", "dv", "drel_keys", "drel_values"],
+                          [out, *grads], [out_ref, *grads_ref], strict=True):
+        err = (a.double() - b).abs().max().item()
+        scale = b.abs().max().item()
+        assert err <= 2e-6 * max(scale, 1.0), (name, err, scale)
+
+
 @pytest.mark.parametrize("window", [(0, 0), (2, 0), (0, 3), (64, 8), (5, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_windows_and_query_start(window: tuple[int, int], causal: bool) -> None:

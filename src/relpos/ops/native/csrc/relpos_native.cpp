@@ -65,6 +65,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #if defined(_MSC_VER)
 #define RELPOS_INLINE __forceinline
 #else
@@ -78,23 +82,35 @@ using at::Tensor;
 // ------------------------------------------------------------------------------------------
 // Block sizes
 //
-// No measurement that chose these is recorded (git history or benchmarks/): the query block has
-// been 64 rows since the kernels' first version, one of the sizes torch's CPU flash kernel picks
-// by length (32 / 64 / 256), and the key block is that kernel's 512. What they trade: a
-// 64 x 512 tile is 128 KiB of float scores (the backward holds two, dP beside S), about an L2;
-// larger query blocks read each K/V tile for more rows but leave fewer forward tasks for
-// at::parallel_for, which runs over (batch, head, query block).
+// Measured (benchmarks/kernel_blocks.md; forward and forward + backward against SDPA, one and
+// two threads, B x n from 64 x 64 to 1 x 4096): the forward runs faster with taller query blocks
+// (each K/V tile and the table GEMMs serve more rows, MKL packs K_J^T once per 256 rows instead
+// of per 64: 1 x 4096 went from 1.12x to 1.0x SDPA with the tables), so a forward block is 256
+// rows, halved (down to 64) while the call would have fewer than kForwardTasks tasks, so that
+// a call with few heads still spreads over the threads; the rule reads the shapes only, so the
+// blocks (and the bits) are the same at every thread count. The backward holds two tiles (dP
+// beside S) and runs best at 128 rows. The key block is torch's CPU flash kernel's 512: a
+// 256 x 512 tile is 512 KiB of float scores.
 
-constexpr int64_t kQueryBlock = 64;       // rows of Q per block
-constexpr int64_t kWholeQueryRows = 32;   // up to this many queries: all rows in one block
-constexpr int64_t kKeyBlock = 512;        // keys per tile
+constexpr int64_t kForwardQueryBlock = 256;   // rows of Q per forward block, at most
+constexpr int64_t kMinForwardQueryBlock = 64; // ... and at least (unless L is shorter)
+constexpr int64_t kForwardTasks = 64;         // halve the block while fewer tasks than this
+constexpr int64_t kBackwardQueryBlock = 128;  // rows of Q per backward block
+constexpr int64_t kKeyBlock = 512;            // keys per tile
 // A decode step (at most kDecodeQueryRows queries) takes its whole rows in one key block of at
-// most kDecodeScores scores, so its softmax never rescales (no measurement recorded either).
+// most kDecodeScores scores, so its softmax never rescales (no measurement recorded).
 constexpr int64_t kDecodeQueryRows = 8;
 constexpr int64_t kDecodeScores = 65536;
 
-static int64_t query_block_size(int64_t L) {
-  return L <= kWholeQueryRows ? std::max<int64_t>(L, 1) : kQueryBlock;
+// The forward's query block for L queries of `heads` (batch, head) or (sequence, head) pairs.
+static int64_t forward_query_block(int64_t L, int64_t heads) {
+  int64_t bq = kForwardQueryBlock;
+  while (bq > kMinForwardQueryBlock && heads * ((L + bq - 1) / bq) < kForwardTasks) bq /= 2;
+  return std::min<int64_t>(std::max<int64_t>(L, 1), bq);
+}
+
+static int64_t backward_query_block(int64_t L) {
+  return std::min<int64_t>(std::max<int64_t>(L, 1), kBackwardQueryBlock);
 }
 
 static int64_t key_block_size(int64_t L, int64_t S) {
@@ -513,6 +529,194 @@ static inline const T* mask_row(const Geometry& g, const T* attn_bias, int64_t b
 }
 
 // ------------------------------------------------------------------------------------------
+// Explicit vectors for float's row passes (max, exp and sum, dS of far segments): AVX-512 where
+// the build's ISA has it (16 lanes, masked tails), AVX2 + FMA otherwise (8 lanes, tails through
+// maskload / maskstore), the scalar loops below on any other ISA and for double. A segment's
+// tail is one masked vector operation, not a scalar loop. The arithmetic is exp_float's, lane
+// by lane (the same reduction and polynomial), so vector and scalar rows agree to rounding.
+
+#if defined(__AVX512F__)
+#define RELPOS_VEC_FLOAT 1
+struct VecF {
+  static constexpr int64_t W = 16;
+  using V = __m512;
+  using M = __mmask16;
+  static RELPOS_INLINE M tail(int64_t n) { return static_cast<M>((1u << n) - 1u); }
+  static RELPOS_INLINE V set1(float x) { return _mm512_set1_ps(x); }
+  static RELPOS_INLINE V load(const float* p) { return _mm512_loadu_ps(p); }
+  // the first n lanes of p, `fill` in the others
+  static RELPOS_INLINE V load_tail(const float* p, M m, V fill) {
+    return _mm512_mask_loadu_ps(fill, m, p);
+  }
+  static RELPOS_INLINE void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static RELPOS_INLINE void store_tail(float* p, M m, V v) { _mm512_mask_storeu_ps(p, m, v); }
+  static RELPOS_INLINE V zero_off_tail(M m, V v) { return _mm512_maskz_mov_ps(m, v); }
+  static RELPOS_INLINE V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static RELPOS_INLINE V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static RELPOS_INLINE V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static RELPOS_INLINE V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  // max(a, b) that returns b where a is NaN (vmaxps returns its second operand on NaN)
+  static RELPOS_INLINE V max_skip_nan(V a, V b) { return _mm512_max_ps(a, b); }
+  static RELPOS_INLINE float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static RELPOS_INLINE float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
+  static RELPOS_INLINE V exp(V x) {
+    const V lo = set1(-87.3365447504019f), hi = set1(88.3762626647949f);
+    const M under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);  // -inf included, NaN not
+    const M over = _mm512_cmp_ps_mask(x, set1(std::numeric_limits<float>::infinity()),
+                                      _CMP_EQ_OQ);
+    x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));  // NaN passes (second operand)
+    const V magic = set1(12582912.0f);
+    const V t = fmadd(x, set1(1.44269504088896341f), magic);
+    const V n = sub(t, magic);
+    const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
+    V r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    V y = set1(1.9875691500e-4f);
+    y = fmadd(y, r, set1(1.3981999507e-3f));
+    y = fmadd(y, r, set1(8.3334519073e-3f));
+    y = fmadd(y, r, set1(4.1665795894e-2f));
+    y = fmadd(y, r, set1(1.6666665459e-1f));
+    y = fmadd(y, r, set1(5.0000001201e-1f));
+    y = add(fmadd(mul(y, r), r, r), set1(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
+    V out = mul(y, _mm512_castsi512_ps(e));
+    out = _mm512_mask_mov_ps(out, under, _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(out, over, set1(std::numeric_limits<float>::infinity()));
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RELPOS_VEC_FLOAT 1
+struct VecF {
+  static constexpr int64_t W = 8;
+  using V = __m256;
+  using M = __m256i;
+  static RELPOS_INLINE M tail(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static RELPOS_INLINE V set1(float x) { return _mm256_set1_ps(x); }
+  static RELPOS_INLINE V load(const float* p) { return _mm256_loadu_ps(p); }
+  static RELPOS_INLINE V load_tail(const float* p, M m, V fill) {
+    return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+  }
+  static RELPOS_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static RELPOS_INLINE void store_tail(float* p, M m, V v) { _mm256_maskstore_ps(p, m, v); }
+  static RELPOS_INLINE V zero_off_tail(M m, V v) { return _mm256_and_ps(_mm256_castsi256_ps(m), v); }
+  static RELPOS_INLINE V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static RELPOS_INLINE V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static RELPOS_INLINE V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static RELPOS_INLINE V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static RELPOS_INLINE V max_skip_nan(V a, V b) { return _mm256_max_ps(a, b); }
+  static RELPOS_INLINE float reduce_max(V v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  static RELPOS_INLINE float reduce_add(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static RELPOS_INLINE V exp(V x) {
+    const V lo = set1(-87.3365447504019f), hi = set1(88.3762626647949f);
+    const V under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const V over = _mm256_cmp_ps(x, set1(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
+    const V magic = set1(12582912.0f);
+    const V t = fmadd(x, set1(1.44269504088896341f), magic);
+    const V n = sub(t, magic);
+    const __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000));
+    V r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    V y = set1(1.9875691500e-4f);
+    y = fmadd(y, r, set1(1.3981999507e-3f));
+    y = fmadd(y, r, set1(8.3334519073e-3f));
+    y = fmadd(y, r, set1(4.1665795894e-2f));
+    y = fmadd(y, r, set1(1.6666665459e-1f));
+    y = fmadd(y, r, set1(5.0000001201e-1f));
+    y = add(fmadd(mul(y, r), r, r), set1(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
+    V out = mul(y, _mm256_castsi256_ps(e));
+    out = _mm256_andnot_ps(under, out);
+    return _mm256_blendv_ps(out, set1(std::numeric_limits<float>::infinity()), over);
+  }
+};
+#endif
+
+#if defined(RELPOS_VEC_FLOAT)
+// The largest of x[0..n), NaN entries skipped (-inf for n = 0); four accumulators.
+static inline float row_max_vec(const float* x, int64_t n) {
+  constexpr int64_t W = VecF::W;
+  const VecF::V ninf = VecF::set1(-std::numeric_limits<float>::infinity());
+  VecF::V m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    m0 = VecF::max_skip_nan(VecF::load(x + j), m0);
+    m1 = VecF::max_skip_nan(VecF::load(x + j + W), m1);
+    m2 = VecF::max_skip_nan(VecF::load(x + j + 2 * W), m2);
+    m3 = VecF::max_skip_nan(VecF::load(x + j + 3 * W), m3);
+  }
+  for (; j + W <= n; j += W) m0 = VecF::max_skip_nan(VecF::load(x + j), m0);
+  if (j < n) m1 = VecF::max_skip_nan(VecF::load_tail(x + j, VecF::tail(n - j), ninf), m1);
+  m0 = VecF::max_skip_nan(m0, m1);
+  m2 = VecF::max_skip_nan(m2, m3);
+  return VecF::reduce_max(VecF::max_skip_nan(m0, m2));
+}
+
+// x[j] = exp(x[j] - offset) over n entries; returns their sum.
+static inline float exp_sum_vec(float* x, int64_t n, float offset) {
+  constexpr int64_t W = VecF::W;
+  const VecF::V off = VecF::set1(offset);
+  VecF::V s0 = VecF::set1(0.0f), s1 = s0;
+  int64_t j = 0;
+  for (; j + 2 * W <= n; j += 2 * W) {
+    const VecF::V e0 = VecF::exp(VecF::sub(VecF::load(x + j), off));
+    const VecF::V e1 = VecF::exp(VecF::sub(VecF::load(x + j + W), off));
+    VecF::store(x + j, e0);
+    VecF::store(x + j + W, e1);
+    s0 = VecF::add(s0, e0);
+    s1 = VecF::add(s1, e1);
+  }
+  for (; j + W <= n; j += W) {
+    const VecF::V e = VecF::exp(VecF::sub(VecF::load(x + j), off));
+    VecF::store(x + j, e);
+    s0 = VecF::add(s0, e);
+  }
+  if (j < n) {
+    const VecF::M m = VecF::tail(n - j);
+    const VecF::V e = VecF::exp(VecF::sub(VecF::load_tail(x + j, m, off), off));
+    VecF::store_tail(x + j, m, e);
+    s1 = VecF::add(s1, VecF::zero_off_tail(m, e));
+  }
+  return VecF::reduce_add(VecF::add(s0, s1));
+}
+
+// dS = p (dp - c) over n entries, in place of dp; returns its sum.
+static inline float far_segment_ds_vec(const float* p, float* dp, int64_t n, float c) {
+  constexpr int64_t W = VecF::W;
+  const VecF::V cv = VecF::set1(c);
+  VecF::V s0 = VecF::set1(0.0f);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const VecF::V x = VecF::mul(VecF::load(p + j), VecF::sub(VecF::load(dp + j), cv));
+    VecF::store(dp + j, x);
+    s0 = VecF::add(s0, x);
+  }
+  if (j < n) {
+    const VecF::M m = VecF::tail(n - j);
+    const VecF::V zero = VecF::set1(0.0f);
+    const VecF::V x = VecF::mul(VecF::load_tail(p + j, m, zero),
+                                VecF::sub(VecF::load_tail(dp + j, m, zero), cv));
+    VecF::store_tail(dp + j, m, x);
+    s0 = VecF::add(s0, VecF::zero_off_tail(m, x));
+  }
+  return VecF::reduce_add(s0);
+}
+#endif  // RELPOS_VEC_FLOAT: end of the vector section
+
+// ------------------------------------------------------------------------------------------
 // Row primitives
 
 // max(a, b), NaN if either is.
@@ -525,6 +729,9 @@ static inline T nan_max(T a, T b) {
 // that the compiler vectorizes it (a plain running max is one long dependency chain).
 template <typename T>
 static inline T row_max(const T* x, int64_t n) {
+#if defined(RELPOS_VEC_FLOAT)
+  if constexpr (std::is_same_v<T, float>) return row_max_vec(x, n);
+#endif
   constexpr int W = 16;
   T lane[W];
   for (int u = 0; u < W; ++u) lane[u] = -std::numeric_limits<T>::infinity();
@@ -540,6 +747,9 @@ static inline T row_max(const T* x, int64_t n) {
 // x[j] = exp(x[j] - offset) over n entries; returns their sum.
 template <typename T>
 static inline T exp_sum(T* x, int64_t n, T offset) {
+#if defined(RELPOS_VEC_FLOAT)
+  if constexpr (std::is_same_v<T, float>) return exp_sum_vec(x, n, offset);
+#endif
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -853,7 +1063,7 @@ template <typename T>
 static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const Dropout& drop,
                          T* out, T* lse) {
   const int64_t L = g.L;
-  const int64_t BQ = query_block_size(L), BK = key_block_size(L, g.S);
+  const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
@@ -873,6 +1083,7 @@ struct VarlenCall {
   Packing pk;
   std::vector<Geometry> seqs;  // (N)
   int64_t D = 0, Dv = 0, BQ = 1, tile = 0, R = 1;
+  int64_t heads = 1;  // N · H: the (sequence, head) pairs, for forward_query_block
 };
 
 // Varlen tasks: (sequence, head, query block), each sequence with its own block sizes. The
@@ -883,7 +1094,7 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T>& in, T sca
   const Packing& pk = vc.pk;
   std::vector<int64_t> first_task(pk.N + 1, 0);
   for (int64_t s = 0; s < pk.N; ++s) {
-    const int64_t L = vc.seqs[s].L, BQ = query_block_size(L);
+    const int64_t L = vc.seqs[s].L, BQ = forward_query_block(L, vc.heads);
     first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
   }
 
@@ -896,7 +1107,8 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T>& in, T sca
       const int64_t s =
           std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
       const Geometry& g = vc.seqs[s];
-      const int64_t BQ = query_block_size(g.L), n_query_blocks = (g.L + BQ - 1) / BQ;
+      const int64_t BQ = forward_query_block(g.L, vc.heads);
+      const int64_t n_query_blocks = (g.L + BQ - 1) / BQ;
       const int64_t h = (task - first_task[s]) / n_query_blocks;
       const int64_t qb = (task - first_task[s]) % n_query_blocks;
       const int64_t row = pk.q_row(s, h);
@@ -944,6 +1156,9 @@ static RELPOS_INLINE void row_deltas(T* delta, const T* do_block, const T* out_b
 // dS over dp in place. Returns the segment's sum of dS (its dSb bucket).
 template <typename T>
 static RELPOS_INLINE T far_segment_ds(const T* p, T* dp, int64_t n, T far_delta) {
+#if defined(RELPOS_VEC_FLOAT)
+  if constexpr (std::is_same_v<T, float>) return far_segment_ds_vec(p, dp, n, far_delta);
+#endif
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
@@ -1201,7 +1416,7 @@ static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout,
                           const T* lse, T scale, const Dropout& drop, T* dq, T* dk, T* dv,
                           T* dak_part, T* dav_part) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
-  const int64_t BQ = query_block_size(L), BK = key_block_size(L, S);
+  const int64_t BQ = backward_query_block(L), BK = key_block_size(L, S);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
@@ -1283,7 +1498,7 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
         const HeadGradients<T> gr{dout + qr * g.Dv, out + qr * g.Dv, lse + qr, dq + qr * g.D,
                                   dk + kr * g.D,    dv + kr * g.Dv,  dak,       dav};
         backward_task<T>(g, varlen_head(g, pk, in, s, h), gr, nullptr, scale, in.ak_finite,
-                         drop, w, query_block_size(g.L), key_block_size(g.L, g.S));
+                         drop, w, backward_query_block(g.L), key_block_size(g.L, g.S));
         const int64_t region = pk.region(s);  // spare capacity [S, region): never read
         std::fill(gr.dk + g.S * g.D, gr.dk + region * g.D, T(0));
         std::fill(gr.dv + g.S * g.Dv, gr.dv + region * g.Dv, T(0));
@@ -1596,6 +1811,7 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
   base.Hr_v = av.has_value() ? av->size(0) : 1;
   set_window(base, ak, av, options);  // the tables' rows; R of every sequence with tables
   vc.R = base.R;
+  vc.heads = vc.pk.N * H;
   vc.seqs.reserve(vc.pk.N);
   for (int64_t s = 0; s < vc.pk.N; ++s) {
     Geometry g = base;
@@ -1607,7 +1823,8 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
     set_window(g, ak, av, aligned);
     vc.seqs.push_back(g);
     if (g.L == 0) continue;
-    const int64_t BQ = query_block_size(g.L);
+    // room for either direction's blocks
+    const int64_t BQ = std::max(forward_query_block(g.L, vc.heads), backward_query_block(g.L));
     vc.BQ = std::max(vc.BQ, BQ);
     vc.tile = std::max(vc.tile, BQ * key_block_size(g.L, g.S));
     vc.R = std::max(vc.R, g.R);

@@ -1,0 +1,150 @@
+"""The native kernels' explicit float vectors (csrc/relpos_native.cpp, the section that defines
+``VecF``): compiled alone for each instruction set this CPU runs (AVX-512 with ``-march=x86-64-v4``,
+AVX2 with ``-march=x86-64-v3``) and checked against the scalar loops they replace, at every length
+from 0 to 100 (so every masked tail), with NaN, +-inf and extreme values among the entries. The
+whole kernels run the vectors of the machine's build; the other build's vectors are checked here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import relpos.ops.native
+from relpos.ops.native.variants import runnable, variant
+
+_CSRC = Path(relpos.ops.native.__file__).with_name("csrc") / "relpos_native.cpp"
+
+# A main that runs each vector primitive against its scalar definition and prints one line per
+# disagreement, then "checked N".
+_MAIN = r"""
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#define FAIL(...) (++bad, std::printf(__VA_ARGS__), std::printf("\n"))
+
+static bool same(float a, float b, float rel) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  if (std::isinf(a) || std::isinf(b)) return a == b;
+  return std::fabs(a - b) <= rel * std::max(std::fabs(a), std::fabs(b)) + 1e-37f;
+}
+
+int main() {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float canary = 12345.0f;
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_int_distribution<int> pick(0, 19);
+  long checked = 0, bad = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    for (int64_t n = 0; n <= 100; ++n) {
+      // entries: normal, with some -inf (hidden keys), and in odd trials NaN, +inf, huge
+      std::vector<float> x(n + 32, canary);
+      for (int64_t j = 0; j < n; ++j) {
+        const int r = pick(gen);
+        x[j] = r == 0 ? -inf : normal(gen);
+        if (trial % 2 == 1 && r == 1) x[j] = nan;
+        if (trial % 4 == 3 && r == 2) x[j] = inf;
+        if (trial % 8 == 5 && r == 3) x[j] = -3.0e38f;
+      }
+      // row_max: the largest entry, NaN skipped, -inf when there is none
+      float want_max = -inf;
+      for (int64_t j = 0; j < n; ++j) if (x[j] > want_max) want_max = x[j];
+      const float got_max = row_max_vec(x.data(), n);
+      ++checked;
+      if (!(got_max == want_max)) FAIL("row_max n=%ld: %a != %a", (long)n, got_max, want_max);
+      // exp_sum: x[j] = exp(x[j] - offset) and their sum; nothing past n written
+      const float offsets[] = {want_max == -inf ? 0.0f : want_max, 1.5f, -20.0f, nan};
+      for (float off : offsets) {
+        std::vector<float> y = x;
+        float want_sum = 0.0f;
+        std::vector<float> want(n);
+        for (int64_t j = 0; j < n; ++j) { want[j] = exp_float(x[j] - off); want_sum += want[j]; }
+        const float got_sum = exp_sum_vec(y.data(), n, off);
+        ++checked;
+        for (int64_t j = 0; j < n; ++j)
+          if (!same(y[j], want[j], 2e-7f)) {
+            FAIL("exp n=%ld j=%ld x=%a off=%a: %a != %a", (long)n, (long)j, x[j], off, y[j],
+                 want[j]);
+            break;
+          }
+        for (int64_t j = n; j < n + 32; ++j)
+          if (y[j] != canary) {
+            FAIL("exp_sum wrote past n=%ld at %ld", (long)n, (long)j);
+            break;
+          }
+        if (!same(got_sum, want_sum, 1e-5f))
+          FAIL("exp_sum n=%ld off=%a: %a != %a", (long)n, off, got_sum, want_sum);
+      }
+      // far_segment_ds: dp[j] = p[j] (dp[j] - c) and its sum; a non-finite c reaches no lane
+      // past n (where p would be 0)
+      const float cs[] = {0.25f, -inf, nan};
+      for (float c : cs) {
+        std::vector<float> p(n + 32, 0.0f), dp = x;
+        for (int64_t j = 0; j < n; ++j) p[j] = std::fabs(normal(gen));
+        float want_sum = 0.0f;
+        std::vector<float> want(n);
+        for (int64_t j = 0; j < n; ++j) { want[j] = p[j] * (x[j] - c); want_sum += want[j]; }
+        const float got_sum = far_segment_ds_vec(p.data(), dp.data(), n, c);
+        ++checked;
+        for (int64_t j = 0; j < n; ++j)
+          if (!same(dp[j], want[j], 2e-7f)) {
+            FAIL("ds n=%ld j=%ld: %a != %a", (long)n, (long)j, dp[j], want[j]);
+            break;
+          }
+        for (int64_t j = n; j < n + 32; ++j)
+          if (dp[j] != canary) {
+            FAIL("ds wrote past n=%ld at %ld", (long)n, (long)j);
+            break;
+          }
+        if (!same(got_sum, want_sum, 1e-5f))
+          FAIL("ds sum n=%ld c=%a: %a != %a", (long)n, c, got_sum, want_sum);
+      }
+    }
+  }
+  std::printf("checked %ld\n", checked);
+  return bad == 0 ? 0 : 1;
+}
+"""
+
+
+def _source() -> str:
+    """The standard headers of the kernels' source, its inline macro, exp_float and the vector
+    section, then the main above."""
+    text = _CSRC.read_text()
+    headers = [line for line in text.splitlines()
+               if line.startswith("#include <") and "/" not in line and ".h>" not in line]
+    macro = "#define RELPOS_INLINE inline __attribute__((always_inline))\n"
+    exp_start = text.index("static inline float exp_float(float x) {")
+    exp_end = text.index("\n}\n", exp_start) + 3
+    vec_start = text.index("#if defined(__AVX512F__)\n#define RELPOS_VEC_FLOAT")
+    vec_end = text.index("#endif  // RELPOS_VEC_FLOAT: end of the vector section")
+    return ("\n".join(headers) + "\n#include <immintrin.h>\n" + macro + text[exp_start:exp_end]
+            + text[vec_start:vec_end] + "#endif\n" + _MAIN)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+@pytest.mark.parametrize(("name", "flags"), [("avx512", "-march=x86-64-v4"),
+                                             ("avx2", "-march=x86-64-v3")])
+def test_the_vector_row_passes_equal_the_scalar_loops(name: str, flags: str,
+                                                      tmp_path: Path) -> None:
+    if not runnable(variant(name)):
+        pytest.skip(f"this CPU does not run {name}")
+    source = tmp_path / "vectors.cpp"
+    source.write_text(_source())
+    binary = tmp_path / "vectors"
+    built = subprocess.run(["c++", "-O2", "-std=c++17", flags, str(source), "-o", str(binary)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    # the section compiled its vectors, not the scalar fallback
+    probe = subprocess.run(["c++", "-std=c++17", flags, "-dM", "-E", "-x", "c++", str(source)],
+                           capture_output=True, text=True)
+    assert "#define RELPOS_VEC_FLOAT 1" in probe.stdout
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert run.stdout.strip().endswith("checked " + str(40 * 101 * 8)), run.stdout[-500:]
