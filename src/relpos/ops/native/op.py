@@ -4,8 +4,11 @@
 Each op has a fake implementation (for ``torch.compile`` and ``torch.export``) and a backward
 through the op ``<name>_backward``; both are checked with ``torch.library.opcheck``. The ops
 read their inputs in any layout (the kernels make them contiguous once). Half precision
-(``float16``, ``bfloat16``) runs in float32 inside: the inputs are widened once, every sum and
-statistic is float32, the result is rounded once.
+(``float16``, ``bfloat16``): the forward reads query, key and value in their own type (16-bit
+GEMMs with float32 accumulation where libtorch's MKL has them, the CPU's BF16 / FP16 / AMX
+units), with the tables and masks in float32 and every sum and statistic float32, and writes
+the output in the inputs' type; the backward widens its inputs to float32 once and rounds the
+gradients once.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 R = left + right + 1 table rows, Hr table heads (1 or H); varlen: N sequences, Tq and Tk the
@@ -53,6 +56,15 @@ def _wide(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+def _inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """query, key and value as the forward kernels read them: float32 and float64 as given,
+    16-bit types as given too (the kernels compute in float32 from them), one dtype for all."""
+    dtype = query.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        dtype = accumulation_dtype(dtype)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def _expanded(mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
     """A mask broadcastable to ``(B, H, L, S)`` as a ``(B, H, L, S)`` view (stride 0 where it
     broadcasts; the kernels read it in place)."""
@@ -82,8 +94,8 @@ def forward(
     if is_empty(query, key):
         return empty_outputs(_fake(query, key, value))
     acc = accumulation_dtype(query.dtype)
-    q, k, v, rk, rv, kb, mb = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values,
-                                                        key_bias, attn_bias))
+    q, k, v = _inputs(query, key, value)
+    rk, rv, kb, mb = (_wide(t, acc) for t in (rel_keys, rel_values, key_bias, attn_bias))
     out, lse = _kernels().forward(
         q, k, v, rk, rv, kb, _expanded(mb, query, key), seed,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale,
@@ -196,7 +208,8 @@ def forward_varlen(
     if is_empty_varlen(query, key):
         return empty_outputs(_fake_varlen(query, key, value))
     acc = accumulation_dtype(query.dtype)
-    q, k, v, rk, rv = (_wide(t, acc) for t in (query, key, value, rel_keys, rel_values))
+    q, k, v = _inputs(query, key, value)
+    rk, rv = (_wide(t, acc) for t in (rel_keys, rel_values))
     out, lse = _kernels().forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, rk, rv, seed,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale, query_start=0,

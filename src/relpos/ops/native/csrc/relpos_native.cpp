@@ -61,7 +61,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <vector>
 
@@ -240,6 +242,74 @@ template <typename T>
 static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
                            T beta, T* C) {
   gemm<T>(true, false, M, N, K, alpha, A, M, B, N, beta, C, N);
+}
+
+// ------------------------------------------------------------------------------------------
+// Half precision (bfloat16, float16) in the forward: q, k, v and out stay in their 16-bit type
+// (I below; T is float). The score GEMM S = scale · Q_I K_J^T and the value GEMM acc += P V_J
+// run on 16-bit operands with float accumulation: MKL's cblas_gemm_bf16bf16f32 /
+// cblas_gemm_f16f16f32 as libtorch exports them (AVX-512-BF16, AVX512-FP16 or AMX where the
+// CPU has them), with P rounded to the 16-bit type for the second, as torch's flash kernel does.
+// Everything else is float: the tables, QA (from Q_I widened per block), Pb and Pb @ aV, the
+// online softmax and out's accumulator. Where libtorch has no such GEMM, K_J and V_J are widened
+// per tile and the float GEMMs serve. No full-size widened copy either way.
+
+#if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
+extern "C" {
+// MKL's CBLAS (LP64: int sizes; CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112)
+void cblas_gemm_bf16bf16f32(int layout, int ta, int tb, int m, int n, int k, float alpha,
+                            const uint16_t* A, int lda, const uint16_t* B, int ldb, float beta,
+                            float* C, int ldc) __attribute__((weak));
+void cblas_gemm_f16f16f32(int layout, int ta, int tb, int m, int n, int k, float alpha,
+                          const uint16_t* A, int lda, const uint16_t* B, int ldb, float beta,
+                          float* C, int ldc) __attribute__((weak));
+}
+#endif
+
+// Whether the 16-bit type I has a GEMM with float accumulation here.
+template <typename I>
+static inline bool has_low_gemm() {
+#if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
+  if constexpr (std::is_same_v<I, c10::BFloat16>) return cblas_gemm_bf16bf16f32 != nullptr;
+  if constexpr (std::is_same_v<I, c10::Half>) return cblas_gemm_f16f16f32 != nullptr;
+#endif
+  return false;
+}
+
+// C (M, N) = alpha · A (M, K) @ op(B) + beta · C, A and B of the 16-bit type I on packed
+// row-major matrices, op(B) = B (K, N) or, with tb, B^T for B (N, K); C float. Only where
+// has_low_gemm<I>().
+template <typename I>
+static inline void low_gemm(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const I* A,
+                            const I* B, float beta, float* C) {
+#if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
+  if (M <= 0 || N <= 0) return;
+  const auto* a = reinterpret_cast<const uint16_t*>(A);
+  const auto* b = reinterpret_cast<const uint16_t*>(B);
+  const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
+  const int ldb = tb ? k : n;
+  if constexpr (std::is_same_v<I, c10::BFloat16>)
+    cblas_gemm_bf16bf16f32(101, 111, tb ? 112 : 111, m, n, k, alpha, a, k, b, ldb, beta, C, n);
+  else
+    cblas_gemm_f16f16f32(101, 111, tb ? 112 : 111, m, n, k, alpha, a, k, b, ldb, beta, C, n);
+#else
+  TORCH_CHECK(false, "no 16-bit GEMM in this build");
+#endif
+}
+
+// Whether a call with 16-bit inputs of type I runs the 16-bit GEMMs: where they exist, unless
+// RELPOS_NATIVE_HALF_GEMM=0 (K_J and V_J widened per tile instead: the same results to float
+// rounding, P unrounded; for comparing the two).
+template <typename I>
+static bool use_low_gemms() {
+  const char* off = std::getenv("RELPOS_NATIVE_HALF_GEMM");
+  return has_low_gemm<I>() && !(off != nullptr && std::string(off) == "0");
+}
+
+// dst[j] = src[j] in another floating type (rounded to nearest even where it narrows).
+template <typename From, typename To>
+static inline void convert(const From* src, To* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<To>(static_cast<float>(src[j]));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -438,11 +508,11 @@ struct Geometry {
 
 // The call's tensors as contiguous raw pointers (nullptr for an absent optional one). Varlen
 // calls have no masks, and q, k, v as (H, Tq, D), (H, Tk, D), (H, Tk, Dv).
-template <typename T>
+template <typename T, typename I = T>  // I: the type q, k and v are stored in (T otherwise)
 struct Inputs {
-  const T* q;          // (B, H, L, D)
-  const T* k;          // (B, H, S, D)
-  const T* v;          // (B, H, S, Dv)
+  const I* q;          // (B, H, L, D)
+  const I* k;          // (B, H, S, D)
+  const I* v;          // (B, H, S, Dv)
   const T* ak;         // (Hr_k, R, D) or nullptr
   const T* av;         // (Hr_v, R, Dv) or nullptr
   const T* key_bias;   // (B, S) or nullptr
@@ -452,30 +522,30 @@ struct Inputs {
 
 // What one task's head reads: the queries, keys, values, tables (shared or its own) and key
 // bias of one (batch, head) or (sequence, head), and the dropout row of its query 0.
-template <typename T>
+template <typename T, typename I = T>
 struct Head {
   int64_t b, h;       // batch row (0 for a varlen sequence) and head: where its mask rows are
   int64_t dropout_row;  // query i's dropout row is dropout_row + i
-  const T* q;         // (L, D)
-  const T* k;         // (S, D)
-  const T* v;         // (S, Dv)
+  const I* q;         // (L, D)
+  const I* k;         // (S, D)
+  const I* v;         // (S, Dv)
   const T* ak;        // (R, D) or nullptr
   const T* av;        // (R, Dv) or nullptr
   const T* key_bias;  // (S) or nullptr
 };
 
 // The tables of head h: its own rows of per-head tables, the shared ones otherwise.
-template <typename T>
-static inline void set_head_tables(const Geometry& g, const Inputs<T>& in, Head<T>& hd) {
+template <typename T, typename I>
+static inline void set_head_tables(const Geometry& g, const Inputs<T, I>& in, Head<T, I>& hd) {
   hd.ak = in.ak ? in.ak + (g.Hr_k == 1 ? 0 : hd.h) * g.R * g.D : nullptr;
   hd.av = in.av ? in.av + (g.Hr_v == 1 ? 0 : hd.h) * g.R * g.Dv : nullptr;
 }
 
 // Head bh = b * H + h of a padded call.
-template <typename T>
-static inline Head<T> head_of(const Geometry& g, const Inputs<T>& in, const Dropout& drop,
-                              int64_t bh) {
-  Head<T> hd;
+template <typename T, typename I>
+static inline Head<T, I> head_of(const Geometry& g, const Inputs<T, I>& in, const Dropout& drop,
+                                 int64_t bh) {
+  Head<T, I> hd;
   hd.b = bh / g.H;
   hd.h = bh % g.H;
   hd.dropout_row = drop.first_row(bh, g.L);
@@ -506,10 +576,10 @@ struct Packing {
 };
 
 // Head h of sequence s of a varlen call (g: the sequence's geometry).
-template <typename T>
-static inline Head<T> varlen_head(const Geometry& g, const Packing& pk, const Inputs<T>& in,
-                                  int64_t s, int64_t h) {
-  Head<T> hd;
+template <typename T, typename I>
+static inline Head<T, I> varlen_head(const Geometry& g, const Packing& pk,
+                                     const Inputs<T, I>& in, int64_t s, int64_t h) {
+  Head<T, I> hd;
   hd.b = 0;
   hd.h = h;
   hd.dropout_row = pk.q_row(s, h);
@@ -872,17 +942,32 @@ static RELPOS_INLINE void bucket_row(const T* x, int64_t R, const RowSegments& s
 
 // One thread's state for the query block it works on: blocks of at most BQ rows, tiles of at
 // most `tile` scores (BQ · BK for one block size; the largest of a varlen call's sequences).
-template <typename T>
+template <typename T, typename I = T>
 struct ForwardBlock {
   std::vector<T> scores;  // (tile): S of the current tile (nq, nk), then P (row stride nk)
   std::vector<T> qa;      // (BQ, R): QA = scale · Q_I @ aK^T
   std::vector<T> pb;      // (BQ, R): Pb, each row's probability mass per table row
   std::vector<T> acc;     // (BQ, Dv): sum_j p_ij v_j
   std::vector<T> m, l;    // (BQ): the online softmax's running max and sum
+  // 16-bit inputs only: Q_I widened (BQ, D); P rounded to I (tile) for the 16-bit value GEMM,
+  // or, without 16-bit GEMMs, K_J (BK, D) and V_J (BK, Dv) widened
+  std::vector<T> q_wide, k_wide, v_wide;
+  std::vector<I> p_low;
 
-  ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values)
+  ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
+               int64_t D = 0, int64_t BK = 0, bool low_gemms = false)
       : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ),
-        l(BQ) {}
+        l(BQ) {
+    if constexpr (!std::is_same_v<T, I>) {
+      q_wide.resize(BQ * D);
+      if (low_gemms) {
+        p_low.resize(tile);
+      } else {
+        k_wide.resize(BK * D);
+        v_wide.resize(BK * Dv);
+      }
+    }
+  }
 };
 
 // The max of a far segment's scores plus its constant; -inf where the segment has no visible
@@ -915,8 +1000,8 @@ static RELPOS_INLINE T segments_max(const T* s, const RowSegments& seg, FarConst
 
 // RESCALE: the row's running sum, output accumulator and bucket masses, all relative to the old
 // max, times alpha = exp(m_old - m_new).
-template <typename T>
-static RELPOS_INLINE void rescale_row(ForwardBlock<T>& w, int64_t r, T alpha, int64_t Dv,
+template <typename T, typename I>
+static RELPOS_INLINE void rescale_row(ForwardBlock<T, I>& w, int64_t r, T alpha, int64_t Dv,
                                       int64_t R, bool values) {
   w.l[r] *= alpha;
   T* a = w.acc.data() + r * Dv;
@@ -930,8 +1015,8 @@ static RELPOS_INLINE void rescale_row(ForwardBlock<T>& w, int64_t r, T alpha, in
 // Online-softmax step of row r over one tile: the new max, the rescale of the row's state, then
 // s = exp(s - m_new) (far constants folded in; the hidden tail [n_visible, nk) set to 0) and
 // l += its sum. Returns false, with the row's tile zeroed, while the row has seen no key.
-template <typename T>
-static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T>& w, int64_t r, T* s, int64_t nk,
+template <typename T, typename I>
+static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, T* s, int64_t nk,
                                               const RowSegments& seg, FarConstants<T> qa_far,
                                               int64_t Dv, int64_t R, bool values,
                                               SegmentSums<T>& p_sums) {
@@ -944,7 +1029,7 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T>& w, int64_t r, T* 
     return false;
   }
   const T alpha = m_old == ninf ? T(0) : exp_<T>(m_old - m_new);
-  if (alpha != T(1)) rescale_row<T>(w, r, alpha, Dv, R, values);  // RESCALE to the new max
+  if (alpha != T(1)) rescale_row(w, r, alpha, Dv, R, values);  // RESCALE to the new max
   w.m[r] = m_new;
   p_sums = exp_segments<T>(s, seg, qa_far, m_new);
   for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
@@ -969,9 +1054,9 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 }
 
 // Prologue of a query block: QA of its rows; the online softmax's state emptied.
-template <typename T>
-static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T>& hd,
-                                           ForwardBlock<T>& w, int64_t nq, T scale,
+template <typename T, typename I>
+static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& hd,
+                                           ForwardBlock<T, I>& w, int64_t nq, T scale,
                                            const T* q_block) {
   const int64_t R = g.R;
   const T ninf = -std::numeric_limits<T>::infinity();
@@ -985,10 +1070,11 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T>& hd,
 
 // Row r of one tile: band key term, masks, online-softmax step, then dropout and the bucket
 // update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) in the row's tile for the P @ V GEMM.
-template <typename T>
-static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, const T* attn_bias,
-                                      const Dropout& drop, T inv_keep, ForwardBlock<T>& w,
-                                      int64_t r, int64_t i, int64_t j0, int64_t j1) {
+template <typename T, typename I>
+static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
+                                      const T* attn_bias, const Dropout& drop, T inv_keep,
+                                      ForwardBlock<T, I>& w, int64_t r, int64_t i, int64_t j0,
+                                      int64_t j1) {
   const int64_t nk = j1 - j0, R = g.R;
   T* s = w.scores.data() + r * nk;
   const RowSegments seg = g.segments(g.query_start + i, j0, j1);
@@ -997,7 +1083,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, cons
   add_band_key_term<T>(s, seg, qa_row);
   add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   SegmentSums<T> p_sums;
-  if (!online_softmax_step<T>(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums))
+  if (!online_softmax_step(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums))
     return;
   T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   if (drop.on) {
@@ -1010,23 +1096,23 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T>& hd, cons
 
 // Epilogue of a query block: acc += Pb @ aV, out = acc / l, lse = m + log l. A row that sees no
 // key gets zeros and lse = +inf, so the backward's P is 0.
-template <typename T>
-static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T>& hd,
-                                           ForwardBlock<T>& w, int64_t nq, T* out_block,
+template <typename T, typename I>
+static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& hd,
+                                           ForwardBlock<T, I>& w, int64_t nq, I* out_block,
                                            T* lse_block) {
   const int64_t Dv = g.Dv;
   // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv)
   if (hd.av) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
   for (int64_t r = 0; r < nq; ++r) {
     const T row_sum = w.l[r];
-    T* o = out_block + r * Dv;
+    I* o = out_block + r * Dv;
     const T* a = w.acc.data() + r * Dv;
     if (row_sum > T(0) || std::isnan(row_sum) || std::isnan(w.m[r])) {
       const T inv = T(1) / row_sum;
-      for (int64_t d = 0; d < Dv; ++d) o[d] = a[d] * inv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<I>(a[d] * inv);
       lse_block[r] = w.m[r] + std::log(row_sum);
     } else {
-      for (int64_t d = 0; d < Dv; ++d) o[d] = T(0);
+      for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<I>(T(0));
       lse_block[r] = std::numeric_limits<T>::infinity();
     }
   }
@@ -1035,43 +1121,75 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T>& hd,
 // One forward task: the query block [i0, min(L, i0 + BQ)) of one head, streamed through its key
 // blocks of BK keys by the online softmax; writes the block's rows of out_head (L, Dv) and
 // lse_head (L).
-template <typename T>
-static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T>& hd, const T* attn_bias,
-                                       T scale, const Dropout& drop, ForwardBlock<T>& w,
-                                       int64_t i0, int64_t BQ, int64_t BK, T* out_head,
-                                       T* lse_head) {
+template <typename T, typename I>
+static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
+                                       const T* attn_bias, T scale, const Dropout& drop,
+                                       ForwardBlock<T, I>& w, int64_t i0, int64_t BQ, int64_t BK,
+                                       I* out_head, T* lse_head) {
   const int64_t D = g.D, Dv = g.Dv;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   const int64_t i1 = std::min(g.L, i0 + BQ), nq = i1 - i0;
-  const T* q_block = hd.q + i0 * D;
-  forward_prologue<T>(g, hd, w, nq, scale, q_block);
+  const I* q_block = hd.q + i0 * D;
+  constexpr bool low = !std::is_same_v<T, I>;
+  const bool low_gemms = low && !w.p_low.empty();  // else K_J, V_J widened per tile
+  const T* q_wide = nullptr;  // Q_I as T: for QA, and for the score GEMM without 16-bit GEMMs
+  if constexpr (low) {
+    if (hd.ak != nullptr || !low_gemms) {
+      convert(q_block, w.q_wide.data(), nq * D);
+      q_wide = w.q_wide.data();
+    }
+  } else {
+    q_wide = q_block;
+  }
+  forward_prologue(g, hd, w, nq, scale, q_wide);
   for (int64_t j0 = 0; j0 < g.S; j0 += BK) {
     if (!g.block_visible(i1, j0)) break;
     const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
-    gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+    if constexpr (low) {
+      if (low_gemms) {
+        low_gemm<I>(true, nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+      } else {
+        convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
+        gemm_nt<T>(nq, nk, D, scale, q_wide, w.k_wide.data(), T(0), w.scores.data());
+      }
+    } else {
+      gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+    }
     for (int64_t r = 0; r < nq; ++r)
-      forward_row<T>(g, hd, attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
+      forward_row(g, hd, attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
-    gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), hd.v + j0 * Dv, T(1), w.acc.data());
+    if constexpr (low) {
+      if (low_gemms) {
+        convert(w.scores.data(), w.p_low.data(), nq * nk);
+        low_gemm<I>(false, nq, Dv, nk, T(1), w.p_low.data(), hd.v + j0 * Dv, T(1),
+                    w.acc.data());
+      } else {
+        convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
+        gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
+      }
+    } else {
+      gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), hd.v + j0 * Dv, T(1), w.acc.data());
+    }
   }
-  forward_epilogue<T>(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
+  forward_epilogue(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
 }
 
 // Padded tasks: (batch, head, query block).
-template <typename T>
-static void forward_impl(const Geometry& g, const Inputs<T>& in, T scale, const Dropout& drop,
-                         T* out, T* lse) {
+template <typename T, typename I = T>
+static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, const Dropout& drop,
+                         I* out, T* lse, bool low_gemms = false) {
   const int64_t L = g.L;
   const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    ForwardBlock<T> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr);
+    ForwardBlock<T, I> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr, g.D, BK,
+                         low_gemms);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
-      forward_task<T>(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
+      forward_task(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
                       out + bh * L * g.Dv, lse + bh * L);
     }
   });
@@ -1084,13 +1202,14 @@ struct VarlenCall {
   std::vector<Geometry> seqs;  // (N)
   int64_t D = 0, Dv = 0, BQ = 1, tile = 0, R = 1;
   int64_t heads = 1;  // N · H: the (sequence, head) pairs, for forward_query_block
+  int64_t BK = 1;     // the largest key block
 };
 
 // Varlen tasks: (sequence, head, query block), each sequence with its own block sizes. The
 // tasks of sequence s are first_task[s] + h · (its query blocks) + qb.
-template <typename T>
-static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T>& in, T scale,
-                                const Dropout& drop, T* out, T* lse) {
+template <typename T, typename I = T>
+static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T scale,
+                                const Dropout& drop, I* out, T* lse, bool low_gemms = false) {
   const Packing& pk = vc.pk;
   std::vector<int64_t> first_task(pk.N + 1, 0);
   for (int64_t s = 0; s < pk.N; ++s) {
@@ -1100,7 +1219,8 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T>& in, T sca
 
   at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    ForwardBlock<T> w(vc.BQ, vc.tile, vc.R, vc.Dv, in.ak != nullptr, in.av != nullptr);
+    ForwardBlock<T, I> w(vc.BQ, vc.tile, vc.R, vc.Dv, in.ak != nullptr, in.av != nullptr, vc.D,
+                         vc.BK, low_gemms);
     for (int64_t task = begin; task < stop; ++task) {
       // the last sequence whose tasks start at or before this one (sequences without queries
       // have none)
@@ -1112,8 +1232,9 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T>& in, T sca
       const int64_t h = (task - first_task[s]) / n_query_blocks;
       const int64_t qb = (task - first_task[s]) % n_query_blocks;
       const int64_t row = pk.q_row(s, h);
-      forward_task<T>(g, varlen_head(g, pk, in, s, h), nullptr, scale, drop, w, qb * BQ, BQ,
-                      key_block_size(g.L, g.S), out + row * g.Dv, lse + row);
+      forward_task(g, varlen_head(g, pk, in, s, h), static_cast<const T*>(nullptr), scale,
+                   drop, w, qb * BQ, BQ,
+                   key_block_size(g.L, g.S), out + row * g.Dv, lse + row);
     }
   });
 }
@@ -1561,6 +1682,20 @@ static void check_tables(const c10::optional<Tensor>& ak, const c10::optional<Te
   }
 }
 
+static bool is_half_precision(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// The type a call computes in: float for 16-bit inputs (whose tables and masks come as float),
+// the inputs' own otherwise.
+static at::ScalarType compute_type(at::ScalarType t) {
+  return is_half_precision(t) ? at::kFloat : t;
+}
+
+static void check_same_type(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "query, key and value must have one dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+}
+
 static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
                          const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
                          const c10::optional<Tensor>& mask, const AttentionOptions& options) {
@@ -1582,7 +1717,8 @@ static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
     TORCH_CHECK(mask->dim() == 4 && mask->size(0) == g.B && mask->size(1) == g.H &&
                     mask->size(2) == g.L && mask->size(3) == g.S,
                 "attn_bias must be expanded to (B, H, L, S)");
-    TORCH_CHECK(mask->scalar_type() == q.scalar_type(), "attn_bias must have the query's dtype");
+    TORCH_CHECK(mask->scalar_type() == compute_type(q.scalar_type()),
+                "attn_bias must be float for 16-bit inputs, else of the query's dtype");
     g.mB = mask->stride(0);
     g.mH = mask->stride(1);
     g.mL = mask->stride(2);
@@ -1642,10 +1778,23 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
                             const c10::optional<Tensor>& seed, const AttentionOptions& options) {
   auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values), kb = contig(key_bias);
+  check_same_type(q, k, v);
   const Geometry g = geometry(q, k, v, ak, av, attn_bias, options);
   auto out = at::empty({g.B, g.H, g.L, g.Dv}, q.options());
-  auto lse = at::empty({g.B, g.H, g.L}, q.options());
+  auto lse = at::empty({g.B, g.H, g.L}, q.options().dtype(compute_type(q.scalar_type())));
   const Dropout drop(options.dropout_p, seed);
+  if (is_half_precision(q.scalar_type())) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_half", [&] {
+      const Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                       v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
+                                       ptr_or_null<float>(av), ptr_or_null<float>(kb),
+                                       ptr_or_null<float>(attn_bias)};
+      forward_impl<float, scalar_t>(g, in, static_cast<float>(options.scale), drop,
+                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                                    use_low_gemms<scalar_t>());
+    });
+    return {out, lse};
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward", [&] {
     const auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
     forward_impl<scalar_t>(g, in, static_cast<scalar_t>(options.scale), drop,
@@ -1827,6 +1976,7 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
     const int64_t BQ = std::max(forward_query_block(g.L, vc.heads), backward_query_block(g.L));
     vc.BQ = std::max(vc.BQ, BQ);
     vc.tile = std::max(vc.tile, BQ * key_block_size(g.L, g.S));
+    vc.BK = std::max(vc.BK, key_block_size(g.L, g.S));
     vc.R = std::max(vc.R, g.R);
   }
   return vc;
@@ -1854,10 +2004,22 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   auto q = query.transpose(0, 1).contiguous(), k = key.transpose(0, 1).contiguous(),
        v = value.transpose(0, 1).contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values);
+  check_same_type(q, k, v);
   auto out = at::empty({vc.pk.H, vc.pk.Tq, vc.Dv}, q.options());
-  auto lse = at::empty({vc.pk.H, vc.pk.Tq}, q.options());
+  auto lse = at::empty({vc.pk.H, vc.pk.Tq}, q.options().dtype(compute_type(q.scalar_type())));
   const Dropout drop(options.dropout_p, seed);
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
+  if (is_half_precision(q.scalar_type())) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen_half", [&] {
+      const Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                       v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
+                                       ptr_or_null<float>(av), nullptr, nullptr};
+      forward_varlen_impl<float, scalar_t>(vc, in, static_cast<float>(options.scale), drop,
+                                           out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
+                                           use_low_gemms<scalar_t>());
+    });
+    return {out.transpose(0, 1).contiguous(), lse};
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen", [&] {
     const auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
     forward_varlen_impl<scalar_t>(vc, in, static_cast<scalar_t>(options.scale), drop,
