@@ -1,7 +1,8 @@
 """The native kernels' explicit float vectors (csrc/relpos_native.cpp, the section that defines
 ``VecF``): compiled alone for each instruction set this CPU runs (AVX-512 with ``-march=x86-64-v4``,
 AVX2 with ``-march=x86-64-v3``) and checked against the scalar loops they replace, at every length
-from 0 to 100 (so every masked tail), with NaN, +-inf and extreme values among the entries. The
+from 0 to 100 (so every masked tail): max, exp and sum, far-segment dS and the band's add,
+with NaN, +-inf and extreme values among the entries. The
 whole kernels run the vectors of the machine's build; the other build's vectors are checked here.
 """
 
@@ -87,9 +88,13 @@ int main() {
       for (float c : cs) {
         std::vector<float> p(n + 32, 0.0f), dp = x;
         for (int64_t j = 0; j < n; ++j) p[j] = std::fabs(normal(gen));
-        float want_sum = 0.0f;
+        float want_sum = 0.0f, abs_sum = 0.0f;
         std::vector<float> want(n);
-        for (int64_t j = 0; j < n; ++j) { want[j] = p[j] * (x[j] - c); want_sum += want[j]; }
+        for (int64_t j = 0; j < n; ++j) {
+          want[j] = p[j] * (x[j] - c);
+          want_sum += want[j];
+          abs_sum += std::fabs(want[j]);
+        }
         const float got_sum = far_segment_ds_vec(p.data(), dp.data(), n, c);
         ++checked;
         for (int64_t j = 0; j < n; ++j)
@@ -102,8 +107,25 @@ int main() {
             FAIL("ds wrote past n=%ld at %ld", (long)n, (long)j);
             break;
           }
-        if (!same(got_sum, want_sum, 1e-5f))
-          FAIL("ds sum n=%ld c=%a: %a != %a", (long)n, c, got_sum, want_sum);
+        // summed in another order: within float rounding of the sum of magnitudes
+        const bool close = std::isfinite(want_sum)
+                               ? std::fabs(got_sum - want_sum) <= 1e-5f * abs_sum + 1e-30f
+                               : same(got_sum, want_sum, 0.0f);
+        if (!close) FAIL("ds sum n=%ld c=%a: %a != %a", (long)n, c, got_sum, want_sum);
+      }
+      // add_to: dst[j] += src[j]; nothing past n written
+      {
+        std::vector<float> dst = x, src(n + 32);
+        for (int64_t j = 0; j < n + 32; ++j) src[j] = normal(gen);
+        add_to_vec(dst.data(), src.data(), n);
+        ++checked;
+        for (int64_t j = 0; j < n + 32; ++j) {
+          const float want = j < n ? x[j] + src[j] : canary;
+          if (!same(dst[j], want, 0.0f)) {
+            FAIL("add_to n=%ld j=%ld: %a != %a", (long)n, (long)j, dst[j], want);
+            break;
+          }
+        }
       }
     }
   }
@@ -147,4 +169,4 @@ def test_the_vector_row_passes_equal_the_scalar_loops(name: str, flags: str,
     assert "#define RELPOS_VEC_FLOAT 1" in probe.stdout
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]
-    assert run.stdout.strip().endswith("checked " + str(40 * 101 * 8)), run.stdout[-500:]
+    assert run.stdout.strip().endswith("checked " + str(40 * 101 * 9)), run.stdout[-500:]

@@ -784,6 +784,20 @@ static inline float far_segment_ds_vec(const float* p, float* dp, int64_t n, flo
   }
   return VecF::reduce_add(s0);
 }
+
+// dst[j] += src[j] over n entries (the band's key term, a row's band bucket masses).
+static inline void add_to_vec(float* dst, const float* src, int64_t n) {
+  constexpr int64_t W = VecF::W;
+  int64_t j = 0;
+  for (; j + W <= n; j += W)
+    VecF::store(dst + j, VecF::add(VecF::load(dst + j), VecF::load(src + j)));
+  if (j < n) {
+    const VecF::M m = VecF::tail(n - j);
+    const VecF::V zero = VecF::set1(0.0f);
+    VecF::store_tail(dst + j, m, VecF::add(VecF::load_tail(dst + j, m, zero),
+                                           VecF::load_tail(src + j, m, zero)));
+  }
+}
 #endif  // RELPOS_VEC_FLOAT: end of the vector section
 
 // ------------------------------------------------------------------------------------------
@@ -815,6 +829,15 @@ static inline T row_max(const T* x, int64_t n) {
 }
 
 // x[j] = exp(x[j] - offset) over n entries; returns their sum.
+// dst[j] += src[j] over n entries.
+template <typename T>
+static inline void add_to(T* dst, const T* src, int64_t n) {
+#if defined(RELPOS_VEC_FLOAT)
+  if constexpr (std::is_same_v<T, float>) return add_to_vec(dst, src, n);
+#endif
+  for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+}
+
 template <typename T>
 static inline T exp_sum(T* x, int64_t n, T offset) {
 #if defined(RELPOS_VEC_FLOAT)
@@ -893,7 +916,7 @@ static RELPOS_INLINE void add_band_key_term(T* s, const RowSegments& seg, const 
   if (qa_row == nullptr) return;
   T* band_scores = s + seg.n_left;
   const T* band = qa_row + seg.band_row;  // band[x] = QA[i, (fl + x) - p + left]
-  for (int64_t x = 0; x < seg.n_band; ++x) band_scores[x] += band[x];
+  add_to<T>(band_scores, band, seg.n_band);
 }
 
 template <typename T>
@@ -920,8 +943,7 @@ static RELPOS_INLINE void add_to_buckets(T* buckets, int64_t R, const RowSegment
                                          T far_left_sum, const T* band, T far_right_sum) {
   buckets[0] += far_left_sum;
   buckets[R - 1] += far_right_sum;
-  T* band_buckets = buckets + seg.band_row;
-  for (int64_t x = 0; x < seg.n_band; ++x) band_buckets[x] += band[x];
+  add_to<T>(buckets + seg.band_row, band, seg.n_band);
 }
 
 // Bucket update of a row whose far sums are not known (after dropout): sums them first.
@@ -1028,8 +1050,11 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, 
     std::fill(s, s + nk, T(0));
     return false;
   }
-  const T alpha = m_old == ninf ? T(0) : exp_<T>(m_old - m_new);
-  if (alpha != T(1)) rescale_row(w, r, alpha, Dv, R, values);  // RESCALE to the new max
+  // RESCALE to the new max; a row's first visible tile finds its state empty (0) and skips it
+  if (m_old != ninf) {
+    const T alpha = exp_<T>(m_old - m_new);
+    if (alpha != T(1)) rescale_row(w, r, alpha, Dv, R, values);
+  }
   w.m[r] = m_new;
   p_sums = exp_segments<T>(s, seg, qa_far, m_new);
   for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
