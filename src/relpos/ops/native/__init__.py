@@ -8,14 +8,15 @@ online softmax, ``P @ V`` and per-row bucket masses ``Pb`` (``(L, R)``) for the 
 ``dS = P * (dP - delta)``, ``dP`` including ``dO @ aV^T`` gathered. Extra memory is O(L·R) per
 head, never O(L·S). Equivalent to :mod:`relpos.ops.reference`.
 
-Serves every call on CPU tensors (float32, float64, bfloat16, float16 — half precision in
-float32 inside), except a float ``attn_mask`` that requires grad: causal or not, ``key_mask``
-padding, a bool or float ``attn_mask`` (one that depends on the key only, ``(B, 1, 1, S)`` as
-``nn.TransformerEncoder`` hands a padding mask over, is read as an O(B·S) key bias; a dense one
-is read in place, broadcast), ``query_start`` / bottom-right alignment,
-windows ``(left, right)``, keys-only and values-only, shared or per-head tables, ``Dv != D``,
-attention dropout (in the kernel: a counter-based hash of a seed drawn from torch's default
-generator, regenerated in the backward; :func:`dropout_mask` exposes it), and KV-cache steps.
+Serves every call on CPU tensors (float32, float64, bfloat16, float16 — half precision read
+directly by the forward, with 16-bit GEMMs and float32 sums: docs/numerics.md), except a float
+``attn_mask`` that requires grad: causal or not, ``key_mask`` padding, a bool or float
+``attn_mask`` (one that depends on the key only, ``(B, 1, 1, S)`` as ``nn.TransformerEncoder``
+hands a padding mask over, is read as an O(B·S) key bias; a dense one is read in place,
+broadcast), ``query_start`` / bottom-right alignment, windows ``(left, right)``, keys-only and
+values-only, shared or per-head tables, ``Dv != D``, attention dropout (in the kernel: a
+counter-based hash of a seed drawn from torch's default generator, regenerated in the backward;
+:func:`dropout_mask` exposes it), and KV-cache steps.
 Rows that see no key give zeros and zero gradients.
 
 The C++ sources (``csrc/``) are compiled on first use and cached (:mod:`.build`); without a
