@@ -629,29 +629,22 @@ struct VecF {
   static RELPOS_INLINE V max_skip_nan(V a, V b) { return _mm512_max_ps(a, b); }
   static RELPOS_INLINE float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static RELPOS_INLINE float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
-  static RELPOS_INLINE V exp(V x) {
-    const V lo = set1(-87.3365447504019f), hi = set1(88.3762626647949f);
-    const M under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);  // -inf included, NaN not
-    const M over = _mm512_cmp_ps_mask(x, set1(std::numeric_limits<float>::infinity()),
-                                      _CMP_EQ_OQ);
-    x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));  // NaN passes (second operand)
-    const V magic = set1(12582912.0f);
-    const V t = fmadd(x, set1(1.44269504088896341f), magic);
-    const V n = sub(t, magic);
-    const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
-    V r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    V y = set1(1.9875691500e-4f);
-    y = fmadd(y, r, set1(1.3981999507e-3f));
-    y = fmadd(y, r, set1(8.3334519073e-3f));
-    y = fmadd(y, r, set1(4.1665795894e-2f));
-    y = fmadd(y, r, set1(1.6666665459e-1f));
-    y = fmadd(y, r, set1(5.0000001201e-1f));
-    y = add(fmadd(mul(y, r), r, r), set1(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-    V out = mul(y, _mm512_castsi512_ps(e));
-    out = _mm512_mask_mov_ps(out, under, _mm512_setzero_ps());
-    return _mm512_mask_mov_ps(out, over, set1(std::numeric_limits<float>::infinity()));
+  static RELPOS_INLINE V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  // min(hi, max(lo, x)), NaN passing through (vmaxps / vminps return their second operand)
+  static RELPOS_INLINE V clamp(V x, V lo, V hi) {
+    return _mm512_min_ps(hi, _mm512_max_ps(lo, x));
+  }
+  // 2^n from t = x · log2(e) + 1.5 · 2^23 (n in its low bits): the biased exponent n + 127
+  static RELPOS_INLINE V pow2_of_rounded(V t) {
+    const __m512i bias = _mm512_set1_epi32(127 - 0x4B400000);
+    const __m512i e = _mm512_add_epi32(_mm512_castps_si512(t), bias);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
+  // y, with 0 where x < lo (-inf included, NaN not) and +inf where x is +inf
+  static RELPOS_INLINE V fix_range(V y, V x, V lo) {
+    const V inf = set1(std::numeric_limits<float>::infinity());
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, inf, _CMP_EQ_OQ), inf);
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -671,7 +664,9 @@ struct VecF {
   }
   static RELPOS_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static RELPOS_INLINE void store_tail(float* p, M m, V v) { _mm256_maskstore_ps(p, m, v); }
-  static RELPOS_INLINE V zero_off_tail(M m, V v) { return _mm256_and_ps(_mm256_castsi256_ps(m), v); }
+  static RELPOS_INLINE V zero_off_tail(M m, V v) {
+    return _mm256_and_ps(_mm256_castsi256_ps(m), v);
+  }
   static RELPOS_INLINE V add(V a, V b) { return _mm256_add_ps(a, b); }
   static RELPOS_INLINE V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static RELPOS_INLINE V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -689,33 +684,42 @@ struct VecF {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static RELPOS_INLINE V exp(V x) {
-    const V lo = set1(-87.3365447504019f), hi = set1(88.3762626647949f);
-    const V under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    const V over = _mm256_cmp_ps(x, set1(std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
-    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
-    const V magic = set1(12582912.0f);
-    const V t = fmadd(x, set1(1.44269504088896341f), magic);
-    const V n = sub(t, magic);
-    const __m256i ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000));
-    V r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    V y = set1(1.9875691500e-4f);
-    y = fmadd(y, r, set1(1.3981999507e-3f));
-    y = fmadd(y, r, set1(8.3334519073e-3f));
-    y = fmadd(y, r, set1(4.1665795894e-2f));
-    y = fmadd(y, r, set1(1.6666665459e-1f));
-    y = fmadd(y, r, set1(5.0000001201e-1f));
-    y = add(fmadd(mul(y, r), r, r), set1(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
-    V out = mul(y, _mm256_castsi256_ps(e));
-    out = _mm256_andnot_ps(under, out);
-    return _mm256_blendv_ps(out, set1(std::numeric_limits<float>::infinity()), over);
+  static RELPOS_INLINE V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  static RELPOS_INLINE V clamp(V x, V lo, V hi) {
+    return _mm256_min_ps(hi, _mm256_max_ps(lo, x));
+  }
+  static RELPOS_INLINE V pow2_of_rounded(V t) {
+    const __m256i bias = _mm256_set1_epi32(127 - 0x4B400000);
+    const __m256i e = _mm256_add_epi32(_mm256_castps_si256(t), bias);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static RELPOS_INLINE V fix_range(V y, V x, V lo) {
+    const V inf = set1(std::numeric_limits<float>::infinity());
+    y = _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), y);
+    return _mm256_blendv_ps(y, inf, _mm256_cmp_ps(x, inf, _CMP_EQ_OQ));
   }
 };
 #endif
 
 #if defined(RELPOS_VEC_FLOAT)
+// exp_float lane by lane: the same clamps, rounding, reduction and polynomial.
+static RELPOS_INLINE VecF::V vec_exp(VecF::V x) {
+  using V = VecF::V;
+  const V lo = VecF::set1(-87.3365447504019f);
+  const V xc = VecF::clamp(x, lo, VecF::set1(88.3762626647949f));
+  const V magic = VecF::set1(12582912.0f);
+  const V t = VecF::fmadd(xc, VecF::set1(1.44269504088896341f), magic);
+  const V n = VecF::sub(t, magic);
+  V r = VecF::fnmadd(n, VecF::set1(0.693359375f), xc);
+  r = VecF::fnmadd(n, VecF::set1(-2.12194440e-4f), r);
+  V y = VecF::set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    y = VecF::fmadd(y, r, VecF::set1(c));
+  y = VecF::add(VecF::fmadd(VecF::mul(y, r), r, r), VecF::set1(1.0f));
+  return VecF::fix_range(VecF::mul(y, VecF::pow2_of_rounded(t)), x, lo);
+}
+
 // The largest of x[0..n), NaN entries skipped (-inf for n = 0); four accumulators.
 static inline float row_max_vec(const float* x, int64_t n) {
   constexpr int64_t W = VecF::W;
@@ -742,21 +746,21 @@ static inline float exp_sum_vec(float* x, int64_t n, float offset) {
   VecF::V s0 = VecF::set1(0.0f), s1 = s0;
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
-    const VecF::V e0 = VecF::exp(VecF::sub(VecF::load(x + j), off));
-    const VecF::V e1 = VecF::exp(VecF::sub(VecF::load(x + j + W), off));
+    const VecF::V e0 = vec_exp(VecF::sub(VecF::load(x + j), off));
+    const VecF::V e1 = vec_exp(VecF::sub(VecF::load(x + j + W), off));
     VecF::store(x + j, e0);
     VecF::store(x + j + W, e1);
     s0 = VecF::add(s0, e0);
     s1 = VecF::add(s1, e1);
   }
   for (; j + W <= n; j += W) {
-    const VecF::V e = VecF::exp(VecF::sub(VecF::load(x + j), off));
+    const VecF::V e = vec_exp(VecF::sub(VecF::load(x + j), off));
     VecF::store(x + j, e);
     s0 = VecF::add(s0, e);
   }
   if (j < n) {
     const VecF::M m = VecF::tail(n - j);
-    const VecF::V e = VecF::exp(VecF::sub(VecF::load_tail(x + j, m, off), off));
+    const VecF::V e = vec_exp(VecF::sub(VecF::load_tail(x + j, m, off), off));
     VecF::store_tail(x + j, m, e);
     s1 = VecF::add(s1, VecF::zero_off_tail(m, e));
   }
