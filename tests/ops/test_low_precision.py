@@ -134,8 +134,11 @@ def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, f
     largest difference, against the float64 truth of the rounded inputs."""
     g = torch.Generator().manual_seed(5)
     Bx, Hx, Lx, Sx, Dx, Kx = 2, 3, 300, 1100, 24, 9
-    q, k, v = (torch.randn(Bx, Hx, n, Dx, generator=g, dtype=F64).to(dtype)
-               for n in (Lx, Sx, Sx))
+    # key and value as (B, S, H, D) memory seen as (B, H, S, D): non-contiguous views
+    q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
+    k, v = (torch.randn(Bx, Sx, Hx, Dx, generator=g, dtype=F64).to(dtype).transpose(1, 2)
+            for _ in range(2))
+    assert not k.is_contiguous()
     rk, rv = (0.5 * torch.randn(Hx, 2 * Kx + 1, Dx, generator=g, dtype=F64).to(dtype)
               for _ in range(2))
     km = torch.rand(Bx, Sx, generator=g) > 0.1

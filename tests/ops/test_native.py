@@ -65,6 +65,9 @@ def test_float32_rows_match_the_float64_reference(B: int, H: int, L: int, S: int
     segment length, masked tails included; its error against float64 stays at float32's."""
     p64 = make_problem(B=B, H=H, L=L, S=S, D=D, K=K, seed=S)
     p32 = make_problem(B=B, H=H, L=L, S=S, D=D, K=K, seed=S, dtype=torch.float32)
+    # the float32 key as a non-contiguous view of the same values ((B, S, H, D) memory)
+    p32.key = p32.key.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(True)
+    assert not p32.key.is_contiguous()
     key_mask = torch.rand(B, S, generator=torch.Generator().manual_seed(D)) > 0.2
     call = dict(is_causal=causal, key_mask=key_mask)
     out_ref, grads_ref = forward_backward(p64, "reference", **call)
