@@ -6,8 +6,8 @@ through the op ``<name>_backward``; both are checked with ``torch.library.opchec
 read their inputs in any layout (the kernels make them contiguous once). Half precision
 (``float16``, ``bfloat16``): the forward reads query, key and value in their own type (16-bit
 GEMMs with float32 accumulation where libtorch's MKL has them, the CPU's BF16 / FP16 / AMX
-units), with the tables and masks in float32 and every sum and statistic float32, and writes
-the output in the inputs' type; the backward widens its inputs to float32 once and rounds the
+units; the tables and masks are passed as float32), every sum and statistic float32, and
+writes the output in the inputs' type; the backward widens its inputs to float32 once and rounds the
 gradients once.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,

@@ -246,13 +246,15 @@ static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A,
 
 // ------------------------------------------------------------------------------------------
 // Half precision (bfloat16, float16) in the forward: q, k, v and out stay in their 16-bit type
-// (I below; T is float). The score GEMM S = scale · Q_I K_J^T and the value GEMM acc += P V_J
-// run on 16-bit operands with float accumulation: MKL's cblas_gemm_bf16bf16f32 /
-// cblas_gemm_f16f16f32 as libtorch exports them (AVX-512-BF16, AVX512-FP16 or AMX where the
-// CPU has them), with P rounded to the 16-bit type for the second, as torch's flash kernel does.
-// Everything else is float: the tables, QA (from Q_I widened per block), Pb and Pb @ aV, the
-// online softmax and out's accumulator. Where libtorch has no such GEMM, K_J and V_J are widened
-// per tile and the float GEMMs serve. No full-size widened copy either way.
+// (I below; T is float). The four GEMMs (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
+// acc += P V_J, acc += Pb aV) run on 16-bit operands with float accumulation: MKL's
+// cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32 as libtorch exports them (AVX-512-BF16,
+// AVX512-FP16 or AMX where the CPU has them), with P and Pb rounded to the 16-bit type for the
+// last two, as torch's flash kernel rounds P, and the tables in the 16-bit type (rounded from
+// the float copies the call passes, which were that type). Everything else is float: QA, the
+// bucket masses Pb, the online softmax and out's accumulator. Where libtorch has no such GEMM,
+// Q_I, K_J and V_J are widened per tile and the float GEMMs serve. No full-size widened copy
+// either way.
 
 #if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
 extern "C" {
@@ -518,6 +520,8 @@ struct Inputs {
   const T* key_bias;   // (B, S) or nullptr
   const T* attn_bias;  // (B, H, L, S) in the strides of Geometry::mB.. or nullptr
   bool ak_finite = true;  // (backward) every entry of ak is finite
+  const I* ak_low = nullptr;  // 16-bit inputs with 16-bit GEMMs: the tables in I too
+  const I* av_low = nullptr;
 };
 
 // What one task's head reads: the queries, keys, values, tables (shared or its own) and key
@@ -532,13 +536,19 @@ struct Head {
   const T* ak;        // (R, D) or nullptr
   const T* av;        // (R, Dv) or nullptr
   const T* key_bias;  // (S) or nullptr
+  const I* ak_low = nullptr;  // the tables in I (16-bit GEMMs), or nullptr
+  const I* av_low = nullptr;
 };
 
 // The tables of head h: its own rows of per-head tables, the shared ones otherwise.
 template <typename T, typename I>
 static inline void set_head_tables(const Geometry& g, const Inputs<T, I>& in, Head<T, I>& hd) {
-  hd.ak = in.ak ? in.ak + (g.Hr_k == 1 ? 0 : hd.h) * g.R * g.D : nullptr;
-  hd.av = in.av ? in.av + (g.Hr_v == 1 ? 0 : hd.h) * g.R * g.Dv : nullptr;
+  const int64_t k_off = (g.Hr_k == 1 ? 0 : hd.h) * g.R * g.D;
+  const int64_t v_off = (g.Hr_v == 1 ? 0 : hd.h) * g.R * g.Dv;
+  hd.ak = in.ak ? in.ak + k_off : nullptr;
+  hd.av = in.av ? in.av + v_off : nullptr;
+  hd.ak_low = in.ak_low ? in.ak_low + k_off : nullptr;
+  hd.av_low = in.av_low ? in.av_low + v_off : nullptr;
 }
 
 // Head bh = b * H + h of a padded call.
@@ -978,7 +988,7 @@ struct ForwardBlock {
   // 16-bit inputs only: Q_I widened (BQ, D); P rounded to I (tile) for the 16-bit value GEMM,
   // or, without 16-bit GEMMs, K_J (BK, D) and V_J (BK, Dv) widened
   std::vector<T> q_wide, k_wide, v_wide;
-  std::vector<I> p_low;
+  std::vector<I> p_low, pb_low;  // P and Pb rounded to I for the 16-bit GEMMs
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
                int64_t D = 0, int64_t BK = 0, bool low_gemms = false)
@@ -988,6 +998,7 @@ struct ForwardBlock {
       q_wide.resize(BQ * D);
       if (low_gemms) {
         p_low.resize(tile);
+        pb_low.resize(values ? BQ * R : 0);
       } else {
         k_wide.resize(BK * D);
         v_wide.resize(BK * Dv);
@@ -1086,11 +1097,14 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 template <typename T, typename I>
 static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& hd,
                                            ForwardBlock<T, I>& w, int64_t nq, T scale,
-                                           const T* q_block) {
+                                           const T* q_block, const I* q_low) {
   const int64_t R = g.R;
   const T ninf = -std::numeric_limits<T>::infinity();
-  // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T
-  if (hd.ak) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
+  // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
+  if constexpr (!std::is_same_v<T, I>) {
+    if (hd.ak_low) low_gemm<I>(true, nq, R, g.D, scale, q_low, hd.ak_low, T(0), w.qa.data());
+  }
+  if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
   if (hd.av) std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
   std::fill(w.acc.begin(), w.acc.begin() + nq * g.Dv, T(0));
   std::fill(w.m.begin(), w.m.end(), ninf);
@@ -1130,8 +1144,14 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
                                            ForwardBlock<T, I>& w, int64_t nq, I* out_block,
                                            T* lse_block) {
   const int64_t Dv = g.Dv;
-  // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv)
-  if (hd.av) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
+  // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv) (Pb rounded to I where aV comes in I)
+  if constexpr (!std::is_same_v<T, I>) {
+    if (hd.av_low) {
+      convert(w.pb.data(), w.pb_low.data(), nq * g.R);
+      low_gemm<I>(false, nq, Dv, g.R, T(1), w.pb_low.data(), hd.av_low, T(1), w.acc.data());
+    }
+  }
+  if (hd.av && !hd.av_low) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
   for (int64_t r = 0; r < nq; ++r) {
     const T row_sum = w.l[r];
     I* o = out_block + r * Dv;
@@ -1161,16 +1181,16 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   const I* q_block = hd.q + i0 * D;
   constexpr bool low = !std::is_same_v<T, I>;
   const bool low_gemms = low && !w.p_low.empty();  // else K_J, V_J widened per tile
-  const T* q_wide = nullptr;  // Q_I as T: for QA, and for the score GEMM without 16-bit GEMMs
+  const T* q_wide = nullptr;  // Q_I as T: for QA and the score GEMM without 16-bit GEMMs
   if constexpr (low) {
-    if (hd.ak != nullptr || !low_gemms) {
+    if (!low_gemms || (hd.ak != nullptr && hd.ak_low == nullptr)) {
       convert(q_block, w.q_wide.data(), nq * D);
       q_wide = w.q_wide.data();
     }
   } else {
     q_wide = q_block;
   }
-  forward_prologue(g, hd, w, nq, scale, q_wide);
+  forward_prologue(g, hd, w, nq, scale, q_wide, q_block);
   for (int64_t j0 = 0; j0 < g.S; j0 += BK) {
     if (!g.block_visible(i1, j0)) break;
     const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
@@ -1773,6 +1793,18 @@ static c10::optional<Tensor> contig(const c10::optional<Tensor>& t) {
   return t->contiguous();
 }
 
+// The float tables of a 16-bit call rounded to its type for the 16-bit GEMMs (exact for tables
+// that were that type: the caller widened them), or none without those GEMMs.
+static std::pair<c10::optional<Tensor>, c10::optional<Tensor>> tables_in(
+    const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av, at::ScalarType type,
+    bool low_gemms) {
+  auto in = [&](const c10::optional<Tensor>& t) -> c10::optional<Tensor> {
+    if (!low_gemms || !t.has_value()) return c10::nullopt;
+    return t->to(type).contiguous();
+  };
+  return {in(ak), in(av)};
+}
+
 template <typename T>
 static Inputs<T> inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
@@ -1814,13 +1846,16 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_half", [&] {
-      const Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                       v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
-                                       ptr_or_null<float>(av), ptr_or_null<float>(kb),
-                                       ptr_or_null<float>(attn_bias)};
+      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
+                                 ptr_or_null<float>(av), ptr_or_null<float>(kb),
+                                 ptr_or_null<float>(attn_bias)};
+      const bool low = use_low_gemms<scalar_t>();
+      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
+      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
+      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
       forward_impl<float, scalar_t>(g, in, static_cast<float>(options.scale), drop,
-                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                                    use_low_gemms<scalar_t>());
+                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(), low);
     });
     return {out, lse};
   }
@@ -2040,12 +2075,16 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen_half", [&] {
-      const Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                       v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
-                                       ptr_or_null<float>(av), nullptr, nullptr};
+      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
+                                 ptr_or_null<float>(av), nullptr, nullptr};
+      const bool low = use_low_gemms<scalar_t>();
+      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
+      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
+      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
       forward_varlen_impl<float, scalar_t>(vc, in, static_cast<float>(options.scale), drop,
                                            out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                                           use_low_gemms<scalar_t>());
+                                           low);
     });
     return {out.transpose(0, 1).contiguous(), lse};
   }
