@@ -1,6 +1,6 @@
 """The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
-encoder_variants, kernel_variants, varlen): they import no optional package until they run, and the
-launchers in ``benchmarks/`` still start them with the same options."""
+encoder_variants, kernel_variants, varlen, half_precision): they import no optional package
+until they run, and the launchers in ``benchmarks/`` still start them with the same options."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ SCRIPTS = {
     "encoder_variants.py": "relpos.bench.encoder_variants",
     "kernel_variants.py": "relpos.bench.kernel_variants",
     "varlen.py": "relpos.bench.varlen",
+    "half_precision.py": "relpos.bench.half_precision",
 }
 OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
 

@@ -7,8 +7,10 @@ precision is at most twice the error of the reference backend run in the same pr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -124,9 +126,25 @@ def test_module_under_autocast_keeps_float32_parameters():
 
 
 # ------------------------------------------------------------------------------------------
-# The native forward reads 16-bit inputs directly: with the 16-bit GEMMs (the default where
-# libtorch's MKL has them) and with K and V widened per tile (RELPOS_NATIVE_HALF_GEMM=0), at
+# The native forward reads 16-bit inputs directly: with the 16-bit GEMMs (where libtorch's MKL
+# has them: bfloat16's default, RELPOS_NATIVE_HALF_GEMM=1) and with K and V widened per tile
+# (float16's default, RELPOS_NATIVE_HALF_GEMM=0), at
 # shapes with several query blocks and key tiles, padded and packed.
+
+
+@contextlib.contextmanager
+def _half_gemms(value: str) -> Iterator[None]:
+    """RELPOS_NATIVE_HALF_GEMM=value inside: "1" the 16-bit GEMMs (where libtorch has them,
+    else the widened tiles), "0" the widened tiles."""
+    old = os.environ.get("RELPOS_NATIVE_HALF_GEMM")
+    os.environ["RELPOS_NATIVE_HALF_GEMM"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RELPOS_NATIVE_HALF_GEMM"]
+        else:
+            os.environ["RELPOS_NATIVE_HALF_GEMM"] = old
 
 
 def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, float, float]:
@@ -166,12 +184,10 @@ def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, f
                 **{**call, "rel_keys": c(rk), "rel_values": c(rv)})  # type: ignore[arg-type]
     truth = attend("reference", F64)
     with torch.no_grad():
-        fast = attend("native")
-        os.environ["RELPOS_NATIVE_HALF_GEMM"] = "0"
-        try:
+        with _half_gemms("1"):
+            fast = attend("native")
+        with _half_gemms("0"):
             widened = attend("native")
-        finally:
-            del os.environ["RELPOS_NATIVE_HALF_GEMM"]
         ref = attend("reference")
     assert fast.dtype == widened.dtype == dtype
     err = max(float((fast.double() - truth).abs().max()),
@@ -190,3 +206,142 @@ def test_the_native_forward_reads_half_precision_within_twice_the_reference(
     assert ref > 1e-4  # the criterion can fail: the reference is measurably off in this type
     # the two paths round P differently (16-bit GEMM) or not (widened tiles), nothing more
     assert apart <= 2 * ref, apart
+
+
+# ------------------------------------------------------------------------------------------
+# The native backward reads 16-bit inputs directly too (q, k, v, grad_out, out), its tile GEMMs
+# on 16-bit operands where libtorch has them, K and V widened per tile otherwise; dk and dv
+# accumulate in float32 per head. Several query blocks and key tiles, per-head tables, a key
+# mask, non-contiguous key and value, padded and packed.
+
+GRAD_NAMES = ("dq", "dk", "dv", "drel_keys", "drel_values")
+
+
+def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: str
+                        ) -> tuple[list[float], list[float]]:
+    """Max error of each native gradient and of the reference's in ``dtype`` against the
+    float64 truth of the rounded inputs (``path``: "low" = the 16-bit GEMMs, "wide" = tiles
+    widened)."""
+    g = torch.Generator().manual_seed(8)
+    Bx, Hx, Lx, Sx, Dx, Kx = 2, 2, 290, 700, 24, 9
+    q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
+    k, v = (torch.randn(Bx, Sx, Hx, Dx, generator=g, dtype=F64).to(dtype).transpose(1, 2)
+            for _ in range(2))
+    rk, rv = (0.5 * torch.randn(Hx, 2 * Kx + 1, Dx, generator=g, dtype=F64).to(dtype)
+              for _ in range(2))
+    km = torch.rand(Bx, Sx, generator=g) > 0.1
+    up = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
+
+    def grads(impl: str, cast: torch.dtype | None) -> list[torch.Tensor]:
+        c = (lambda t: t) if cast is None else (lambda t: t.to(cast))
+        leaves = [c(t).detach().requires_grad_(True) for t in (q, k, v, rk, rv)]
+        lq, lk, lv, lrk, lrv = leaves
+        if varlen:
+            cu_q = torch.tensor([0, Lx, 2 * Lx])
+            cu_k = torch.cat([torch.zeros(1, dtype=torch.long), km.sum(1).cumsum(0)])
+            out = relpos.relative_attention_varlen(
+                lq.transpose(1, 2).reshape(Bx * Lx, Hx, Dx),
+                torch.cat([lk[b][:, km[b]].transpose(0, 1) for b in range(Bx)]),
+                torch.cat([lv[b][:, km[b]].transpose(0, 1) for b in range(Bx)]),
+                cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_distance=Kx, rel_keys=lrk,
+                rel_values=lrv, is_causal=causal, implementation=impl)
+            out = out.view(Bx, Lx, Hx, Dx).transpose(1, 2)
+        else:
+            out = relpos.relative_attention(
+                lq, lk, lv, key_mask=km, max_distance=Kx, rel_keys=lrk, rel_values=lrv,
+                is_causal=causal, implementation=impl)
+        out.backward(c(up))
+        for leaf in leaves:
+            assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype
+        return [leaf.grad.double() for leaf in leaves]  # type: ignore[union-attr]
+
+    truth = grads("reference", F64)
+    with _half_gemms("1" if path == "low" else "0"):
+        got = grads("native", None)
+    ref = grads("reference", None)
+    err = [float((a - t).abs().max()) for a, t in zip(got, truth, strict=True)]
+    ref_err = [float((a - t).abs().max()) for a, t in zip(ref, truth, strict=True)]
+    return err, ref_err
+
+
+@pytest.mark.parametrize("path", ["low", "wide"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_the_native_backward_reads_half_precision_within_twice_the_reference(
+        dtype: torch.dtype, varlen: bool, causal: bool, path: str) -> None:
+    err, ref = _half_backward_case(dtype, varlen, causal, path)
+    for name, e, r in zip(GRAD_NAMES, err, ref, strict=True):
+        assert e <= 2 * r + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {r:.3g} + 1e-5"
+        assert r > 1e-4, (name, r)  # the criterion can fail: the reference is measurably off
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_the_native_half_backward_regenerates_the_forward_dropout(dtype: torch.dtype) -> None:
+    """With dropout, the 16-bit backward against the definition with the exposed keep mask (in
+    float64, and in the same 16-bit type for the error budget)."""
+    from relpos.ops import native
+
+    g = torch.Generator().manual_seed(3)
+    Bx, Hx, Lx, Dx, Kx, rate = 2, 2, 150, 16, 5, 0.3
+    base = [torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype) for _ in range(3)]
+    base += [(0.5 * torch.randn(2 * Kx + 1, Dx, generator=g, dtype=F64)).to(dtype)
+             for _ in range(2)]
+    up = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
+    index = relpos.relative_position_index(Lx, Lx, Kx)
+
+    def definition(leaves: list[torch.Tensor], keep: torch.Tensor) -> torch.Tensor:
+        q, k, v, rk, rv = leaves
+        scores = (q @ k.transpose(-1, -2)
+                  + torch.einsum("bhld,lsd->bhls", q, rk[index])) * Dx**-0.5
+        probs = torch.softmax(scores.double(), -1).to(q.dtype) * keep / (1 - rate)
+        return probs @ v + torch.einsum("bhls,lsd->bhld", probs, rv[index])
+
+    leaves = [t.clone().requires_grad_(True) for t in base]
+    torch.manual_seed(17)
+    out = relpos.relative_attention(*leaves[:3], max_distance=Kx, rel_keys=leaves[3],
+                                    rel_values=leaves[4], dropout_p=rate,
+                                    implementation="native")
+    got = torch.autograd.grad(out, leaves, up)
+    torch.manual_seed(17)
+    keep = native.dropout_mask(native.draw_seed(), (Bx, Hx, Lx, Lx), rate)
+    errors = []
+    for cast in (F64, dtype):
+        ref_leaves = [t.to(cast).requires_grad_(True) for t in base]
+        want = torch.autograd.grad(definition(ref_leaves, keep), ref_leaves, up.to(cast))
+        errors.append([a.double() for a in want])
+    truth, ref = errors
+    for name, a, t, r in zip(GRAD_NAMES, got, truth, ref, strict=True):
+        e, re = float((a.double() - t).abs().max()), float((r - t).abs().max())
+        assert e <= 2 * re + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {re:.3g}"
+        assert re > 1e-4
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
+    """bfloat16 takes the 16-bit GEMMs by default, float16 the widened tiles (faster where
+    measured); the two paths differ (P rounded or not), so the default is one of them bit for
+    bit."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 70, 16, generator=g).to(dtype) for _ in range(3))
+    rk, rv = ((0.5 * torch.randn(9, 16, generator=g)).to(dtype) for _ in range(2))
+
+    def call() -> torch.Tensor:
+        with torch.no_grad():
+            return relpos.relative_attention(q, k, v, max_distance=4, rel_keys=rk,
+                                             rel_values=rv, implementation="native")
+
+    default = call()
+    with _half_gemms("1"):
+        low = call()
+    with _half_gemms("0"):
+        wide = call()
+    want = low if dtype == torch.bfloat16 else wide
+    assert torch.equal(default, want)
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    half = module.build_info().split("half_gemm=")[1]
+    if ("bf16" if dtype == torch.bfloat16 else "fp16") in half:
+        assert not torch.equal(low, wide)  # the switch reaches the kernels

@@ -7,8 +7,11 @@ read their inputs in any layout (the kernels make them contiguous once). Half pr
 (``float16``, ``bfloat16``): the forward reads query, key and value in their own type (16-bit
 GEMMs with float32 accumulation where libtorch's MKL has them, the CPU's BF16 / FP16 / AMX
 units; the tables and masks are passed as float32), every sum and statistic float32, and
-writes the output in the inputs' type; the backward widens its inputs to float32 once and rounds the
-gradients once.
+writes the output in the inputs' type. The backward reads them the same way (query, key, value,
+``grad_out`` and ``out`` in their 16-bit type; its five tile GEMMs on 16-bit operands with float32
+accumulation, P and dS rounded to the 16-bit type for theirs as torch's flash kernel rounds them),
+accumulates ``dk`` and ``dv`` in float32 per head and rounds every gradient once; the tables'
+gradients are summed in float32 and rounded to the tables' type.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 R = left + right + 1 table rows, Hr table heads (1 or H); varlen: N sequences, Tq and Tk the
@@ -56,13 +59,14 @@ def _wide(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """query, key and value as the forward kernels read them: float32 and float64 as given,
-    16-bit types as given too (the kernels compute in float32 from them), one dtype for all."""
+def _inputs(query: Tensor, *others: Tensor) -> tuple[Tensor, ...]:
+    """query, key and value (and the backward's grad_out and out) as the kernels read them:
+    float32 and float64 as given, 16-bit types as given too (the kernels compute in float32
+    from them), one dtype for all."""
     dtype = query.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         dtype = accumulation_dtype(dtype)
-    return query.to(dtype), key.to(dtype), value.to(dtype)
+    return (query.to(dtype), *(t.to(dtype) for t in others))
 
 
 def _expanded(mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
@@ -149,10 +153,8 @@ def _backward(
     """What ``relpos::native_attention_backward`` computes for a non-empty call.
     Deterministic: the table gradients are reduced in a fixed order."""
     acc = accumulation_dtype(query.dtype)
-    go, q, k, v, rk, rv, kb, mb, o = (
-        _wide(t, acc)
-        for t in (grad_out, query, key, value, rel_keys, rel_values, key_bias, attn_bias, out)
-    )
+    q, k, v, go, o = _inputs(query, key, value, grad_out, out)
+    rk, rv, kb, mb = (_wide(t, acc) for t in (rel_keys, rel_values, key_bias, attn_bias))
     dq, dk, dv, drk, drv = _kernels().backward(
         go, q, k, v, rk, rv, kb, _expanded(mb, query, key), seed, o, lse,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale,
@@ -161,8 +163,8 @@ def _backward(
     dtype = query.dtype
     return (
         dq.to(dtype), dk.to(dtype), dv.to(dtype),
-        None if rel_keys is None else drk.to(dtype),
-        None if rel_values is None else drv.to(dtype),
+        None if rel_keys is None else drk.to(rel_keys.dtype),
+        None if rel_values is None else drv.to(rel_values.dtype),
     )
 
 
@@ -274,9 +276,8 @@ def _backward_varlen(
     gradients shaped like the inputs (``dk``, ``dv`` zero in the key rows past ``seqused_k``).
     Deterministic: the table gradients are reduced in a fixed order."""
     acc = accumulation_dtype(query.dtype)
-    go, q, k, v, rk, rv, o = (
-        _wide(t, acc) for t in (grad_out, query, key, value, rel_keys, rel_values, out)
-    )
+    q, k, v, go, o = _inputs(query, key, value, grad_out, out)
+    rk, rv = (_wide(t, acc) for t in (rel_keys, rel_values))
     dq, dk, dv, drk, drv = _kernels().backward_varlen(
         go, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, rk, rv, seed, o, lse,
         _kernel_options(left=left, right=right, is_causal=is_causal, scale=scale, query_start=0,
@@ -285,8 +286,8 @@ def _backward_varlen(
     dtype = query.dtype
     return (
         dq.to(dtype), dk.to(dtype), dv.to(dtype),
-        None if rel_keys is None else drk.to(dtype),
-        None if rel_values is None else drv.to(dtype),
+        None if rel_keys is None else drk.to(rel_keys.dtype),
+        None if rel_values is None else drv.to(rel_values.dtype),
     )
 
 

@@ -278,34 +278,46 @@ static inline bool has_low_gemm() {
   return false;
 }
 
-// C (M, N) = alpha · A (M, K) @ op(B) + beta · C, A and B of the 16-bit type I on packed
-// row-major matrices, op(B) = B (K, N) or, with tb, B^T for B (N, K); C float. Only where
-// has_low_gemm<I>().
+// C (M, N) = alpha · op(A) @ op(B) + beta · C, A and B of the 16-bit type I on packed
+// row-major matrices: op(A) = A (M, K) or, with ta, A^T for A (K, M); op(B) = B (K, N) or,
+// with tb, B^T for B (N, K); C float. Only where has_low_gemm<I>().
 template <typename I>
-static inline void low_gemm(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const I* A,
-                            const I* B, float beta, float* C) {
+static inline void low_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                            const I* A, const I* B, float beta, float* C) {
 #if defined(RELPOS_HAVE_BLAS) && defined(__GNUC__)
   if (M <= 0 || N <= 0) return;
+  if (K <= 0) {  // C = beta · C (the BLAS may not scale C for an empty sum)
+    for (int64_t x = 0; x < M * N; ++x) C[x] = beta == 0.0f ? 0.0f : beta * C[x];
+    return;
+  }
   const auto* a = reinterpret_cast<const uint16_t*>(A);
   const auto* b = reinterpret_cast<const uint16_t*>(B);
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
-  const int ldb = tb ? k : n;
+  const int lda = ta ? m : k, ldb = tb ? k : n;
+  const int op_a = ta ? 112 : 111, op_b = tb ? 112 : 111;
   if constexpr (std::is_same_v<I, c10::BFloat16>)
-    cblas_gemm_bf16bf16f32(101, 111, tb ? 112 : 111, m, n, k, alpha, a, k, b, ldb, beta, C, n);
+    cblas_gemm_bf16bf16f32(101, op_a, op_b, m, n, k, alpha, a, lda, b, ldb, beta, C, n);
   else
-    cblas_gemm_f16f16f32(101, 111, tb ? 112 : 111, m, n, k, alpha, a, k, b, ldb, beta, C, n);
+    cblas_gemm_f16f16f32(101, op_a, op_b, m, n, k, alpha, a, lda, b, ldb, beta, C, n);
 #else
   TORCH_CHECK(false, "no 16-bit GEMM in this build");
 #endif
 }
 
-// Whether a call with 16-bit inputs of type I runs the 16-bit GEMMs: where they exist, unless
-// RELPOS_NATIVE_HALF_GEMM=0 (K_J and V_J widened per tile instead: the same results to float
-// rounding, P unrounded; for comparing the two).
+// Whether a call with 16-bit inputs of type I runs the 16-bit GEMMs (else its tiles are widened
+// to float and the float GEMMs serve: the same results to float rounding, P and dS unrounded).
+// By default bfloat16 does where libtorch has the GEMM, float16 does not: MKL's float16 GEMM
+// measured slower than widened tiles even on a CPU with AVX512-FP16 (benchmarks/
+// half_precision.md), and CPUs without FP16 arithmetic can only convert inside it.
+// RELPOS_NATIVE_HALF_GEMM=1 asks for the 16-bit GEMMs for both types (where they exist), =0
+// for neither.
 template <typename I>
 static bool use_low_gemms() {
-  const char* off = std::getenv("RELPOS_NATIVE_HALF_GEMM");
-  return has_low_gemm<I>() && !(off != nullptr && std::string(off) == "0");
+  if (!has_low_gemm<I>()) return false;
+  const char* env = std::getenv("RELPOS_NATIVE_HALF_GEMM");
+  if (env != nullptr && std::string(env) == "0") return false;
+  if (env != nullptr && std::string(env) == "1") return true;
+  return std::is_same_v<I, c10::BFloat16>;
 }
 
 // dst[j] = src[j] in another floating type (rounded to nearest even where it narrows).
@@ -1102,7 +1114,8 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
   const T ninf = -std::numeric_limits<T>::infinity();
   // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
   if constexpr (!std::is_same_v<T, I>) {
-    if (hd.ak_low) low_gemm<I>(true, nq, R, g.D, scale, q_low, hd.ak_low, T(0), w.qa.data());
+    if (hd.ak_low)
+      low_gemm<I>(false, true, nq, R, g.D, scale, q_low, hd.ak_low, T(0), w.qa.data());
   }
   if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
   if (hd.av) std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
@@ -1148,7 +1161,8 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   if constexpr (!std::is_same_v<T, I>) {
     if (hd.av_low) {
       convert(w.pb.data(), w.pb_low.data(), nq * g.R);
-      low_gemm<I>(false, nq, Dv, g.R, T(1), w.pb_low.data(), hd.av_low, T(1), w.acc.data());
+      low_gemm<I>(false, false, nq, Dv, g.R, T(1), w.pb_low.data(), hd.av_low, T(1),
+                  w.acc.data());
     }
   }
   if (hd.av && !hd.av_low) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
@@ -1197,7 +1211,8 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
-        low_gemm<I>(true, nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
+        low_gemm<I>(false, true, nq, nk, D, scale, q_block, hd.k + j0 * D, T(0),
+                    w.scores.data());
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
         gemm_nt<T>(nq, nk, D, scale, q_wide, w.k_wide.data(), T(0), w.scores.data());
@@ -1211,7 +1226,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     if constexpr (low) {
       if (low_gemms) {
         convert(w.scores.data(), w.p_low.data(), nq * nk);
-        low_gemm<I>(false, nq, Dv, nk, T(1), w.p_low.data(), hd.v + j0 * Dv, T(1),
+        low_gemm<I>(false, false, nq, Dv, nk, T(1), w.p_low.data(), hd.v + j0 * Dv, T(1),
                     w.acc.data());
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
@@ -1291,8 +1306,12 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T 
 // ------------------------------------------------------------------------------------------
 // Backward phases
 
-// One thread's state for the query block it works on (sizes as for ForwardBlock).
-template <typename T>
+// One thread's state for the query block it works on (sizes as for ForwardBlock). With 16-bit
+// inputs (I) it also holds the head's dK and dV in float (S_max rows: the largest S of the call)
+// until the task rounds them once, Q_I and dO_I widened (for the table gradients), and either
+// P (or P dropped) and dS rounded to I for the 16-bit GEMMs or, without them, K_J and V_J
+// widened.
+template <typename T, typename I = T>
 struct BackwardBlock {
   std::vector<T> scores;     // (tile): S of the current tile (nq, nk), then P (row stride nk)
   std::vector<T> dp;         // (tile): dP = dO @ V_J^T (+ dOA), then dS
@@ -1303,21 +1322,39 @@ struct BackwardBlock {
   std::vector<T> dsb;        // (BQ, R): dSb, bucket sums of dS
   std::vector<T> dq_acc;     // (BQ, D): dS @ K + dSb @ aK, before the scale
   std::vector<T> delta;      // (BQ): dO_i . out_i
+  std::vector<T> q_wide, do_wide, dk_acc, dv_acc, k_wide, v_wide;  // 16-bit inputs only
+  std::vector<I> p_low, ds_low;  // 16-bit inputs with 16-bit GEMMs only
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
-                bool dropout)
+                bool dropout, int64_t Dv = 0, int64_t BK = 0, int64_t S_max = 0,
+                bool low_gemms = false)
       : scores(tile), dp(tile), p_dropped(dropout ? tile : 0), qa(keys ? BQ * R : 0),
         doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0),
-        dq_acc(BQ * D), delta(BQ) {}
+        dq_acc(BQ * D), delta(BQ) {
+    if constexpr (!std::is_same_v<T, I>) {
+      q_wide.resize(BQ * D);
+      do_wide.resize(BQ * Dv);
+      dk_acc.resize(S_max * D);
+      dv_acc.resize(S_max * Dv);
+      if (low_gemms) {
+        p_low.resize(tile);
+        ds_low.resize(tile);
+      } else {
+        k_wide.resize(BK * D);
+        v_wide.resize(BK * Dv);
+      }
+    }
+  }
 };
 
 // delta_i = dO_i . out_i for the rows of a query block.
-template <typename T>
-static RELPOS_INLINE void row_deltas(T* delta, const T* do_block, const T* out_block, int64_t nq,
+template <typename T, typename I>
+static RELPOS_INLINE void row_deltas(T* delta, const I* do_block, const I* out_block, int64_t nq,
                                      int64_t Dv) {
   for (int64_t r = 0; r < nq; ++r) {
     T acc = 0;
-    for (int64_t d = 0; d < Dv; ++d) acc += do_block[r * Dv + d] * out_block[r * Dv + d];
+    for (int64_t d = 0; d < Dv; ++d)
+      acc += static_cast<T>(do_block[r * Dv + d]) * static_cast<T>(out_block[r * Dv + d]);
     delta[r] = acc;
   }
 }
@@ -1408,9 +1445,10 @@ static RELPOS_INLINE void nan_row(T* s, T* dp, int64_t n_visible) {
 // daK). Leaves P (or P dropped) and dS, both 0 where hidden, for the tile's GEMMs. A row that
 // sees no key (lse = +inf) leaves zeros and no bucket sums, whatever the tables hold; a NaN
 // row (lse NaN) NaN except at hidden keys (nan_row).
-template <typename T>
-static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T>& hd, const T* attn_bias,
-                                       const Dropout& drop, T inv_keep, BackwardBlock<T>& w,
+template <typename T, typename I>
+static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd,
+                                       const T* attn_bias, const Dropout& drop, T inv_keep,
+                                       BackwardBlock<T, I>& w,
                                        T* pd, T row_lse, int64_t r, int64_t i, int64_t j0,
                                        int64_t j1) {
   const int64_t nk = j1 - j0, R = g.R;
@@ -1461,22 +1499,33 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T>& hd, con
   }
 }
 
-// Prologue of a query block: delta, QA and dOA of its rows; Pb, dSb and dq_acc zeroed.
-template <typename T>
-static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T>& hd,
-                                            BackwardBlock<T>& w, int64_t nq, T scale,
-                                            const T* q_block, const T* do_block,
-                                            const T* out_block) {
+// Prologue of a query block: delta, QA and dOA of its rows; Pb, dSb and dq_acc zeroed. q_wide
+// and do_wide: Q_I and dO_I as T; q_block and do_block as given (I).
+template <typename T, typename I>
+static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>& hd,
+                                            BackwardBlock<T, I>& w, int64_t nq, T scale,
+                                            const I* q_block, const I* do_block,
+                                            const I* out_block, const T* q_wide,
+                                            const T* do_wide) {
   const int64_t D = g.D, Dv = g.Dv, R = g.R;
-  row_deltas<T>(w.delta.data(), do_block, out_block, nq, Dv);
+  row_deltas<T, I>(w.delta.data(), do_block, out_block, nq, Dv);
   if (hd.ak) {
-    // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T
-    gemm_nt<T>(nq, R, D, scale, q_block, hd.ak, T(0), w.qa.data());
+    // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I,
+    // as the forward computed it)
+    if constexpr (!std::is_same_v<T, I>) {
+      if (hd.ak_low)
+        low_gemm<I>(false, true, nq, R, D, scale, q_block, hd.ak_low, T(0), w.qa.data());
+    }
+    if (!hd.ak_low) gemm_nt<T>(nq, R, D, scale, q_wide, hd.ak, T(0), w.qa.data());
     std::fill(w.dsb.begin(), w.dsb.begin() + nq * R, T(0));
   }
   if (hd.av) {
     // dOA_I (nq, R) = dO_I (nq, Dv) @ aV^T
-    gemm_nt<T>(nq, R, Dv, T(1), do_block, hd.av, T(0), w.doa.data());
+    if constexpr (!std::is_same_v<T, I>) {
+      if (hd.av_low)
+        low_gemm<I>(false, true, nq, R, Dv, T(1), do_block, hd.av_low, T(0), w.doa.data());
+    }
+    if (!hd.av_low) gemm_nt<T>(nq, R, Dv, T(1), do_wide, hd.av, T(0), w.doa.data());
     std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
   }
   std::fill(w.dq_acc.begin(), w.dq_acc.begin() + nq * D, T(0));
@@ -1485,9 +1534,9 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T>& hd
 // The relative key term of dq: dq_acc_I += dSb_I @ aK. With a non-finite aK, row by row over
 // the table rows each query can read (a row's other buckets are 0, but 0 · inf is NaN, and the
 // reference never multiplies them), none for a row that sees no key (lse = +inf).
-template <typename T>
-static RELPOS_INLINE void dq_table_term(const Geometry& g, const Head<T>& hd,
-                                        BackwardBlock<T>& w, int64_t i0, int64_t nq,
+template <typename T, typename I>
+static RELPOS_INLINE void dq_table_term(const Geometry& g, const Head<T, I>& hd,
+                                        BackwardBlock<T, I>& w, int64_t i0, int64_t nq,
                                         const T* lse_block, bool ak_finite) {
   const int64_t D = g.D, R = g.R;
   if (ak_finite) {
@@ -1507,99 +1556,166 @@ static RELPOS_INLINE void dq_table_term(const Geometry& g, const Head<T>& hd,
 }
 
 // Epilogue of a query block: its relative terms of dq, its shares of the table gradients
-// (into this head's partials), and dq = scale · dq_acc.
-template <typename T>
-static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T>& hd,
-                                            BackwardBlock<T>& w, int64_t i0, int64_t nq,
+// (into this head's partials), and dq = scale · dq_acc (rounded to I).
+template <typename T, typename I>
+static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T, I>& hd,
+                                            BackwardBlock<T, I>& w, int64_t i0, int64_t nq,
                                             T scale, bool ak_finite, const T* lse_block,
-                                            const T* q_block, const T* do_block, T* dak_head,
-                                            T* dav_head, T* dq_block) {
+                                            const T* q_wide, const T* do_wide, T* dak_head,
+                                            T* dav_head, I* dq_block) {
   const int64_t D = g.D, Dv = g.Dv, R = g.R;
   if (hd.ak) {
-    dq_table_term<T>(g, hd, w, i0, nq, lse_block, ak_finite);
+    dq_table_term<T, I>(g, hd, w, i0, nq, lse_block, ak_finite);
     // daK (R, D) += scale · dSb_I^T @ Q_I (nq, D)
-    gemm_tn<T>(R, D, nq, scale, w.dsb.data(), q_block, T(1), dak_head);
+    gemm_tn<T>(R, D, nq, scale, w.dsb.data(), q_wide, T(1), dak_head);
   }
   // daV (R, Dv) += Pb_I^T @ dO_I (nq, Dv)
-  if (hd.av) gemm_tn<T>(R, Dv, nq, T(1), w.pb.data(), do_block, T(1), dav_head);
-  for (int64_t x = 0; x < nq * D; ++x) dq_block[x] = scale * w.dq_acc[x];
+  if (hd.av) gemm_tn<T>(R, Dv, nq, T(1), w.pb.data(), do_wide, T(1), dav_head);
+  for (int64_t x = 0; x < nq * D; ++x) dq_block[x] = static_cast<I>(scale * w.dq_acc[x]);
 }
 
 // What one backward task reads and writes besides its Head: its rows of dO, out and lse, its
-// gradients (dk and dv rows its own, zeroed by the task) and the table-gradient partials it adds
-// to (zeroed by its caller).
-template <typename T>
+// gradients (dk and dv rows its own, written whole by the task) and the table-gradient partials
+// it adds to (zeroed by its caller).
+template <typename T, typename I = T>
 struct HeadGradients {
-  const T* dout;  // (L, Dv)
-  const T* out;   // (L, Dv)
+  const I* dout;  // (L, Dv)
+  const I* out;   // (L, Dv)
   const T* lse;   // (L)
-  T* dq;          // (L, D)
-  T* dk;          // (S, D)
-  T* dv;          // (S, Dv)
+  I* dq;          // (L, D)
+  I* dk;          // (S, D)
+  I* dv;          // (S, Dv)
   T* dak;         // (R, D), or nullptr without rel_keys
   T* dav;         // (R, Dv), or nullptr without rel_values
 };
 
 // One backward task: one head, its query blocks of BQ rows, and in each the key blocks of BK
-// keys, as the forward did.
-template <typename T>
-static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T>& hd,
-                                        const HeadGradients<T>& gr, const T* attn_bias, T scale,
-                                        bool ak_finite, const Dropout& drop, BackwardBlock<T>& w,
-                                        int64_t BQ, int64_t BK) {
+// keys, as the forward did. With 16-bit inputs the five tile GEMMs take 16-bit operands (P and
+// dS rounded to I, as torch's flash kernel rounds them) with float accumulation, dK and dV are
+// accumulated in float and rounded once at the end; without 16-bit GEMMs K_J and V_J are widened
+// per tile and the float GEMMs serve.
+template <typename T, typename I>
+static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
+                                        const HeadGradients<T, I>& gr, const T* attn_bias,
+                                        T scale, bool ak_finite, const Dropout& drop,
+                                        BackwardBlock<T, I>& w, int64_t BQ, int64_t BK) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv;
   const T inv_keep = static_cast<T>(drop.inv_keep);
-  std::fill(gr.dk, gr.dk + S * D, T(0));
-  std::fill(gr.dv, gr.dv + S * Dv, T(0));
+  constexpr bool low = !std::is_same_v<T, I>;
+  const bool low_gemms = low && !w.p_low.empty();
+  T* dk = nullptr;  // (S, D) and (S, Dv): where dK and dV accumulate
+  T* dv = nullptr;
+  if constexpr (low) {
+    dk = w.dk_acc.data();
+    dv = w.dv_acc.data();
+  } else {
+    dk = gr.dk;
+    dv = gr.dv;
+  }
+  std::fill(dk, dk + S * D, T(0));
+  std::fill(dv, dv + S * Dv, T(0));
   for (int64_t i0 = 0; i0 < L; i0 += BQ) {
     const int64_t i1 = std::min(L, i0 + BQ), nq = i1 - i0;
-    const T* q_block = hd.q + i0 * D;
-    const T* do_block = gr.dout + i0 * Dv;
+    const I* q_block = hd.q + i0 * D;
+    const I* do_block = gr.dout + i0 * Dv;
     const T* lse_block = gr.lse + i0;
-    backward_prologue<T>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv);
+    const T* q_wide = nullptr;  // Q_I and dO_I as T
+    const T* do_wide = nullptr;
+    if constexpr (low) {
+      convert(q_block, w.q_wide.data(), nq * D);
+      convert(do_block, w.do_wide.data(), nq * Dv);
+      q_wide = w.q_wide.data();
+      do_wide = w.do_wide.data();
+    } else {
+      q_wide = q_block;
+      do_wide = do_block;
+    }
+    backward_prologue<T, I>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv, q_wide,
+                            do_wide);
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
       if (!g.block_visible(i1, j0)) break;
       const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
-      // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
-      gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
-      // dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
-      gemm_nt<T>(nq, nk, Dv, T(1), do_block, hd.v + j0 * Dv, T(0), w.dp.data());
+      const I* k_tile = hd.k + j0 * D;
+      const I* v_tile = hd.v + j0 * Dv;
+      const T* k_wide = nullptr;  // K_J and V_J as T (float GEMMs)
+      if (low_gemms) {
+        if constexpr (low) {
+          // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T; dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
+          low_gemm<I>(false, true, nq, nk, D, scale, q_block, k_tile, T(0), w.scores.data());
+          low_gemm<I>(false, true, nq, nk, Dv, T(1), do_block, v_tile, T(0), w.dp.data());
+        }
+      } else {
+        const T* v_wide = nullptr;
+        if constexpr (low) {
+          convert(k_tile, w.k_wide.data(), nk * D);
+          convert(v_tile, w.v_wide.data(), nk * Dv);
+          k_wide = w.k_wide.data();
+          v_wide = w.v_wide.data();
+        } else {
+          k_wide = k_tile;
+          v_wide = v_tile;
+        }
+        // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
+        gemm_nt<T>(nq, nk, D, scale, q_wide, k_wide, T(0), w.scores.data());
+        // dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
+        gemm_nt<T>(nq, nk, Dv, T(1), do_wide, v_wide, T(0), w.dp.data());
+      }
       T* pd = drop.on ? w.p_dropped.data() : w.scores.data();  // what multiplies V
       for (int64_t r = 0; r < nq; ++r)
-        backward_row<T>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
-                        j1);
-      // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)
-      gemm_tn<T>(nk, Dv, nq, T(1), pd, do_block, T(1), gr.dv + j0 * Dv);
-      // dq_acc_I (nq, D) += dS_IJ (nq, nk) @ K_J (nk, D)
-      gemm_nn<T>(nq, D, nk, T(1), w.dp.data(), hd.k + j0 * D, T(1), w.dq_acc.data());
-      // dK_J (nk, D) += scale · dS_IJ^T @ Q_I (nq, D)
-      gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_block, T(1), gr.dk + j0 * D);
+        backward_row<T, I>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
+                           j1);
+      if (low_gemms) {
+        if constexpr (low) {
+          convert(pd, w.p_low.data(), nq * nk);
+          convert(w.dp.data(), w.ds_low.data(), nq * nk);
+          // dV_J (nk, Dv) += P_IJ^T @ dO_I; dq_acc_I (nq, D) += dS_IJ @ K_J;
+          // dK_J (nk, D) += scale · dS_IJ^T @ Q_I
+          low_gemm<I>(true, false, nk, Dv, nq, T(1), w.p_low.data(), do_block, T(1),
+                      dv + j0 * Dv);
+          low_gemm<I>(false, false, nq, D, nk, T(1), w.ds_low.data(), k_tile, T(1),
+                      w.dq_acc.data());
+          low_gemm<I>(true, false, nk, D, nq, scale, w.ds_low.data(), q_block, T(1),
+                      dk + j0 * D);
+        }
+      } else {
+        // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)
+        gemm_tn<T>(nk, Dv, nq, T(1), pd, do_wide, T(1), dv + j0 * Dv);
+        // dq_acc_I (nq, D) += dS_IJ (nq, nk) @ K_J (nk, D)
+        gemm_nn<T>(nq, D, nk, T(1), w.dp.data(), k_wide, T(1), w.dq_acc.data());
+        // dK_J (nk, D) += scale · dS_IJ^T @ Q_I (nq, D)
+        gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_wide, T(1), dk + j0 * D);
+      }
     }
-    backward_epilogue<T>(g, hd, w, i0, nq, scale, ak_finite, lse_block, q_block, do_block,
-                         gr.dak, gr.dav, gr.dq + i0 * D);
+    backward_epilogue<T, I>(g, hd, w, i0, nq, scale, ak_finite, lse_block, q_wide, do_wide,
+                            gr.dak, gr.dav, gr.dq + i0 * D);
+  }
+  if constexpr (low) {
+    convert(dk, gr.dk, S * D);
+    convert(dv, gr.dv, S * Dv);
   }
 }
 
 // Padded tasks: (batch, head), which own their dk, dv and table-gradient partials (B, H, R, ·).
-template <typename T>
-static void backward_impl(const Geometry& g, const Inputs<T>& in, const T* dout, const T* out,
-                          const T* lse, T scale, const Dropout& drop, T* dq, T* dk, T* dv,
-                          T* dak_part, T* dav_part) {
+template <typename T, typename I = T>
+static void backward_impl(const Geometry& g, const Inputs<T, I>& in, const I* dout, const I* out,
+                          const T* lse, T scale, const Dropout& drop, I* dq, I* dk, I* dv,
+                          T* dak_part, T* dav_part, bool low_gemms = false) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = backward_query_block(L), BK = key_block_size(L, S);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    BackwardBlock<T> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on);
+    BackwardBlock<T, I> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on, Dv,
+                          BK, S, low_gemms);
     for (int64_t bh = begin; bh < stop; ++bh) {
       T* dak = in.ak ? dak_part + bh * R * D : nullptr;
       T* dav = in.av ? dav_part + bh * R * Dv : nullptr;
       if (dak) std::fill(dak, dak + R * D, T(0));
       if (dav) std::fill(dav, dav + R * Dv, T(0));
-      const HeadGradients<T> gr{dout + bh * L * Dv, out + bh * L * Dv, lse + bh * L,
-                                dq + bh * L * D, dk + bh * S * D, dv + bh * S * Dv, dak, dav};
-      backward_task<T>(g, head_of(g, in, drop, bh), gr, in.attn_bias, scale, in.ak_finite, drop, w,
-                       BQ, BK);
+      const HeadGradients<T, I> gr{dout + bh * L * Dv, out + bh * L * Dv, lse + bh * L,
+                                   dq + bh * L * D, dk + bh * S * D, dv + bh * S * Dv, dak, dav};
+      backward_task<T, I>(g, head_of(g, in, drop, bh), gr, in.attn_bias, scale, in.ak_finite,
+                          drop, w, BQ, BK);
     }
   });
 }
@@ -1645,17 +1761,21 @@ static std::vector<int64_t> varlen_gradient_groups(const VarlenCall& vc, bool ta
 // past seqused_k included: zeroed), run by units (group, head): a unit zeroes its
 // table-gradient partials (n_groups, H, R, ·) and runs the tasks of its group's sequences in
 // order, each adding to them.
-template <typename T>
+template <typename T, typename I = T>
 static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t>& groups,
-                                 const Inputs<T>& in, const T* dout, const T* out, const T* lse,
-                                 T scale, const Dropout& drop, T* dq, T* dk, T* dv, T* dak_part,
-                                 T* dav_part) {
+                                 const Inputs<T, I>& in, const I* dout, const I* out,
+                                 const T* lse, T scale, const Dropout& drop, I* dq, I* dk, I* dv,
+                                 T* dak_part, T* dav_part, bool low_gemms = false) {
   const Packing& pk = vc.pk;
   const int64_t n_groups = static_cast<int64_t>(groups.size()) - 1, R = vc.R;
+  int64_t S_max = 0;  // 16-bit inputs: the float dK and dV of the longest sequence
+  if constexpr (!std::is_same_v<T, I>)
+    for (const Geometry& g : vc.seqs) S_max = std::max(S_max, g.S);
 
   at::parallel_for(0, n_groups * pk.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    BackwardBlock<T> w(vc.BQ, vc.tile, R, vc.D, in.ak != nullptr, in.av != nullptr, drop.on);
+    BackwardBlock<T, I> w(vc.BQ, vc.tile, R, vc.D, in.ak != nullptr, in.av != nullptr, drop.on,
+                          vc.Dv, vc.BK, S_max, low_gemms);
     for (int64_t unit = begin; unit < stop; ++unit) {
       const int64_t group = unit / pk.H, h = unit % pk.H;
       T* dak = in.ak ? dak_part + unit * R * vc.D : nullptr;
@@ -1665,13 +1785,15 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
       for (int64_t s = groups[group]; s < groups[group + 1]; ++s) {
         const Geometry& g = vc.seqs[s];
         const int64_t qr = pk.q_row(s, h), kr = pk.k_row(s, h);
-        const HeadGradients<T> gr{dout + qr * g.Dv, out + qr * g.Dv, lse + qr, dq + qr * g.D,
-                                  dk + kr * g.D,    dv + kr * g.Dv,  dak,       dav};
-        backward_task<T>(g, varlen_head(g, pk, in, s, h), gr, nullptr, scale, in.ak_finite,
-                         drop, w, backward_query_block(g.L), key_block_size(g.L, g.S));
+        const HeadGradients<T, I> gr{dout + qr * g.Dv, out + qr * g.Dv, lse + qr,
+                                     dq + qr * g.D,    dk + kr * g.D,    dv + kr * g.Dv,
+                                     dak,              dav};
+        backward_task<T, I>(g, varlen_head(g, pk, in, s, h), gr, static_cast<const T*>(nullptr),
+                            scale, in.ak_finite, drop, w, backward_query_block(g.L),
+                            key_block_size(g.L, g.S));
         const int64_t region = pk.region(s);  // spare capacity [S, region): never read
-        std::fill(gr.dk + g.S * g.D, gr.dk + region * g.D, T(0));
-        std::fill(gr.dv + g.S * g.Dv, gr.dv + region * g.Dv, T(0));
+        std::fill(gr.dk + g.S * g.D, gr.dk + region * g.D, I(0));
+        std::fill(gr.dv + g.S * g.Dv, gr.dv + region * g.Dv, I(0));
       }
     }
   });
@@ -1743,6 +1865,17 @@ static void check_same_type(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "query, key and value must have one dtype, got ", q.scalar_type(), ", ",
               k.scalar_type(), ", ", v.scalar_type());
+}
+
+// The backward's other inputs: grad_out and out of the query's dtype, lse of the compute type.
+static void check_backward_types(const Tensor& q, const Tensor& go, const Tensor& o,
+                                 const Tensor& lse) {
+  TORCH_CHECK(go.scalar_type() == q.scalar_type() && o.scalar_type() == q.scalar_type(),
+              "grad_out and out must have the query's dtype ", q.scalar_type(), ", got ",
+              go.scalar_type(), " and ", o.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == compute_type(q.scalar_type()), "lse must be ",
+              compute_type(q.scalar_type()), " for ", q.scalar_type(), " inputs, got ",
+              lse.scalar_type());
 }
 
 static Geometry geometry(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -1878,12 +2011,37 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   auto go = grad_out.contiguous(), o = out.contiguous(), ls = lse.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values), kb = contig(key_bias);
+  check_same_type(q, k, v);
+  check_backward_types(q, go, o, ls);
   const Geometry g = geometry(q, k, v, ak, av, attn_bias, options);
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  const auto part = q.options().dtype(compute_type(q.scalar_type()));
   Tensor dak_part, dav_part, dak, dav;
-  if (ak) dak_part = at::empty({g.B, g.H, g.R, g.D}, q.options());
-  if (av) dav_part = at::empty({g.B, g.H, g.R, g.Dv}, q.options());
+  if (ak) dak_part = at::empty({g.B, g.H, g.R, g.D}, part);
+  if (av) dav_part = at::empty({g.B, g.H, g.R, g.Dv}, part);
   const Dropout drop(options.dropout_p, seed);
+  if (is_half_precision(q.scalar_type())) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_half", [&] {
+      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
+                                 ptr_or_null<float>(av), ptr_or_null<float>(kb),
+                                 ptr_or_null<float>(attn_bias)};
+      if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
+      const bool low = use_low_gemms<scalar_t>();
+      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
+      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
+      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
+      backward_impl<float, scalar_t>(
+          g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
+          static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
+          dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+          ak ? dak_part.data_ptr<float>() : nullptr, av ? dav_part.data_ptr<float>() : nullptr,
+          low);
+      if (ak) dak = reduce_table_gradient<float>(dak_part, g.Hr_k);
+      if (av) dav = reduce_table_gradient<float>(dav_part, g.Hr_v);
+    });
+    return {dq, dk, dv, ak ? dak : at::empty({0}, part), av ? dav : at::empty({0}, part)};
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward", [&] {
     auto in = inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias);
     if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
@@ -2125,15 +2283,44 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   auto go = grad_out.transpose(0, 1).contiguous(), o = out.transpose(0, 1).contiguous();
   auto ls = lse.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values);
+  check_same_type(q, k, v);
+  check_backward_types(q, go, o, ls);
   auto dq = at::empty({H, Tq, vc.D}, q.options()), dk = at::empty({H, Tk, vc.D}, q.options()),
        dv = at::empty({H, Tk, vc.Dv}, q.options());
   const std::vector<int64_t> groups = varlen_gradient_groups(vc, ak || av);
   const auto n_groups = static_cast<int64_t>(groups.size()) - 1;
+  const auto part = q.options().dtype(compute_type(q.scalar_type()));
   Tensor dak_part, dav_part, dak, dav;
-  if (ak) dak_part = at::empty({n_groups, H, vc.R, vc.D}, q.options());
-  if (av) dav_part = at::empty({n_groups, H, vc.R, vc.Dv}, q.options());
+  if (ak) dak_part = at::empty({n_groups, H, vc.R, vc.D}, part);
+  if (av) dav_part = at::empty({n_groups, H, vc.R, vc.Dv}, part);
   const Dropout drop(options.dropout_p, seed);
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
+  auto grads = [&]() -> std::vector<Tensor> {
+    return {dq.transpose(0, 1).contiguous(), dk.transpose(0, 1).contiguous(),
+            dv.transpose(0, 1).contiguous(), ak ? dak : at::empty({0}, part),
+            av ? dav : at::empty({0}, part)};
+  };
+  if (is_half_precision(q.scalar_type())) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen_half", [&] {
+      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
+                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
+                                 ptr_or_null<float>(av), nullptr, nullptr};
+      if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
+      const bool low = use_low_gemms<scalar_t>();
+      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
+      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
+      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
+      backward_varlen_impl<float, scalar_t>(
+          vc, groups, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
+          static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
+          dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+          ak ? dak_part.data_ptr<float>() : nullptr, av ? dav_part.data_ptr<float>() : nullptr,
+          low);
+      if (ak) dak = reduce_table_gradient<float>(dak_part, ak->size(0));
+      if (av) dav = reduce_table_gradient<float>(dav_part, av->size(0));
+    });
+    return grads();
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen", [&] {
     auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
     if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
@@ -2147,9 +2334,7 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
     if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, ak->size(0));
     if (av) dav = reduce_table_gradient<scalar_t>(dav_part, av->size(0));
   });
-  return {dq.transpose(0, 1).contiguous(), dk.transpose(0, 1).contiguous(),
-          dv.transpose(0, 1).contiguous(), ak ? dak : at::empty({0}, q.options()),
-          av ? dav : at::empty({0}, q.options())};
+  return grads();
 }
 
 // Returns the keep masks of a varlen call with H heads, one (H, L_s, S_s) per sequence (S_s the
@@ -2178,12 +2363,18 @@ std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seq
   return masks;
 }
 
+// The BLAS the kernels call and the 16-bit GEMMs libtorch offers them here ("bf16", "fp16",
+// comma-separated, or "none"), e.g. "blas=mkl half_gemm=bf16,fp16".
 std::string build_info() {
 #ifdef RELPOS_HAVE_BLAS
-  return "blas=mkl";
+  std::string info = "blas=mkl";
 #else
-  return "blas=fallback";
+  std::string info = "blas=fallback";
 #endif
+  std::string half;
+  if (has_low_gemm<c10::BFloat16>()) half = "bf16";
+  if (has_low_gemm<c10::Half>()) half += half.empty() ? "fp16" : ",fp16";
+  return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
 
 }  // namespace relpos_native
