@@ -311,3 +311,78 @@ def test_fast_layouts_follow_in_place_weight_changes() -> None:
         torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
     wd = w.double()
     assert decode_linear(wd, None, 2)(x.double()).dtype == torch.float64
+
+
+# ----------------------------------------------------------------------------- C++ layers
+def _steps(model: RelativeTransformerLM, native: bool, batch: int, capacity: int
+           ) -> tuple[list[torch.Tensor], KVCache]:
+    """Logits of 12 steps after a 3-token prompt (row 1 left-padded), cache and all."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (batch, 15), generator=gen)
+    mask = torch.ones(batch, 3, dtype=torch.bool)
+    mask[min(1, batch - 1), :1] = False
+    with torch.no_grad():
+        cache = model.new_cache(capacity=capacity)  # growable: grows under the steps
+        model(ids[:, :3], key_mask=mask, cache=cache)
+        step = StepDecoder(model, native=native)
+        step.start(cache)
+        assert (step._native_layers is not None) == native
+        return [step(ids[:, t], cache) for t in range(3, 15)], cache
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_native_layers_equal_the_python_step_bit_for_bit(kw: dict) -> None:
+    """DecodeLayers runs the Python step's ATen calls in C++: the same bits, the cache too."""
+    model = _lm(**kw)
+    py, py_cache = _steps(model, False, 3, capacity=4)
+    cc, cc_cache = _steps(model, True, 3, capacity=4)
+    for a, b in zip(py, cc, strict=True):
+        assert torch.equal(a, b)
+    for lp, lc in zip(py_cache, cc_cache, strict=True):
+        assert torch.equal(lp.keys, lc.keys) and torch.equal(lp.values, lc.values)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_native_layers_take_every_float32_linear_layout(batch: int, fast: bool) -> None:
+    """float32: the transposed weight (batch 1), MKL's packed one (batch > 1) and F.linear."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=2, max_distance=3)
+    model = RelativeTransformerLM(cfg).eval()
+    got = []
+    for native in (False, True):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            cache = model.new_cache(capacity=20, growable=False)
+            ids = torch.randint(0, V, (batch, 14))
+            model(ids[:, :4], cache=cache)
+            step = StepDecoder(model, fast_linears=fast, native=native)
+            got.append(torch.stack([step(ids[:, t], cache) for t in range(4, 14)]))
+    assert torch.equal(got[0], got[1])
+    with torch.no_grad():
+        torch.testing.assert_close(got[1].transpose(0, 1), model(ids)[:, 4:], rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_generate_runs_the_native_layers_where_built() -> None:
+    model = _lm(max_distance=3)
+    cache = model.new_cache(capacity=8, growable=False)
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+    step = StepDecoder(model)  # the default: C++ where the kernels are built (they are here)
+    step.start(cache)
+    assert step._native_layers is not None and len(step._native_layers) == 2
+
+
+def test_native_layers_refusals(no_native: None) -> None:
+    model = _lm(max_distance=3)
+    cache = model.new_cache(capacity=8, growable=False)
+    with torch.no_grad():
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+    auto = StepDecoder(model)  # without the kernels: the Python layers, silently
+    auto.start(cache)
+    assert auto._native_layers is None
+    with pytest.raises(RuntimeError, match=r"native=True.*not available"):
+        StepDecoder(model, native=True).start(cache)
+    with pytest.raises(TypeError, match="native must be None, True or False, got 'yes'"):
+        StepDecoder(model, native="yes")  # type: ignore[arg-type]

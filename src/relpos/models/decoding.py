@@ -22,6 +22,9 @@ computing (the rest are views):
   ``m`` table rows plus the far keys' total weight times row 0.
 
 The result equals the modules' (the tests compare both against the reference in float64).
+Where the native kernels are built, the layers' calls run in C++ (``DecodeLayers`` in
+``relpos/ops/native/csrc/decode_step.cpp``): the same operators in the same order, the same
+bits, without the interpreter between about 40 calls a layer.
 """
 
 from __future__ import annotations
@@ -99,17 +102,29 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     changes in place; other dtypes and devices, and ``fast=False``, use ``F.linear``. The
     results equal ``F.linear``'s up to float32 rounding (another summation order).
     """
+    kind, laid = _linear_layout(weight, batch, fast)
+    if kind == _MKL_PACKED:
+        return lambda x: torch.ops.mkl._mkl_linear(x, laid, weight, bias, batch)
+    if kind == _TRANSPOSED:
+        if bias is None:
+            return lambda x: torch.mm(x, laid)
+        return lambda x: torch.addmm(bias, x, laid)
+    return lambda x: F.linear(x, weight, bias)
+
+
+# How a decode linear reads its weight (the kinds the native DecodeLayers takes too).
+_PLAIN, _TRANSPOSED, _MKL_PACKED = 0, 1, 2
+
+
+def _linear_layout(weight: Tensor, batch: int, fast: bool) -> tuple[int, Tensor | None]:
+    """decode_linear's choice for ``weight`` at ``batch``: (kind, the weight's layout)."""
     if not fast or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return lambda x: F.linear(x, weight, bias)
+        return _PLAIN, None
     if batch > 1 and _mkl_packing():
-        packed = _layout(
+        return _MKL_PACKED, _layout(
             weight, batch, lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, batch)
         )
-        return lambda x: torch.ops.mkl._mkl_linear(x, packed, weight, bias, batch)
-    wt = _layout(weight, 1, lambda w: w.t().contiguous())  # (in, out)
-    if bias is None:
-        return lambda x: torch.mm(x, wt)
-    return lambda x: torch.addmm(bias, x, wt)
+    return _TRANSPOSED, _layout(weight, 1, lambda w: w.t().contiguous())  # (in, out)
 
 
 def _grown(x: Tensor, length: int, capacity: int) -> Tensor:
@@ -145,6 +160,12 @@ class StepDecoder:
 
     Args:
         model: a :class:`relpos.models.RelativeTransformerLM`.
+        fast_linears: run the linears in :func:`decode_linear`'s layouts (default) or as
+            ``F.linear``.
+        native: where the layers' calls run. None (default): in C++ (the native kernels'
+            ``DecodeLayers``: the same ATen calls in the same order, so the same bits, without
+            the interpreter between them) where the native kernels are built and the model is
+            on the CPU, else in Python; False: in Python; True: in C++ or a RuntimeError.
 
     Example:
         >>> from relpos.models import ModelConfig, RelativeTransformerLM
@@ -159,8 +180,13 @@ class StepDecoder:
         True
     """
 
-    def __init__(self, model: torch.nn.Module, *, fast_linears: bool = True) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, fast_linears: bool = True, native: bool | None = None
+    ) -> None:
+        if native not in (None, True, False):
+            raise TypeError(f"native must be None, True or False, got {native!r}")
         self.fast_linears = fast_linears
+        self.native = native
         if type(model).__name__ != "RelativeTransformerLM" or not hasattr(model, "layers"):
             raise TypeError(
                 f"StepDecoder needs a relpos RelativeTransformerLM, got {type(model).__name__}"
@@ -202,6 +228,7 @@ class StepDecoder:
         first = lm.layers[0].self_attn
         self.left = first.window[0]
 
+    @torch.no_grad()
     def start(self, cache: KVCache) -> None:
         """Build the step storages from a cache the prompt was just written into.
 
@@ -224,6 +251,7 @@ class StepDecoder:
                 decode_linear(layer.ff2_weight, layer.ff2_bias, B, fast=fast),
             ))
         self._head = decode_linear(self.embed, None, B, fast=fast)
+        self._native_layers = self._native_stack(B)
         for layer, lc in zip(self.layers, cache, strict=True):
             keys, values = lc.keys, lc.values
             if keys is None or values is None:
@@ -238,6 +266,45 @@ class StepDecoder:
                 torch.add(values, layer.rel_values[..., :1, :], out=pv[:, :, : values.shape[2]])
             self._plus.append((pk, pv))
         self._seen = self._versions(cache)
+
+    def _native_stack(self, batch: int) -> Any:
+        """The layers as the native kernels' ``DecodeLayers`` (the same calls in C++), or None
+        where the step runs them in Python: ``native=False``, a model off the CPU, or no native
+        kernels (``native=True`` then raises)."""
+        if self.native is False:
+            return None
+        on_cpu = self.embed.device.type == "cpu"
+        module = None
+        if on_cpu:
+            from relpos.ops.native.build import load
+
+            module = load()
+        if module is None or not hasattr(module, "DecodeLayers"):
+            if self.native:
+                raise RuntimeError(
+                    "StepDecoder(native=True) needs the native kernels and a model on the CPU"
+                    f" (device {self.embed.device}, kernels "
+                    f"{'not available' if module is None else 'without DecodeLayers'})"
+                )
+            return None
+        stack = module.DecodeLayers(self.E, self.H)
+        for layer in self.layers:
+            weights = (layer.qkv_weight, layer.out_weight, layer.ff1_weight, layer.ff2_weight)
+            biases = [layer.qkv_bias, layer.out_bias, layer.ff1_bias, layer.ff2_bias]
+            kinds, layouts = [], []
+            for w in weights:
+                kind, laid = _linear_layout(w, batch, self.fast_linears)
+                kinds.append(kind)
+                layouts.append(w.new_empty(0) if laid is None else laid)
+            stack.add_layer(
+                layer.norm1[0], layer.norm1[1], layer.norm1[2],
+                layer.norm2[0], layer.norm2[1], layer.norm2[2],
+                kinds, [w.detach() for w in weights],
+                [None if b is None else b.detach() for b in biases], layouts, batch,
+                None if layer.rel_keys is None else layer.rel_keys.detach(),
+                None if layer.rel_values is None else layer.rel_values.detach(),
+            )
+        return stack
 
     @staticmethod
     def _versions(cache: KVCache) -> tuple[int, ...]:
@@ -267,13 +334,20 @@ class StepDecoder:
         m = min(S, left + 1)  # the band: keys whose table row changes from step to step
         band = slice(S - m, S)
         band_rows = slice(left + 1 - m, left + 1)
-        for n, (layer, lc, (pk, pv), (qkv_proj, out_proj, ff1, ff2)) in enumerate(zip(
-            self.layers, cache, self._plus, self._linears, strict=True
-        )):
+        views = []
+        for n, lc in enumerate(cache):
             keys, values, key_mask = lc.reserve_step(B, H, D)  # (B, H, S, D) views
+            pk, pv = self._plus[n]
             if (pk is not None and pk.shape[2] < S) or (pv is not None and pv.shape[2] < S):
                 pk, pv = (None if t is None else _grown(t, S - 1, lc.capacity) for t in (pk, pv))
                 self._plus[n] = (pk, pv)  # the cache grew: so do the storages
+            views.append((keys, values, key_mask, pk, pv))
+        if self._native_layers is not None:  # the same calls as below, in C++
+            keys_, values_, masks_, pks, pvs = (list(c) for c in zip(*views, strict=True))
+            x = self._native_layers.run(x, p, left, keys_, values_, pks, pvs, masks_)
+        for layer, (keys, values, key_mask, pk, pv), (qkv_proj, out_proj, ff1, ff2) in zip(
+            self.layers if self._native_layers is None else (), views, self._linears
+        ):
             h = F.layer_norm(x, (E,), *layer.norm1)
             qkv = qkv_proj(h).view(B, 3, H, D)
             keys[:, :, p].copy_(qkv[:, 1])

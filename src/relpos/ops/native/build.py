@@ -94,7 +94,7 @@ __all__ = [
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "relpos_native.cpp",)
+SOURCES = (_CSRC / "relpos_native.cpp", _CSRC / "decode_step.cpp")
 
 BUILD_SECONDS = 45
 """About how long one build takes on 2 cores (said in the message printed while it builds)."""

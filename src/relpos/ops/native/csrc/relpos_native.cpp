@@ -2415,8 +2415,13 @@ std::string build_info() {
 
 }  // namespace relpos_native
 
+namespace relpos_decode {
+void bind(pybind11::module& m);  // decode_step.cpp: the DecodeLayers class
+}  // namespace relpos_decode
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
+  relpos_decode::bind(m);
   using relpos_native::AttentionOptions;
   // module_local: two builds of these kernels (two variants, a cache's and a prebuilt one)
   // can be loaded in one process without their types colliding.
