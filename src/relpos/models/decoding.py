@@ -103,13 +103,13 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     results equal ``F.linear``'s up to float32 rounding (another summation order).
     """
     kind, laid = _linear_layout(weight, batch, fast)
+    if laid is None:
+        return lambda x: F.linear(x, weight, bias)
     if kind == _MKL_PACKED:
         return lambda x: torch.ops.mkl._mkl_linear(x, laid, weight, bias, batch)
-    if kind == _TRANSPOSED:
-        if bias is None:
-            return lambda x: torch.mm(x, laid)
-        return lambda x: torch.addmm(bias, x, laid)
-    return lambda x: F.linear(x, weight, bias)
+    if bias is None:
+        return lambda x: torch.mm(x, laid)
+    return lambda x: torch.addmm(bias, x, laid)
 
 
 # How a decode linear reads its weight (the kinds the native DecodeLayers takes too).
@@ -345,8 +345,10 @@ class StepDecoder:
         if self._native_layers is not None:  # the same calls as below, in C++
             keys_, values_, masks_, pks, pvs = (list(c) for c in zip(*views, strict=True))
             x = self._native_layers.run(x, p, left, keys_, values_, pks, pvs, masks_)
+        python_layers = self.layers if self._native_layers is None else []
         for layer, (keys, values, key_mask, pk, pv), (qkv_proj, out_proj, ff1, ff2) in zip(
-            self.layers if self._native_layers is None else (), views, self._linears
+            python_layers, views[: len(python_layers)], self._linears[: len(python_layers)],
+            strict=True,
         ):
             h = F.layer_norm(x, (E,), *layer.norm1)
             qkv = qkv_proj(h).view(B, 3, H, D)
