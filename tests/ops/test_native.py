@@ -393,6 +393,22 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     assert main(["kernels"]) == 0
     out = capsys.readouterr().out
     assert "native kernels: built" in out and build.isa() in out and "cache:" in out
+    # the 16-bit GEMMs it names are those the loaded kernels found (their build_info)
+    module = build.load()
+    assert module is not None
+    found = module.build_info().split("half_gemm=")[1].split(",")
+    line = next(x for x in out.splitlines() if x.startswith("16-bit GEMMs:"))
+    assert ("cblas_gemm_bf16bf16f32" in line) == ("bf16" in found), (line, found)
+    assert "float16 tiles widened to float32" in line  # float16's default
+
+
+def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.cli import main
+
+    monkeypatch.setenv("RELPOS_NATIVE_HALF_GEMM", "0")
+    assert main(["kernels"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
+    assert line.count("tiles widened to float32") == 2, line
 
 
 def test_relpos_kernels_cli_refuses_to_build_when_off(no_native: None, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"ISA:            {s.isa}")
     print(f"torch:          {s.torch_version}")
     print(f"GEMMs:          {s.blas}")
+    print(f"16-bit GEMMs:   {s.half}")
     if s.prebuilt_root is not None:
         serving = s.serving
         print(f"prebuilt:       {s.prebuilt_root} (RELPOS_KERNELS_DIR; "

@@ -152,6 +152,39 @@ def have_blas() -> bool:
         return False
 
 
+HALF_GEMM_ENV = "RELPOS_NATIVE_HALF_GEMM"
+
+#: The 16-bit GEMMs (float32 accumulation) the kernels look for in libtorch, by dtype.
+_HALF_GEMMS = {"bfloat16": "cblas_gemm_bf16bf16f32", "float16": "cblas_gemm_f16f16f32"}
+
+
+@functools.cache
+def _exported(symbol: str) -> bool:
+    path = _libtorch_cpu()
+    if path is None:
+        return False
+    try:
+        return hasattr(ctypes.CDLL(path), symbol)
+    except OSError:
+        return False
+
+
+def half_gemms() -> str:
+    """How the kernels run 16-bit inputs' GEMMs here, as ``relpos kernels`` says it: by
+    default bfloat16 on MKL's 16-bit GEMM where libtorch exports it, float16 on tiles widened
+    to float32 (faster where measured); ``RELPOS_NATIVE_HALF_GEMM=1`` / ``=0`` asks for the
+    16-bit GEMMs for both / neither (what the kernels read per call)."""
+    wish = os.environ.get(HALF_GEMM_ENV)
+    parts = []
+    for dtype, symbol in _HALF_GEMMS.items():
+        wanted = wish == "1" or (wish != "0" and dtype == "bfloat16")
+        if wanted and have_blas() and _exported(symbol):
+            parts.append(f"{dtype} {symbol}")
+        else:
+            parts.append(f"{dtype} tiles widened to float32")
+    return "; ".join(parts)
+
+
 def _isa_flags(variant: str) -> tuple[str, ...]:
     """The compiler flags that choose the instruction set: this CPU's (``native``) or a
     portable variant's (:mod:`.variants`)."""
@@ -715,6 +748,7 @@ class KernelStatus:
     damaged: str | None = None
     prebuilt_root: Path | None = None
     prebuilt: tuple[Prebuilt, ...] = ()
+    half: str = ""  # how 16-bit inputs' GEMMs run (half_gemms())
 
     @property
     def serving(self) -> Prebuilt | None:
@@ -738,4 +772,5 @@ def status() -> KernelStatus:
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
         prebuilt_root=root, prebuilt=tuple(prebuilt(root)) if root is not None else (),
+        half=half_gemms(),
     )
