@@ -238,6 +238,21 @@ def test_bitwise_the_same_at_one_and_two_threads(B: int, H: int, L: int, S: int,
         assert torch.equal(a, b), f"{name}: {(a - b).abs().max()} between 1 and 2 threads"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("B", "H", "L", "S"), [(1, 1, 300, 300), (2, 3, 40, 500)])
+def test_half_precision_bitwise_the_same_at_one_and_two_threads(
+        dtype: torch.dtype, B: int, H: int, L: int, S: int, restore_threads: None) -> None:
+    """The 16-bit paths too (each task's GEMMs on one thread, dk / dv per head)."""
+    leaves, upstream = _problem32(B, H, L, S, seed=L + S)
+    leaves, upstream = [t.to(dtype) for t in leaves], upstream.to(dtype)
+    torch.set_num_threads(1)
+    one = _native32(leaves, upstream, causal=True)
+    torch.set_num_threads(2)
+    two = _native32(leaves, upstream, causal=True)
+    for name, a, b in zip(NAMES, one, two, strict=True):
+        assert a.dtype == dtype and torch.equal(a, b), f"{name} differs between 1 and 2 threads"
+
+
 def test_calls_from_several_python_threads_give_the_serial_results(restore_threads: None) -> None:
     torch.set_num_threads(2)
     problems = [_problem32(B, H, L, S, seed=i) for i, (B, H, L, S) in
