@@ -345,3 +345,34 @@ def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
     half = module.build_info().split("half_gemm=")[1]
     if ("bf16" if dtype == torch.bfloat16 else "fp16") in half:
         assert not torch.equal(low, wide)  # the switch reaches the kernels
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
+def test_the_native_half_backward_with_a_dense_float_mask(dtype: torch.dtype) -> None:
+    """A dense additive mask (finite biases and -inf) in a 16-bit call, both directions,
+    within twice the reference's error in that type."""
+    g = torch.Generator().manual_seed(9)
+    Bx, Hx, Lx, Sx, Dx, Kx = 2, 2, 140, 260, 16, 7
+    base = [torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64)]
+    base += [torch.randn(Bx, Hx, Sx, Dx, generator=g, dtype=F64) for _ in range(2)]
+    base += [0.5 * torch.randn(2 * Kx + 1, Dx, generator=g, dtype=F64) for _ in range(2)]
+    base = [t.to(dtype) for t in base]
+    mask = torch.randn(Bx, 1, Lx, Sx, generator=g, dtype=F64)
+    mask[torch.rand(Bx, 1, Lx, Sx, generator=g) < 0.3] = float("-inf")
+    mask[..., -1] = 0.0  # every row sees a key
+    up = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
+
+    def run(impl: str, cast: torch.dtype | None) -> list[torch.Tensor]:
+        leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_(True)
+                  for t in base]
+        m = mask.to(dtype if cast is None else cast)
+        out = relpos.relative_attention(*leaves[:3], attn_mask=m, max_distance=Kx,
+                                        rel_keys=leaves[3], rel_values=leaves[4],
+                                        implementation=impl)
+        grads = torch.autograd.grad(out, leaves, up if cast is None else up.to(cast))
+        return [t.detach().double() for t in (out, *grads)]
+
+    truth, got, ref = run("reference", F64), run("native", None), run("reference", None)
+    for name, a, t, r in zip(NAMES, got, truth, ref, strict=True):
+        e, re = float((a - t).abs().max()), float((r - t).abs().max())
+        assert e <= 2 * re + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {re:.3g}"
