@@ -65,6 +65,7 @@
 #include <cstring>
 #include <string>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -1610,6 +1611,21 @@ static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T, I>&
   for (int64_t x = 0; x < nq * D; ++x) dq_block[x] = static_cast<I>(scale * w.dq_acc[x]);
 }
 
+// Two blocks a (na entries) and b (nb) as T: widened into wa and wb for 16-bit inputs, the
+// inputs themselves otherwise.
+template <typename T, typename I>
+static RELPOS_INLINE std::pair<const T*, const T*> as_wide2(const I* a, int64_t na,
+                                                            std::vector<T>& wa, const I* b,
+                                                            int64_t nb, std::vector<T>& wb) {
+  if constexpr (std::is_same_v<T, I>) {
+    return {a, b};
+  } else {
+    convert(a, wa.data(), na);
+    convert(b, wb.data(), nb);
+    return {wa.data(), wb.data()};
+  }
+}
+
 // What one backward task reads and writes besides its Head: its rows of dO, out and lse, its
 // gradients (dk and dv rows its own, written whole by the task) and the table-gradient partials
 // it adds to (zeroed by its caller).
@@ -1655,17 +1671,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
     const I* q_block = hd.q + i0 * D;
     const I* do_block = gr.dout + i0 * Dv;
     const T* lse_block = gr.lse + i0;
-    const T* q_wide = nullptr;  // Q_I and dO_I as T
-    const T* do_wide = nullptr;
-    if constexpr (low) {
-      convert(q_block, w.q_wide.data(), nq * D);
-      convert(do_block, w.do_wide.data(), nq * Dv);
-      q_wide = w.q_wide.data();
-      do_wide = w.do_wide.data();
-    } else {
-      q_wide = q_block;
-      do_wide = do_block;
-    }
+    // Q_I and dO_I as T
+    const auto [q_wide, do_wide] = as_wide2<T, I>(q_block, nq * D, w.q_wide, do_block, nq * Dv,
+                                                  w.do_wide);
     backward_prologue<T, I>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv, q_wide,
                             do_wide);
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
@@ -1681,16 +1689,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
           low_gemm<I>(false, true, nq, nk, Dv, T(1), do_block, v_tile, T(0), w.dp.data());
         }
       } else {
-        const T* v_wide = nullptr;
-        if constexpr (low) {
-          convert(k_tile, w.k_wide.data(), nk * D);
-          convert(v_tile, w.v_wide.data(), nk * Dv);
-          k_wide = w.k_wide.data();
-          v_wide = w.v_wide.data();
-        } else {
-          k_wide = k_tile;
-          v_wide = v_tile;
-        }
+        const auto [kw, v_wide] = as_wide2<T, I>(k_tile, nk * D, w.k_wide, v_tile, nk * Dv,
+                                                 w.v_wide);
+        k_wide = kw;
         // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
         gemm_nt<T>(nq, nk, D, scale, q_wide, k_wide, T(0), w.scores.data());
         // dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
@@ -1974,6 +1975,27 @@ static std::pair<c10::optional<Tensor>, c10::optional<Tensor>> tables_in(
   return {in(ak), in(av)};
 }
 
+// The inputs of a call with 16-bit q, k, v (type I): those as given, tables and masks as float,
+// and, where the call runs the 16-bit GEMMs (`low`), the tables in I too (kept alive by
+// `low_tables`).
+template <typename I>
+static Inputs<float, I> half_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const c10::optional<Tensor>& ak,
+                                    const c10::optional<Tensor>& av,
+                                    const c10::optional<Tensor>& kb,
+                                    const c10::optional<Tensor>& attn_bias, bool low,
+                                    std::pair<c10::optional<Tensor>, c10::optional<Tensor>>&
+                                        low_tables) {
+  Inputs<float, I> in{q.data_ptr<I>(),         k.data_ptr<I>(),         v.data_ptr<I>(),
+                      ptr_or_null<float>(ak),  ptr_or_null<float>(av),  ptr_or_null<float>(kb),
+                      ptr_or_null<float>(attn_bias)};
+  if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
+  low_tables = tables_in(ak, av, q.scalar_type(), low);
+  in.ak_low = ptr_or_null<I>(low_tables.first);
+  in.av_low = ptr_or_null<I>(low_tables.second);
+  return in;
+}
+
 template <typename T>
 static Inputs<T> inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
@@ -2015,14 +2037,9 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_half", [&] {
-      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
-                                 ptr_or_null<float>(av), ptr_or_null<float>(kb),
-                                 ptr_or_null<float>(attn_bias)};
       const bool low = use_low_gemms<scalar_t>();
-      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
-      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
-      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
+      std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
+      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
       forward_impl<float, scalar_t>(g, in, static_cast<float>(options.scale), drop,
                                     out.data_ptr<scalar_t>(), lse.data_ptr<float>(), low);
     });
@@ -2058,15 +2075,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_half", [&] {
-      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
-                                 ptr_or_null<float>(av), ptr_or_null<float>(kb),
-                                 ptr_or_null<float>(attn_bias)};
-      if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
       const bool low = use_low_gemms<scalar_t>();
-      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
-      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
-      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
+      std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
+      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
       backward_impl<float, scalar_t>(
           g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
           static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
@@ -2269,13 +2280,10 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen_half", [&] {
-      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
-                                 ptr_or_null<float>(av), nullptr, nullptr};
       const bool low = use_low_gemms<scalar_t>();
-      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
-      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
-      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
+      std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
+      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
+                                            low_tables);
       forward_varlen_impl<float, scalar_t>(vc, in, static_cast<float>(options.scale), drop,
                                            out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
                                            low);
@@ -2338,14 +2346,10 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   };
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen_half", [&] {
-      Inputs<float, scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(),
-                                 v.data_ptr<scalar_t>(), ptr_or_null<float>(ak),
-                                 ptr_or_null<float>(av), nullptr, nullptr};
-      if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
       const bool low = use_low_gemms<scalar_t>();
-      const auto low_tables = tables_in(ak, av, q.scalar_type(), low);
-      in.ak_low = ptr_or_null<scalar_t>(low_tables.first);
-      in.av_low = ptr_or_null<scalar_t>(low_tables.second);
+      std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
+      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
+                                            low_tables);
       backward_varlen_impl<float, scalar_t>(
           vc, groups, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
           static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
