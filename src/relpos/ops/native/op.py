@@ -4,14 +4,15 @@
 Each op has a fake implementation (for ``torch.compile`` and ``torch.export``) and a backward
 through the op ``<name>_backward``; both are checked with ``torch.library.opcheck``. The ops
 read their inputs in any layout (the kernels make them contiguous once). Half precision
-(``float16``, ``bfloat16``): the forward reads query, key and value in their own type (16-bit
-GEMMs with float32 accumulation where libtorch's MKL has them, the CPU's BF16 / FP16 / AMX
-units; the tables and masks are passed as float32), every sum and statistic float32, and
-writes the output in the inputs' type. The backward reads them the same way (query, key, value,
-``grad_out`` and ``out`` in their 16-bit type; its five tile GEMMs on 16-bit operands with float32
-accumulation, P and dS rounded to the 16-bit type for theirs as torch's flash kernel rounds them),
-accumulates ``dk`` and ``dv`` in float32 per head and rounds every gradient once; the tables'
-gradients are summed in float32 and rounded to the tables' type.
+(``float16``, ``bfloat16``): both directions read query, key and value (the backward also
+``grad_out`` and ``out``) in their own type, never as full-size float32 copies; the tables and
+masks are passed as float32. bfloat16 runs the GEMMs on 16-bit operands with float32
+accumulation where libtorch's MKL has them (the CPU's BF16 / AMX units; P and dS rounded to
+bfloat16 for theirs, as torch's flash kernel rounds them); float16 widens each tile to float32
+(faster than MKL's float16 GEMM where measured; ``RELPOS_NATIVE_HALF_GEMM`` switches, see
+docs/numerics.md). Every sum and statistic is float32, ``dk`` and ``dv`` accumulate in float32
+per head, every output is rounded once, and the tables' gradients are summed in float32 and
+rounded to the tables' type.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 R = left + right + 1 table rows, Hr table heads (1 or H); varlen: N sequences, Tq and Tk the
