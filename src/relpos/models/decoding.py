@@ -243,7 +243,8 @@ class StepDecoder:
         self._linears: list[tuple[Linear, Linear, Linear, Linear]] = []
         B = cache.batch_size or 1
         fast = self.fast_linears
-        for layer in self.layers:
+        self._native_layers = self._native_stack(B)
+        for layer in self.layers if self._native_layers is None else ():  # Python layers only
             self._linears.append((
                 decode_linear(layer.qkv_weight, layer.qkv_bias, B, fast=fast),
                 decode_linear(layer.out_weight, layer.out_bias, B, fast=fast),
@@ -251,7 +252,6 @@ class StepDecoder:
                 decode_linear(layer.ff2_weight, layer.ff2_bias, B, fast=fast),
             ))
         self._head = decode_linear(self.embed, None, B, fast=fast)
-        self._native_layers = self._native_stack(B)
         for layer, lc in zip(self.layers, cache, strict=True):
             keys, values = lc.keys, lc.values
             if keys is None or values is None:
@@ -347,8 +347,7 @@ class StepDecoder:
             x = self._native_layers.run(x, p, left, keys_, values_, pks, pvs, masks_)
         python_layers = self.layers if self._native_layers is None else []
         for layer, (keys, values, key_mask, pk, pv), (qkv_proj, out_proj, ff1, ff2) in zip(
-            python_layers, views[: len(python_layers)], self._linears[: len(python_layers)],
-            strict=True,
+            python_layers, views[: len(python_layers)], self._linears, strict=True
         ):
             h = F.layer_norm(x, (E,), *layer.norm1)
             qkv = qkv_proj(h).view(B, 3, H, D)

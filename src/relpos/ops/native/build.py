@@ -142,14 +142,7 @@ def _libtorch_cpu() -> str | None:
 def have_blas() -> bool:
     """Whether libtorch exports MKL's ``sgemm_``/``dgemm_`` (x86 wheels do), which the
     kernels then call for their block GEMMs; without them they use plain C++ loops."""
-    path = _libtorch_cpu()
-    if path is None:
-        return False
-    try:
-        lib = ctypes.CDLL(path)
-        return all(hasattr(lib, s) for s in ("sgemm_", "dgemm_"))
-    except OSError:
-        return False
+    return all(_exported(s) for s in ("sgemm_", "dgemm_"))
 
 
 HALF_GEMM_ENV = "RELPOS_NATIVE_HALF_GEMM"
@@ -160,6 +153,7 @@ _HALF_GEMMS = {"bfloat16": "cblas_gemm_bf16bf16f32", "float16": "cblas_gemm_f16f
 
 @functools.cache
 def _exported(symbol: str) -> bool:
+    """Whether libtorch_cpu exports ``symbol``."""
     path = _libtorch_cpu()
     if path is None:
         return False
