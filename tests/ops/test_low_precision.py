@@ -147,9 +147,25 @@ def _half_gemms(value: str) -> Iterator[None]:
             os.environ["RELPOS_NATIVE_HALF_GEMM"] = old
 
 
+@contextlib.contextmanager
+def _amx(value: str) -> Iterator[None]:
+    """RELPOS_NATIVE_AMX=value inside: "0" keeps the bfloat16 forward's tile GEMMs on MKL's
+    GEMM; unset, they run on AMX tiles where the build and the OS have them."""
+    old = os.environ.get("RELPOS_NATIVE_AMX")
+    os.environ["RELPOS_NATIVE_AMX"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RELPOS_NATIVE_AMX"]
+        else:
+            os.environ["RELPOS_NATIVE_AMX"] = old
+
+
 def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, float, float]:
-    """Max error of the native forward, of the reference in ``dtype`` and the two native paths'
-    largest difference, against the float64 truth of the rounded inputs."""
+    """Max error of the native forward (16-bit GEMMs on AMX tiles where there are some and on
+    MKL's GEMM, widened tiles), of the reference in ``dtype`` and the native paths' largest
+    difference, against the float64 truth of the rounded inputs."""
     g = torch.Generator().manual_seed(5)
     Bx, Hx, Lx, Sx, Dx, Kx = 2, 3, 300, 1100, 24, 9
     # key and value as (B, S, H, D) memory seen as (B, H, S, D): non-contiguous views
@@ -186,14 +202,16 @@ def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, f
     with torch.no_grad():
         with _half_gemms("1"):
             fast = attend("native")
+            with _amx("0"):
+                mkl = attend("native")
         with _half_gemms("0"):
             widened = attend("native")
         ref = attend("reference")
-    assert fast.dtype == widened.dtype == dtype
-    err = max(float((fast.double() - truth).abs().max()),
-              float((widened.double() - truth).abs().max()))
-    return err, float((ref.double() - truth).abs().max()), float(
-        (fast.double() - widened.double()).abs().max())
+    assert fast.dtype == mkl.dtype == widened.dtype == dtype
+    err = max(float((out.double() - truth).abs().max()) for out in (fast, mkl, widened))
+    apart = max(float((a.double() - b.double()).abs().max())
+                for a, b in ((fast, widened), (mkl, widened), (fast, mkl)))
+    return err, float((ref.double() - truth).abs().max()), apart
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -206,6 +224,49 @@ def test_the_native_forward_reads_half_precision_within_twice_the_reference(
     assert ref > 1e-4  # the criterion can fail: the reference is measurably off in this type
     # the two paths round P differently (16-bit GEMM) or not (widened tiles), nothing more
     assert apart <= 2 * ref, apart
+
+
+@pytest.mark.parametrize("tables", ["shared", "per-head"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    # B, H, L, S, D, Dv, K: whole 16 x 32 tiles; odd sizes everywhere (partial row, column
+    # and k tiles, odd D for the pair packing, a window past the sequence)
+    [(2, 3, 96, 640, 64, 64, 16), (1, 2, 45, 1030, 33, 40, 5), (2, 2, 130, 130, 32, 17, 70)],
+    ids=["whole-tiles", "odd", "wide-window"])
+def test_the_native_bfloat16_forward_on_amx_tiles_and_mkl_within_twice_the_reference(
+        shape: tuple[int, ...], causal: bool, tables: str) -> None:
+    """The bfloat16 forward's four GEMMs (scores, QA, P V, Pb aV) on AMX tiles (the default
+    where the build and the OS have them) and on MKL's GEMM (RELPOS_NATIVE_AMX=0): each within
+    twice the reference's own bfloat16 error of the float64 truth, and within that of each
+    other."""
+    Bx, Hx, Lx, Sx, Dx, Dvx, Kx = shape
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).bfloat16()
+    k = torch.randn(Bx, Hx, Sx, Dx, generator=g, dtype=F64).bfloat16()
+    v = torch.randn(Bx, Hx, Sx, Dvx, generator=g, dtype=F64).bfloat16()
+    lead = (Hx,) if tables == "per-head" else ()
+    rk = (0.5 * torch.randn(*lead, 2 * Kx + 1, Dx, generator=g, dtype=F64)).bfloat16()
+    rv = (0.5 * torch.randn(*lead, 2 * Kx + 1, Dvx, generator=g, dtype=F64)).bfloat16()
+
+    def attend(impl: str, cast: torch.dtype | None = None) -> torch.Tensor:
+        c = (lambda t: t) if cast is None else (lambda t: t.to(cast))
+        with torch.no_grad():
+            return relpos.relative_attention(c(q), c(k), c(v), max_distance=Kx, rel_keys=c(rk),
+                                             rel_values=c(rv), is_causal=causal,
+                                             implementation=impl)
+
+    truth = attend("reference", F64)
+    ref = float((attend("reference").double() - truth).abs().max())
+    assert ref > 1e-4  # the criterion can fail: the reference is measurably off in bfloat16
+    default = attend("native")
+    with _amx("0"):
+        mkl = attend("native")
+    for out in (default, mkl):
+        assert out.dtype == torch.bfloat16
+        err = float((out.double() - truth).abs().max())
+        assert err <= 2 * ref + 1e-5, (err, ref)
+    assert float((default.double() - mkl.double()).abs().max()) <= 2 * ref
 
 
 # ------------------------------------------------------------------------------------------

@@ -399,6 +399,9 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     found = module.build_info().split("half_gemm=")[1].split(",")
     line = next(x for x in out.splitlines() if x.startswith("16-bit GEMMs:"))
     assert ("cblas_gemm_bf16bf16f32" in line) == ("bf16" in found), (line, found)
+    # the bfloat16 forward's AMX tiles: named where the loaded kernels have them
+    info = module.build_info()
+    assert ("on AMX tiles" in line) == ("amx=bf16" in info), (line, info)
     assert "float16 tiles widened to float32" in line  # float16's default
 
 
@@ -409,6 +412,11 @@ def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> N
     assert main(["kernels"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
     assert line.count("tiles widened to float32") == 2, line
+    monkeypatch.setenv("RELPOS_NATIVE_HALF_GEMM", "1")
+    monkeypatch.setenv("RELPOS_NATIVE_AMX", "0")
+    assert main(["kernels"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
+    assert "AMX" not in line, line
 
 
 def test_relpos_kernels_cli_refuses_to_build_when_off(no_native: None, capsys) -> None:  # type: ignore[no-untyped-def]

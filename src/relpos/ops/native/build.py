@@ -173,10 +173,41 @@ def half_gemms() -> str:
     for dtype, symbol in _HALF_GEMMS.items():
         wanted = wish == "1" or (wish != "0" and dtype == "bfloat16")
         if wanted and have_blas() and _exported(symbol):
-            parts.append(f"{dtype} {symbol}")
+            amx = dtype == "bfloat16" and amx_tiles()
+            parts.append(f"{dtype} {symbol}" + (" (the forward's on AMX tiles)" if amx else ""))
         else:
             parts.append(f"{dtype} tiles widened to float32")
     return "; ".join(parts)
+
+
+AMX_ENV = "RELPOS_NATIVE_AMX"
+
+
+def amx_tiles() -> bool:
+    """Whether the bfloat16 forward's tile GEMMs run on AMX tiles here: a CPU with AMX-BF16
+    (the kernels built for this CPU, not a portable prebuilt variant, use them where Linux
+    grants the tile state; the loaded library's ``build_info()`` says ``amx=bf16`` when it
+    did), unless ``RELPOS_NATIVE_AMX=0``."""
+    if os.environ.get(AMX_ENV) == "0" or platform.system() != "Linux":
+        return False
+    flags = set(_cpu_flags().split())
+    if platform.machine() != "x86_64" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        return False
+    root = prebuilt_root()
+    if root is not None and any(p.runs and p.problem is None for p in prebuilt(root)):
+        return False
+    return _amx_granted()
+
+
+@functools.cache
+def _amx_granted() -> bool:
+    """Whether Linux grants this process the AMX tile state (what the kernels ask for, once,
+    before their first tile GEMM: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA))."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(158, 0x1023, 18)) == 0  # SYS_arch_prctl on x86_64
+    except (OSError, AttributeError):
+        return False
 
 
 def _isa_flags(variant: str) -> tuple[str, ...]:

@@ -72,6 +72,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(_MSC_VER)
 #define RELPOS_INLINE __forceinline
 #else
@@ -320,6 +325,261 @@ static bool use_low_gemms() {
   if (env != nullptr && std::string(env) == "1") return true;
   return std::is_same_v<I, c10::BFloat16>;
 }
+
+// ------------------------------------------------------------------------------------------
+// AMX tile GEMMs for the bfloat16 forward's two tile GEMMs, S = scale · Q_I K_J^T and
+// acc += P V_J, where the build targets a CPU with AMX-BF16 (-march=native on one; the portable
+// variants never do) and Linux grants this process the tile state (arch_prctl
+// ARCH_REQ_XCOMP_PERM, once). MKL's bfloat16 GEMM repacks both operands on every call (a tenth
+// of the forward at 8 x 512, perf) and loads its tiles with the operands' strides; here each
+// operand is packed once per query block (Q) or key tile (K, V, P) into contiguous 16 x 32
+// bfloat16 tiles of 1 KiB, in the pair-interleaved layout TDPBF16PS reads for B, edges
+// zero-filled, so any n, D and Dv run. Products accumulate in float32 in the tile registers
+// (input denormals count as zero, as in MKL's AMX kernels); each 16 x 16 float tile is stored to
+// a 1 KiB buffer and written out scaled (S) or added (acc), masked at the edges. Everything else
+// in the forward is as with MKL's GEMM. RELPOS_NATIVE_AMX=0 turns them off (MKL serves).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__) && defined(__linux__)
+#define RELPOS_HAVE_AMX 1
+#endif
+
+// Whether this build has the AMX tile GEMMs and the OS lets this process use the tiles.
+static bool amx_granted() {
+#ifdef RELPOS_HAVE_AMX
+  // ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// Whether a bfloat16 forward with 16-bit GEMMs runs them on AMX tiles (not MKL's GEMM).
+static bool use_amx() {
+  const char* env = std::getenv("RELPOS_NATIVE_AMX");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return amx_granted();
+}
+
+#ifdef RELPOS_HAVE_AMX
+constexpr int64_t kTileElems = 512;  // bfloat16 elements of one 16 x 32 tile (1 KiB)
+
+// 16-row (or 16-column) tiles covering n, rounded up to an even count (the GEMM's 2 x 2 blocks).
+static inline int64_t amx_tiles_of(int64_t n) { return (n + 31) / 32 * 2; }
+static inline int64_t amx_kblocks(int64_t k) { return (k + 31) / 32; }
+
+// The bit patterns of a 16-bit tensor's elements (the AMX packers read them as such).
+template <typename I>
+static inline const uint16_t* bits_of(const I* x) {
+  static_assert(sizeof(I) == 2, "16-bit types only");
+  return reinterpret_cast<const uint16_t*>(x);
+}
+
+// A 64-byte-aligned bfloat16 buffer of n elements (zeros).
+struct AmxBuffer {
+  std::vector<uint16_t> raw;
+  uint16_t* p = nullptr;
+  void resize(int64_t n) {
+    raw.assign(n + 32, 0);
+    const auto addr = reinterpret_cast<uintptr_t>(raw.data());
+    p = raw.data() + ((64 - addr % 64) % 64) / 2;
+  }
+};
+
+static inline void amx_configure() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// A operand: rows of a (M, K; row stride ld) as row tiles: element (r, c) of row tile t and
+// k-block b at out[(t · KB + b) · 512 + (r % 16) · 32 + c % 32]; zeros past M and K.
+static void amx_pack_rows(const uint16_t* a, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
+  const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
+  for (int64_t r = 0; r < MT * 16; ++r) {
+    uint16_t* row = out + (r / 16) * KB * kTileElems + (r % 16) * 32;
+    for (int64_t b = 0; b < KB; ++b) {
+      const int64_t n = r < M ? std::min<int64_t>(32, K - b * 32) : 0;
+      const __mmask32 m = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+      _mm512_storeu_si512(row + b * kTileElems,
+                          _mm512_maskz_loadu_epi16(m, r < M ? a + r * ld + b * 32 : a));
+    }
+  }
+}
+
+// The same from float rows (P), rounded to bfloat16 (nearest even).
+static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
+  const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
+  for (int64_t r = 0; r < MT * 16; ++r) {
+    uint16_t* row = out + (r / 16) * KB * kTileElems + (r % 16) * 32;
+    for (int64_t b = 0; b < KB; ++b) {
+      const int64_t n = r < M ? std::min<int64_t>(32, K - b * 32) : 0;
+      const int64_t n0 = std::min<int64_t>(n, 16), n1 = std::max<int64_t>(n - 16, 0);
+      const __mmask16 m0 = n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n0) - 1);
+      const __mmask16 m1 = n1 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n1) - 1);
+      const float* src = r < M ? a + r * ld + b * 32 : a;
+      const __m512 lo = _mm512_maskz_loadu_ps(m0, src), hi = _mm512_maskz_loadu_ps(m1, src + 16);
+      _mm512_storeu_si512(row + b * kTileElems, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+// B operand from the rows of b (N, K; row stride K), as for C = A @ b^T: column tile t, k-block
+// c holds, in row p, the pairs (b[n, 32c + 2p], b[n, 32c + 2p + 1]) of its 16 columns n; zeros
+// past N and K. With K even each pair is one 32-bit word: 16 x 16 word transposes.
+static void amx_pack_transposed(const uint16_t* b, int64_t N, int64_t K, uint16_t* out) {
+  const int64_t KB = amx_kblocks(K), NT = amx_tiles_of(N);
+  for (int64_t t = 0; t < NT; ++t) {
+    for (int64_t c = 0; c < KB; ++c) {
+      uint16_t* tile = out + (t * KB + c) * kTileElems;
+      const int64_t n0 = t * 16, k0 = c * 32;
+      if (K % 2 == 0 && n0 + 16 <= N && k0 + 32 <= K) {
+        __m512i r[16], s[16];
+        const auto* src = reinterpret_cast<const uint32_t*>(b + n0 * K + k0);
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * (K / 2));
+        for (int i = 0; i < 8; ++i) {
+          s[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+          s[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; ++i) {
+          r[4 * i] = _mm512_unpacklo_epi64(s[4 * i], s[4 * i + 2]);
+          r[4 * i + 1] = _mm512_unpackhi_epi64(s[4 * i], s[4 * i + 2]);
+          r[4 * i + 2] = _mm512_unpacklo_epi64(s[4 * i + 1], s[4 * i + 3]);
+          r[4 * i + 3] = _mm512_unpackhi_epi64(s[4 * i + 1], s[4 * i + 3]);
+        }
+        for (int i = 0; i < 2; ++i)
+          for (int j = 0; j < 4; ++j) {
+            s[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            s[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+          }
+        for (int j = 0; j < 8; ++j) {
+          r[j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0x88);
+          r[8 + j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0xdd);
+        }
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 32, r[i]);
+        continue;
+      }
+      for (int64_t p = 0; p < 16; ++p)
+        for (int64_t n = 0; n < 16; ++n)
+          for (int64_t e = 0; e < 2; ++e) {
+            const int64_t row = n0 + n, col = k0 + 2 * p + e;
+            tile[p * 32 + 2 * n + e] = row < N && col < K ? b[row * K + col] : uint16_t(0);
+          }
+    }
+  }
+}
+
+// B operand from b (K, N; row stride N), as for C = A @ b: column tile t, k-block c holds, in
+// row p, the pairs (b[32c + 2p, n], b[32c + 2p + 1, n]) of its 16 columns n; zeros past K, N.
+static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* out) {
+  const int64_t KB = amx_kblocks(K), NT = amx_tiles_of(N);
+  // lanes 2n, 2n + 1 of the result: element n of the first row, element n of the second
+  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                      21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                      11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(interleave);
+  for (int64_t t = 0; t < NT; ++t) {
+    const int64_t n0 = t * 16, nn = std::max<int64_t>(0, std::min<int64_t>(16, N - n0));
+    const __mmask16 m = nn >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nn) - 1);
+    for (int64_t c = 0; c < KB; ++c) {
+      uint16_t* tile = out + (t * KB + c) * kTileElems;
+      for (int64_t p = 0; p < 16; ++p) {
+        const int64_t k = c * 32 + 2 * p;
+        const __m256i r0 = k < K && nn > 0 ? _mm256_maskz_loadu_epi16(m, b + k * N + n0)
+                                           : _mm256_setzero_si256();
+        const __m256i r1 = k + 1 < K && nn > 0
+                               ? _mm256_maskz_loadu_epi16(m, b + (k + 1) * N + n0)
+                               : _mm256_setzero_si256();
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+        _mm512_storeu_si512(tile + p * 32, _mm512_permutexvar_epi16(idx, both));
+      }
+    }
+  }
+}
+
+// C (M, N) = A @ B on packed operands (amx_pack_rows, amx_pack_transposed / amx_pack_pairs,
+// KB k-blocks each), by 2 x 2 blocks of 16 x 16 float tiles; emit(row0, col0, tile) receives
+// each tile inside C (row0, col0 its first row and column; tile 16 x 16, row stride 16).
+template <typename Emit>
+static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
+                     Emit&& emit) {
+  alignas(64) float c[4][256];
+  const int64_t MT = amx_tiles_of(M), NT = amx_tiles_of(N), step = KB * kTileElems;
+  amx_configure();
+  for (int64_t mt = 0; mt < MT; mt += 2) {
+    const uint16_t* a0 = a + mt * step;
+    const uint16_t* a1 = a0 + step;
+    for (int64_t nt = 0; nt < NT; nt += 2) {
+      const uint16_t* b0 = b + nt * step;
+      const uint16_t* b1 = b0 + step;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t x = 0; x < KB; ++x) {
+        _tile_loadd(4, a0 + x * kTileElems, 64);
+        _tile_loadd(5, a1 + x * kTileElems, 64);
+        _tile_loadd(6, b0 + x * kTileElems, 64);
+        _tile_loadd(7, b1 + x * kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int q = 0; q < 4; ++q) {
+        const int64_t row0 = (mt + q / 2) * 16, col0 = (nt + q % 2) * 16;
+        if (row0 < M && col0 < N) emit(row0, col0, c[q]);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// The rows and the column mask of tile (row0, col0) inside C (M, N).
+static inline __mmask16 amx_tile_columns(int64_t col0, int64_t N) {
+  const int64_t n = std::min<int64_t>(16, N - col0);
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
+// s (M, N; row stride N) = scale · A @ B.
+static void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale, const uint16_t* a,
+                            const uint16_t* b, float* s) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  amx_gemm(M, N, KB, a, b, [&](int64_t row0, int64_t col0, const float* tile) {
+    const __mmask16 m = amx_tile_columns(col0, N);
+    const int64_t rows = std::min<int64_t>(16, M - row0);
+    for (int64_t r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(s + (row0 + r) * N + col0, m,
+                            _mm512_mul_ps(sc, _mm512_load_ps(tile + r * 16)));
+  });
+}
+
+// acc (M, N; row stride N) += A @ B.
+static void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
+                         float* acc) {
+  amx_gemm(M, N, KB, a, b, [&](int64_t row0, int64_t col0, const float* tile) {
+    const __mmask16 m = amx_tile_columns(col0, N);
+    const int64_t rows = std::min<int64_t>(16, M - row0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = acc + (row0 + r) * N + col0;
+      _mm512_mask_storeu_ps(dst, m,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), _mm512_load_ps(tile + r * 16)));
+    }
+  });
+}
+#endif  // RELPOS_HAVE_AMX
 
 // dst[j] = src[j] in another floating type (rounded to nearest even where it narrows).
 template <typename From, typename To>
@@ -1038,16 +1298,38 @@ struct ForwardBlock {
   // or, without 16-bit GEMMs, K_J (BK, D) and V_J (BK, Dv) widened
   std::vector<T> q_wide, k_wide, v_wide;
   std::vector<I> p_low, pb_low;  // P and Pb rounded to I for the 16-bit GEMMs
+  bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
+  bool amx = false;              // ... on AMX tiles (bfloat16), Q_I, K_J, V_J and P packed:
+#ifdef RELPOS_HAVE_AMX
+  AmxBuffer q_pack, k_pack, v_pack, p_pack;
+  AmxBuffer ak_pack, av_pack, pb_pack;  // the tables and Pb, for QA and acc += Pb aV
+  const void* ak_packed = nullptr;       // the tables ak_pack / av_pack hold (and their R):
+  const void* av_packed = nullptr;       // shared tables are packed once per thread
+  int64_t ak_rows = 0, av_rows = 0;
+#endif
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
-               int64_t D = 0, int64_t BK = 0, bool low_gemms = false)
+               int64_t D = 0, int64_t BK = 0, bool low_gemms = false, bool amx_tiles = false)
       : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ),
         l(BQ) {
     if constexpr (!std::is_same_v<T, I>) {
       q_wide.resize(BQ * D);
       if (low_gemms) {
-        p_low.resize(tile);
+        gemms16 = true;
         pb_low.resize(values ? BQ * R : 0);
+#ifdef RELPOS_HAVE_AMX
+        if (amx_tiles) {
+          amx = true;
+          q_pack.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
+          k_pack.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
+          v_pack.resize(amx_tiles_of(Dv) * amx_kblocks(BK) * kTileElems);
+          p_pack.resize(amx_tiles_of(BQ) * amx_kblocks(BK) * kTileElems);
+          ak_pack.resize(keys ? amx_tiles_of(R) * amx_kblocks(D) * kTileElems : 0);
+          av_pack.resize(values ? amx_tiles_of(Dv) * amx_kblocks(R) * kTileElems : 0);
+          pb_pack.resize(values ? amx_tiles_of(BQ) * amx_kblocks(R) * kTileElems : 0);
+        }
+#endif
+        if (!amx) p_low.resize(tile);
       } else {
         k_wide.resize(BK * D);
         v_wide.resize(BK * Dv);
@@ -1142,6 +1424,48 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
   }
 }
 
+// QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T with 16-bit operands: AMX tiles or MKL's GEMM.
+template <typename T, typename I>
+static inline void table_scores_low(ForwardBlock<T, I>& w, int64_t nq, int64_t R, int64_t D,
+                                    T scale, const I* q_low, const I* ak_low) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    if (w.amx) {
+      if (w.ak_packed != ak_low || w.ak_rows != R) {
+        amx_pack_transposed(bits_of(ak_low), R, D, w.ak_pack.p);
+        w.ak_packed = ak_low;
+        w.ak_rows = R;
+      }
+      amx_gemm_scaled(nq, R, amx_kblocks(D), scale, w.q_pack.p, w.ak_pack.p, w.qa.data());
+      return;
+    }
+  }
+#endif
+  low_gemm<I>(false, true, nq, R, D, scale, q_low, ak_low, T(0), w.qa.data());
+}
+
+// acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv), Pb rounded to I: AMX tiles or MKL's GEMM.
+template <typename T, typename I>
+static inline void table_values_low(ForwardBlock<T, I>& w, int64_t nq, int64_t R, int64_t Dv,
+                                    const I* av_low) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    if (w.amx) {
+      if (w.av_packed != av_low || w.av_rows != R) {
+        amx_pack_pairs(bits_of(av_low), R, Dv, w.av_pack.p);
+        w.av_packed = av_low;
+        w.av_rows = R;
+      }
+      amx_pack_rows(w.pb.data(), nq, R, R, w.pb_pack.p);
+      amx_gemm_add(nq, Dv, amx_kblocks(R), w.pb_pack.p, w.av_pack.p, w.acc.data());
+      return;
+    }
+  }
+#endif
+  convert(w.pb.data(), w.pb_low.data(), nq * R);
+  low_gemm<I>(false, false, nq, Dv, R, T(1), w.pb_low.data(), av_low, T(1), w.acc.data());
+}
+
 // Prologue of a query block: QA of its rows; the online softmax's state emptied.
 template <typename T, typename I>
 static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& hd,
@@ -1151,8 +1475,7 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
   const T ninf = -std::numeric_limits<T>::infinity();
   // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
   if constexpr (!std::is_same_v<T, I>) {
-    if (hd.ak_low)
-      low_gemm<I>(false, true, nq, R, g.D, scale, q_low, hd.ak_low, T(0), w.qa.data());
+    if (hd.ak_low) table_scores_low(w, nq, R, g.D, scale, q_low, hd.ak_low);
   }
   if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
   if (hd.av) std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
@@ -1196,11 +1519,7 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   const int64_t Dv = g.Dv;
   // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv) (Pb rounded to I where aV comes in I)
   if constexpr (!std::is_same_v<T, I>) {
-    if (hd.av_low) {
-      convert(w.pb.data(), w.pb_low.data(), nq * g.R);
-      low_gemm<I>(false, false, nq, Dv, g.R, T(1), w.pb_low.data(), hd.av_low, T(1),
-                  w.acc.data());
-    }
+    if (hd.av_low) table_values_low(w, nq, g.R, Dv, hd.av_low);
   }
   if (hd.av && !hd.av_low) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
   for (int64_t r = 0; r < nq; ++r) {
@@ -1218,6 +1537,51 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   }
 }
 
+// With 16-bit GEMMs, Q_I's operand for the block: packed in tiles for AMX (else read in place).
+template <typename T, typename I>
+static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64_t nq,
+                                  int64_t D) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    if (w.amx) amx_pack_rows(bits_of(q_block), nq, D, D, w.q_pack.p);
+  }
+#endif
+}
+
+// S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T with 16-bit operands: AMX tiles or MKL's GEMM.
+template <typename T, typename I>
+static inline void scores_low(ForwardBlock<T, I>& w, int64_t nq, int64_t nk, int64_t D, T scale,
+                              const I* q_block, const I* k_tile) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    if (w.amx) {
+      amx_pack_transposed(bits_of(k_tile), nk, D, w.k_pack.p);
+      amx_gemm_scaled(nq, nk, amx_kblocks(D), scale, w.q_pack.p, w.k_pack.p, w.scores.data());
+      return;
+    }
+  }
+#endif
+  low_gemm<I>(false, true, nq, nk, D, scale, q_block, k_tile, T(0), w.scores.data());
+}
+
+// acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv), P rounded to I: AMX tiles or MKL's GEMM.
+template <typename T, typename I>
+static inline void values_low(ForwardBlock<T, I>& w, int64_t nq, int64_t nk, int64_t Dv,
+                              const I* v_tile) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    if (w.amx) {
+      amx_pack_rows(w.scores.data(), nq, nk, nk, w.p_pack.p);
+      amx_pack_pairs(bits_of(v_tile), nk, Dv, w.v_pack.p);
+      amx_gemm_add(nq, Dv, amx_kblocks(nk), w.p_pack.p, w.v_pack.p, w.acc.data());
+      return;
+    }
+  }
+#endif
+  convert(w.scores.data(), w.p_low.data(), nq * nk);
+  low_gemm<I>(false, false, nq, Dv, nk, T(1), w.p_low.data(), v_tile, T(1), w.acc.data());
+}
+
 // One forward task: the query block [i0, min(L, i0 + BQ)) of one head, streamed through its key
 // blocks of BK keys by the online softmax; writes the block's rows of out_head (L, Dv) and
 // lse_head (L).
@@ -1231,13 +1595,14 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   const int64_t i1 = std::min(g.L, i0 + BQ), nq = i1 - i0;
   const I* q_block = hd.q + i0 * D;
   constexpr bool low = !std::is_same_v<T, I>;
-  const bool low_gemms = low && !w.p_low.empty();  // else K_J, V_J widened per tile
+  const bool low_gemms = low && w.gemms16;  // else K_J, V_J widened per tile
   const T* q_wide = nullptr;  // Q_I as T: for QA and the score GEMM without 16-bit GEMMs
   if constexpr (low) {
     if (!low_gemms || (hd.ak != nullptr && hd.ak_low == nullptr)) {
       convert(q_block, w.q_wide.data(), nq * D);
       q_wide = w.q_wide.data();
     }
+    if (low_gemms) pack_query_low(w, q_block, nq, D);
   } else {
     q_wide = q_block;
   }
@@ -1248,8 +1613,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
-        low_gemm<I>(false, true, nq, nk, D, scale, q_block, hd.k + j0 * D, T(0),
-                    w.scores.data());
+        scores_low(w, nq, nk, D, scale, q_block, hd.k + j0 * D);
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
         gemm_nt<T>(nq, nk, D, scale, q_wide, w.k_wide.data(), T(0), w.scores.data());
@@ -1262,9 +1626,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
     if constexpr (low) {
       if (low_gemms) {
-        convert(w.scores.data(), w.p_low.data(), nq * nk);
-        low_gemm<I>(false, false, nq, Dv, nk, T(1), w.p_low.data(), hd.v + j0 * Dv, T(1),
-                    w.acc.data());
+        values_low(w, nq, nk, Dv, hd.v + j0 * Dv);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
         gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
@@ -1276,6 +1638,15 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   forward_epilogue(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
 }
 
+// Whether a forward whose tile GEMMs take 16-bit operands (low_gemms) runs them on AMX tiles:
+// bfloat16 where the build and the OS allow it, query blocks of more rows than a decode step's
+// (a single query would use one row of each 16-row tile) and key tiles of at most kKeyBlock.
+template <typename I>
+static bool amx_forward(bool low_gemms, int64_t BQ, int64_t BK) {
+  return std::is_same_v<I, c10::BFloat16> && low_gemms && BQ > kDecodeQueryRows &&
+         BK <= kKeyBlock && use_amx();
+}
+
 // Padded tasks: (batch, head, query block).
 template <typename T, typename I = T>
 static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, const Dropout& drop,
@@ -1283,11 +1654,12 @@ static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, con
   const int64_t L = g.L;
   const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
+  const bool amx = amx_forward<I>(low_gemms, BQ, BK);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     ForwardBlock<T, I> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr, g.D, BK,
-                         low_gemms);
+                         low_gemms, amx);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
       forward_task(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
@@ -1317,11 +1689,12 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T 
     const int64_t L = vc.seqs[s].L, BQ = forward_query_block(L, vc.heads);
     first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
   }
+  const bool amx = amx_forward<I>(low_gemms, vc.BQ, vc.BK);
 
   at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     ForwardBlock<T, I> w(vc.BQ, vc.tile, vc.R, vc.Dv, in.ak != nullptr, in.av != nullptr, vc.D,
-                         vc.BK, low_gemms);
+                         vc.BK, low_gemms, amx);
     for (int64_t task = begin; task < stop; ++task) {
       // the last sequence whose tasks start at or before this one (sequences without queries
       // have none)
@@ -2404,7 +2777,7 @@ std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seq
 }
 
 // The BLAS the kernels call and the 16-bit GEMMs libtorch offers them here ("bf16", "fp16",
-// comma-separated, or "none"), e.g. "blas=mkl half_gemm=bf16,fp16".
+// comma-separated, or "none"), e.g. "blas=mkl amx=bf16 half_gemm=bf16,fp16".
 std::string build_info() {
 #ifdef RELPOS_HAVE_BLAS
   std::string info = "blas=mkl";
@@ -2414,6 +2787,8 @@ std::string build_info() {
   std::string half;
   if (has_low_gemm<c10::BFloat16>()) half = "bf16";
   if (has_low_gemm<c10::Half>()) half += half.empty() ? "fp16" : ",fp16";
+  // the AMX tile GEMMs of the bfloat16 forward: built for this CPU and granted by the OS
+  info += amx_granted() ? " amx=bf16" : " amx=none";
   return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
 
