@@ -230,10 +230,13 @@ def test_the_native_forward_reads_half_precision_within_twice_the_reference(
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "shape",
-    # B, H, L, S, D, Dv, K: whole 16 x 32 tiles; odd sizes everywhere (partial row, column
-    # and k tiles, odd D for the pair packing, a window past the sequence)
-    [(2, 3, 96, 640, 64, 64, 16), (1, 2, 45, 1030, 33, 40, 5), (2, 2, 130, 130, 32, 17, 70)],
-    ids=["whole-tiles", "odd", "wide-window"])
+    # B, H, L, S, D, Dv, K: whole 16 x 32 tiles (D = 64: a power-of-two scale, the tiles
+    # stored straight into the scores and accumulator); the same with edge tiles; odd sizes
+    # everywhere (partial row, column and k tiles, odd D for the pair packing, a scale that is
+    # no power of two); a window past the sequence
+    [(2, 3, 96, 640, 64, 64, 16), (2, 2, 77, 301, 64, 48, 8), (1, 2, 45, 1030, 33, 40, 5),
+     (2, 2, 130, 130, 32, 17, 70)],
+    ids=["whole-tiles", "edges", "odd", "wide-window"])
 def test_the_native_bfloat16_forward_on_amx_tiles_and_mkl_within_twice_the_reference(
         shape: tuple[int, ...], causal: bool, tables: str) -> None:
     """The bfloat16 forward's four GEMMs (scores, QA, P V, Pb aV) on AMX tiles (the default

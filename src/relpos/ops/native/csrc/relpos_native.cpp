@@ -415,6 +415,34 @@ static void amx_pack_rows(const uint16_t* a, int64_t M, int64_t K, int64_t ld, u
   }
 }
 
+// The same times a power of two `scale` (exact: the bfloat16 values scaled, not rounded).
+static void amx_pack_rows_scaled(const uint16_t* a, int64_t M, int64_t K, int64_t ld,
+                                 float scale, uint16_t* out) {
+  const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < MT * 16; ++r) {
+    uint16_t* row = out + (r / 16) * KB * kTileElems + (r % 16) * 32;
+    for (int64_t b = 0; b < KB; ++b) {
+      const int64_t n = r < M ? std::min<int64_t>(32, K - b * 32) : 0;
+      const __mmask32 m = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+      const __m512i x = _mm512_maskz_loadu_epi16(m, r < M ? a + r * ld + b * 32 : a);
+      // bfloat16 -> float: the 16 bits on top of a zero half
+      const __m512 lo = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
+      const __m512 hi = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+      _mm512_storeu_si512(row + b * kTileElems, (__m512i)_mm512_cvtne2ps_pbh(
+                                                    _mm512_mul_ps(hi, sc), _mm512_mul_ps(lo, sc)));
+    }
+  }
+}
+
+// Whether x is a power of two (scaling by it is exact in floating point, range permitting).
+static inline bool power_of_two(float x) {
+  int e = 0;
+  return x > 0.0f && std::isfinite(x) && std::frexp(x, &e) == 0.5f;
+}
+
 // The same from float rows (P), rounded to bfloat16 (nearest even).
 static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
   const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
@@ -508,11 +536,14 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
 // C (M, N) = A @ B on packed operands (amx_pack_rows, amx_pack_transposed / amx_pack_pairs,
 // KB k-blocks each), by 2 x 2 blocks of 16 x 16 float tiles; emit(row0, col0, tile) receives
 // each tile inside C (row0, col0 its first row and column; tile 16 x 16, row stride 16).
+// With `direct` (C itself, row stride N), whole blocks are stored there from the tiles (and,
+// with `accumulate`, start from it: C += A @ B), and only the edges go through emit.
 template <typename Emit>
 static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
-                     Emit&& emit) {
+                     Emit&& emit, float* direct = nullptr, bool accumulate = false) {
   alignas(64) float c[4][256];
   const int64_t MT = amx_tiles_of(M), NT = amx_tiles_of(N), step = KB * kTileElems;
+  const int64_t ldc = N * static_cast<int64_t>(sizeof(float));
   amx_configure();
   for (int64_t mt = 0; mt < MT; mt += 2) {
     const uint16_t* a0 = a + mt * step;
@@ -520,10 +551,20 @@ static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const 
     for (int64_t nt = 0; nt < NT; nt += 2) {
       const uint16_t* b0 = b + nt * step;
       const uint16_t* b1 = b0 + step;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      float* whole = direct != nullptr && (mt + 2) * 16 <= M && (nt + 2) * 16 <= N
+                         ? direct + mt * 16 * N + nt * 16
+                         : nullptr;
+      if (whole != nullptr && accumulate) {
+        _tile_loadd(0, whole, ldc);
+        _tile_loadd(1, whole + 16, ldc);
+        _tile_loadd(2, whole + 16 * N, ldc);
+        _tile_loadd(3, whole + 16 * N + 16, ldc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
       for (int64_t x = 0; x < KB; ++x) {
         _tile_loadd(4, a0 + x * kTileElems, 64);
         _tile_loadd(5, a1 + x * kTileElems, 64);
@@ -533,6 +574,13 @@ static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const 
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+      }
+      if (whole != nullptr) {
+        _tile_stored(0, whole, ldc);
+        _tile_stored(1, whole + 16, ldc);
+        _tile_stored(2, whole + 16 * N, ldc);
+        _tile_stored(3, whole + 16 * N + 16, ldc);
+        continue;
       }
       _tile_stored(0, c[0], 64);
       _tile_stored(1, c[1], 64);
@@ -553,31 +601,37 @@ static inline __mmask16 amx_tile_columns(int64_t col0, int64_t N) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
 
-// s (M, N; row stride N) = scale · A @ B.
+// s (M, N; row stride N) = scale · A @ B (scale 1: whole blocks stored straight into s).
 static void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale, const uint16_t* a,
                             const uint16_t* b, float* s) {
   const __m512 sc = _mm512_set1_ps(scale);
-  amx_gemm(M, N, KB, a, b, [&](int64_t row0, int64_t col0, const float* tile) {
-    const __mmask16 m = amx_tile_columns(col0, N);
-    const int64_t rows = std::min<int64_t>(16, M - row0);
-    for (int64_t r = 0; r < rows; ++r)
-      _mm512_mask_storeu_ps(s + (row0 + r) * N + col0, m,
-                            _mm512_mul_ps(sc, _mm512_load_ps(tile + r * 16)));
-  });
+  amx_gemm(
+      M, N, KB, a, b,
+      [&](int64_t row0, int64_t col0, const float* tile) {
+        const __mmask16 m = amx_tile_columns(col0, N);
+        const int64_t rows = std::min<int64_t>(16, M - row0);
+        for (int64_t r = 0; r < rows; ++r)
+          _mm512_mask_storeu_ps(s + (row0 + r) * N + col0, m,
+                                _mm512_mul_ps(sc, _mm512_load_ps(tile + r * 16)));
+      },
+      scale == 1.0f ? s : nullptr);
 }
 
 // acc (M, N; row stride N) += A @ B.
 static void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
                          float* acc) {
-  amx_gemm(M, N, KB, a, b, [&](int64_t row0, int64_t col0, const float* tile) {
-    const __mmask16 m = amx_tile_columns(col0, N);
-    const int64_t rows = std::min<int64_t>(16, M - row0);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = acc + (row0 + r) * N + col0;
-      _mm512_mask_storeu_ps(dst, m,
-                            _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), _mm512_load_ps(tile + r * 16)));
-    }
-  });
+  amx_gemm(
+      M, N, KB, a, b,
+      [&](int64_t row0, int64_t col0, const float* tile) {
+        const __mmask16 m = amx_tile_columns(col0, N);
+        const int64_t rows = std::min<int64_t>(16, M - row0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = acc + (row0 + r) * N + col0;
+          _mm512_mask_storeu_ps(
+              dst, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), _mm512_load_ps(tile + r * 16)));
+        }
+      },
+      acc, true);
 }
 #endif  // RELPOS_HAVE_AMX
 
@@ -1303,6 +1357,7 @@ struct ForwardBlock {
 #ifdef RELPOS_HAVE_AMX
   AmxBuffer q_pack, k_pack, v_pack, p_pack;
   AmxBuffer ak_pack, av_pack, pb_pack;  // the tables and Pb, for QA and acc += Pb aV
+  bool q_scaled = false;  // q_pack holds scale · Q_I (a power-of-two scale: exact)
   const void* ak_packed = nullptr;       // the tables ak_pack / av_pack hold (and their R):
   const void* av_packed = nullptr;       // shared tables are packed once per thread
   int64_t ak_rows = 0, av_rows = 0;
@@ -1436,7 +1491,8 @@ static inline void table_scores_low(ForwardBlock<T, I>& w, int64_t nq, int64_t R
         w.ak_packed = ak_low;
         w.ak_rows = R;
       }
-      amx_gemm_scaled(nq, R, amx_kblocks(D), scale, w.q_pack.p, w.ak_pack.p, w.qa.data());
+      amx_gemm_scaled(nq, R, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_pack.p, w.ak_pack.p,
+                      w.qa.data());
       return;
     }
   }
@@ -1537,13 +1593,20 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   }
 }
 
-// With 16-bit GEMMs, Q_I's operand for the block: packed in tiles for AMX (else read in place).
+// With 16-bit GEMMs, Q_I's operand for the block: packed in tiles for AMX (else read in place),
+// times the scale where it is a power of two (1/8 for D = 64: exact, and the score tiles are
+// then stored straight from the tile registers, with no pass to scale them).
 template <typename T, typename I>
-static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64_t nq,
-                                  int64_t D) {
+static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64_t nq, int64_t D,
+                                  T scale) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (w.amx) amx_pack_rows(bits_of(q_block), nq, D, D, w.q_pack.p);
+    if (!w.amx) return;
+    w.q_scaled = power_of_two(scale);
+    if (w.q_scaled)
+      amx_pack_rows_scaled(bits_of(q_block), nq, D, D, scale, w.q_pack.p);
+    else
+      amx_pack_rows(bits_of(q_block), nq, D, D, w.q_pack.p);
   }
 #endif
 }
@@ -1556,7 +1619,8 @@ static inline void scores_low(ForwardBlock<T, I>& w, int64_t nq, int64_t nk, int
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
       amx_pack_transposed(bits_of(k_tile), nk, D, w.k_pack.p);
-      amx_gemm_scaled(nq, nk, amx_kblocks(D), scale, w.q_pack.p, w.k_pack.p, w.scores.data());
+      amx_gemm_scaled(nq, nk, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_pack.p, w.k_pack.p,
+                      w.scores.data());
       return;
     }
   }
@@ -1602,7 +1666,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
       convert(q_block, w.q_wide.data(), nq * D);
       q_wide = w.q_wide.data();
     }
-    if (low_gemms) pack_query_low(w, q_block, nq, D);
+    if (low_gemms) pack_query_low(w, q_block, nq, D, scale);
   } else {
     q_wide = q_block;
   }
