@@ -272,6 +272,38 @@ def test_the_native_bfloat16_forward_on_amx_tiles_and_mkl_within_twice_the_refer
     assert float((default.double() - mkl.double()).abs().max()) <= 2 * ref
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_native_bfloat16_varlen_forward_on_amx_tiles_with_short_sequences(
+        causal: bool) -> None:
+    """Packed sequences from one query (a single row of a 16-row tile) to several tiles, on
+    AMX tiles and on MKL's GEMM, each within twice the reference's bfloat16 error."""
+    g = torch.Generator().manual_seed(3)
+    Hx, Dx, Kx = 2, 64, 5
+    lq, lk = [1, 3, 17, 30, 100], [1, 9, 17, 33, 100]
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()])
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()])
+    q = torch.randn(sum(lq), Hx, Dx, generator=g, dtype=F64).bfloat16()
+    k, v = (torch.randn(sum(lk), Hx, Dx, generator=g, dtype=F64).bfloat16() for _ in range(2))
+    rk, rv = ((0.5 * torch.randn(2 * Kx + 1, Dx, generator=g, dtype=F64)).bfloat16()
+              for _ in range(2))
+
+    def attend(impl: str, cast: torch.dtype | None = None) -> torch.Tensor:
+        c = (lambda t: t) if cast is None else (lambda t: t.to(cast))
+        with torch.no_grad():
+            return relpos.relative_attention_varlen(
+                c(q), c(k), c(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_distance=Kx,
+                rel_keys=c(rk), rel_values=c(rv), is_causal=causal, implementation=impl)
+
+    truth = attend("reference", F64)
+    ref = float((attend("reference").double() - truth).abs().max())
+    assert ref > 1e-4
+    with _amx("0"):
+        mkl = attend("native")
+    for out in (attend("native"), mkl):
+        err = float((out.double() - truth).abs().max())
+        assert err <= 2 * ref + 1e-5, (err, ref)
+
+
 # ------------------------------------------------------------------------------------------
 # The native backward reads 16-bit inputs directly too (q, k, v, grad_out, out), its tile GEMMs
 # on 16-bit operands where libtorch has them, K and V widened per tile otherwise; dk and dv
