@@ -149,8 +149,8 @@ def _half_gemms(value: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _amx(value: str) -> Iterator[None]:
-    """RELPOS_NATIVE_AMX=value inside: "0" keeps the bfloat16 forward's tile GEMMs on MKL's
-    GEMM; unset, they run on AMX tiles where the build and the OS have them."""
+    """RELPOS_NATIVE_AMX=value inside: "0" keeps the bfloat16 tile GEMMs (forward and backward)
+    on MKL's GEMM; otherwise they run on AMX tiles where the build and the OS have them."""
     old = os.environ.get("RELPOS_NATIVE_AMX")
     os.environ["RELPOS_NATIVE_AMX"] = value
     try:
@@ -316,8 +316,8 @@ GRAD_NAMES = ("dq", "dk", "dv", "drel_keys", "drel_values")
 def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: str
                         ) -> tuple[list[float], list[float]]:
     """Max error of each native gradient and of the reference's in ``dtype`` against the
-    float64 truth of the rounded inputs (``path``: "low" = the 16-bit GEMMs, "wide" = tiles
-    widened)."""
+    float64 truth of the rounded inputs (``path``: "low" = the 16-bit GEMMs, on AMX tiles in
+    bfloat16 where there are some, "low-mkl" = on MKL's GEMM, "wide" = tiles widened)."""
     g = torch.Generator().manual_seed(8)
     Bx, Hx, Lx, Sx, Dx, Kx = 2, 2, 290, 700, 24, 9
     q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
@@ -352,7 +352,7 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
         return [leaf.grad.double() for leaf in leaves]  # type: ignore[union-attr]
 
     truth = grads("reference", F64)
-    with _half_gemms("1" if path == "low" else "0"):
+    with _half_gemms("0" if path == "wide" else "1"), _amx("0" if path == "low-mkl" else "1"):
         got = grads("native", None)
     ref = grads("reference", None)
     err = [float((a - t).abs().max()) for a, t in zip(got, truth, strict=True)]
@@ -360,7 +360,7 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
     return err, ref_err
 
 
-@pytest.mark.parametrize("path", ["low", "wide"])
+@pytest.mark.parametrize("path", ["low", "low-mkl", "wide"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
@@ -370,6 +370,45 @@ def test_the_native_backward_reads_half_precision_within_twice_the_reference(
     for name, e, r in zip(GRAD_NAMES, err, ref, strict=True):
         assert e <= 2 * r + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {r:.3g} + 1e-5"
         assert r > 1e-4, (name, r)  # the criterion can fail: the reference is measurably off
+
+
+@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx", "mkl"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    # B, H, L, S, D, Dv, K: D = 64 (a power-of-two scale: Q scaled in its packs, dK's tiles
+    # accumulated in place) with whole and with edge tiles; a scale that is no power of two
+    [(1, 2, 160, 640, 64, 64, 16), (2, 2, 77, 301, 64, 48, 8), (1, 2, 45, 130, 40, 24, 5)],
+    ids=["whole-tiles", "edges", "odd"])
+def test_the_native_bfloat16_backward_on_amx_tiles_and_mkl_within_twice_the_reference(
+        shape: tuple[int, ...], causal: bool, amx: str) -> None:
+    """The bfloat16 backward's five tile GEMMs on AMX tiles (where the build and the OS have
+    them) and on MKL's GEMM: every gradient within twice the reference's bfloat16 error."""
+    Bx, Hx, Lx, Sx, Dx, Dvx, Kx = shape
+    g = torch.Generator().manual_seed(12)
+    base = [torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64),
+            torch.randn(Bx, Hx, Sx, Dx, generator=g, dtype=F64),
+            torch.randn(Bx, Hx, Sx, Dvx, generator=g, dtype=F64),
+            0.5 * torch.randn(2 * Kx + 1, Dx, generator=g, dtype=F64),
+            0.5 * torch.randn(2 * Kx + 1, Dvx, generator=g, dtype=F64)]
+    base = [t.bfloat16() for t in base]
+    up = torch.randn(Bx, Hx, Lx, Dvx, generator=g, dtype=F64).bfloat16()
+
+    def grads(impl: str, cast: torch.dtype | None) -> list[torch.Tensor]:
+        leaves = [(t if cast is None else t.to(cast)).requires_grad_(True) for t in base]
+        out = relpos.relative_attention(*leaves[:3], max_distance=Kx, rel_keys=leaves[3],
+                                        rel_values=leaves[4], is_causal=causal,
+                                        implementation=impl)
+        return [x.double() for x in torch.autograd.grad(out, leaves, up.to(out.dtype))]
+
+    truth = grads("reference", F64)
+    ref = grads("reference", None)
+    with _amx(amx):
+        got = grads("native", None)
+    for name, a, r, t in zip(GRAD_NAMES, got, ref, truth, strict=True):
+        e, re = float((a - t).abs().max()), float((r - t).abs().max())
+        assert e <= 2 * re + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {re:.3g}"
+        assert re > 1e-4
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])

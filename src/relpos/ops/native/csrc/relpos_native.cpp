@@ -460,6 +460,57 @@ static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint
   }
 }
 
+// r[i] = row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] = its column i.
+static inline void amx_transpose16(__m512i r[16]) {
+  __m512i s[16];
+  for (int i = 0; i < 8; ++i) {
+    s[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    s[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(s[4 * i], s[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(s[4 * i], s[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(s[4 * i + 1], s[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(s[4 * i + 1], s[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      s[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      s[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0xdd);
+  }
+}
+
+// A operand of x^T for float rows x (M, K; row stride K), rounded to bfloat16: row tile t of
+// x^T (columns 16t.. of x), k-block b (rows 32b.. of x); zeros past K and M. (P^T and dS^T.)
+static void amx_pack_rows_t(const float* x, int64_t M, int64_t K, uint16_t* out) {
+  const int64_t KB = amx_kblocks(M), MT = amx_tiles_of(K);
+  for (int64_t t = 0; t < MT; ++t) {
+    const int64_t c0 = t * 16, nc = std::max<int64_t>(0, std::min<int64_t>(16, K - c0));
+    const __mmask16 m = nc >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nc) - 1);
+    for (int64_t b = 0; b < KB; ++b) {
+      __m512i half[2][16];
+      for (int h = 0; h < 2; ++h) {
+        for (int i = 0; i < 16; ++i) {
+          const int64_t row = b * 32 + h * 16 + i;
+          half[h][i] = row < M && nc > 0
+                           ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + row * K + c0))
+                           : _mm512_setzero_si512();
+        }
+        amx_transpose16(half[h]);
+      }
+      uint16_t* tile = out + (t * KB + b) * kTileElems;
+      for (int r = 0; r < 16; ++r)
+        _mm512_storeu_si512(tile + r * 32,
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(half[1][r]),
+                                                         _mm512_castsi512_ps(half[0][r])));
+    }
+  }
+}
+
 // B operand from the rows of b (N, K; row stride K), as for C = A @ b^T: column tile t, k-block
 // c holds, in row p, the pairs (b[n, 32c + 2p], b[n, 32c + 2p + 1]) of its 16 columns n; zeros
 // past N and K. With K even each pair is one 32-bit word: 16 x 16 word transposes.
@@ -470,28 +521,10 @@ static void amx_pack_transposed(const uint16_t* b, int64_t N, int64_t K, uint16_
       uint16_t* tile = out + (t * KB + c) * kTileElems;
       const int64_t n0 = t * 16, k0 = c * 32;
       if (K % 2 == 0 && n0 + 16 <= N && k0 + 32 <= K) {
-        __m512i r[16], s[16];
+        __m512i r[16];
         const auto* src = reinterpret_cast<const uint32_t*>(b + n0 * K + k0);
         for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * (K / 2));
-        for (int i = 0; i < 8; ++i) {
-          s[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-          s[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 4; ++i) {
-          r[4 * i] = _mm512_unpacklo_epi64(s[4 * i], s[4 * i + 2]);
-          r[4 * i + 1] = _mm512_unpackhi_epi64(s[4 * i], s[4 * i + 2]);
-          r[4 * i + 2] = _mm512_unpacklo_epi64(s[4 * i + 1], s[4 * i + 3]);
-          r[4 * i + 3] = _mm512_unpackhi_epi64(s[4 * i + 1], s[4 * i + 3]);
-        }
-        for (int i = 0; i < 2; ++i)
-          for (int j = 0; j < 4; ++j) {
-            s[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            s[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-          }
-        for (int j = 0; j < 8; ++j) {
-          r[j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0x88);
-          r[8 + j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0xdd);
-        }
+        amx_transpose16(r);
         for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 32, r[i]);
         continue;
       }
@@ -506,8 +539,11 @@ static void amx_pack_transposed(const uint16_t* b, int64_t N, int64_t K, uint16_
 }
 
 // B operand from b (K, N; row stride N), as for C = A @ b: column tile t, k-block c holds, in
-// row p, the pairs (b[32c + 2p, n], b[32c + 2p + 1, n]) of its 16 columns n; zeros past K, N.
-static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* out) {
+// row p, the pairs (b[32c + 2p, n], b[32c + 2p + 1, n]) of its 16 columns n; zeros past K, N;
+// times a power of two `scale` where it is not 1 (exact).
+static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* out,
+                           float scale = 1.0f) {
+  const __m512 sc = _mm512_set1_ps(scale);
   const int64_t KB = amx_kblocks(K), NT = amx_tiles_of(N);
   // lanes 2n, 2n + 1 of the result: element n of the first row, element n of the second
   alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
@@ -526,7 +562,12 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
         const __m256i r1 = k + 1 < K && nn > 0
                                ? _mm256_maskz_loadu_epi16(m, b + (k + 1) * N + n0)
                                : _mm256_setzero_si256();
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+        if (scale != 1.0f) {  // bfloat16 -> float (the 16 bits on top), scaled, back
+          const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r0), 16));
+          const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r1), 16));
+          both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(f1, sc), _mm512_mul_ps(f0, sc));
+        }
         _mm512_storeu_si512(tile + p * 32, _mm512_permutexvar_epi16(idx, both));
       }
     }
@@ -617,9 +658,10 @@ static void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale, const
       scale == 1.0f ? s : nullptr);
 }
 
-// acc (M, N; row stride N) += A @ B.
+// acc (M, N; row stride N) += scale · A @ B (scale 1: whole blocks accumulated in the tiles).
 static void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
-                         float* acc) {
+                         float* acc, float scale = 1.0f) {
+  const __m512 sc = _mm512_set1_ps(scale);
   amx_gemm(
       M, N, KB, a, b,
       [&](int64_t row0, int64_t col0, const float* tile) {
@@ -627,11 +669,14 @@ static void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a, co
         const int64_t rows = std::min<int64_t>(16, M - row0);
         for (int64_t r = 0; r < rows; ++r) {
           float* dst = acc + (row0 + r) * N + col0;
-          _mm512_mask_storeu_ps(
-              dst, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, dst), _mm512_load_ps(tile + r * 16)));
+          const __m512 t = _mm512_load_ps(tile + r * 16);
+          const __m512 prev = _mm512_maskz_loadu_ps(m, dst);
+          _mm512_mask_storeu_ps(dst, m,
+                                scale == 1.0f ? _mm512_add_ps(prev, t)
+                                              : _mm512_fmadd_ps(sc, t, prev));
         }
       },
-      acc, true);
+      scale == 1.0f ? acc : nullptr, true);
 }
 #endif  // RELPOS_HAVE_AMX
 
@@ -1702,11 +1747,11 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   forward_epilogue(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
 }
 
-// Whether a forward whose tile GEMMs take 16-bit operands (low_gemms) runs them on AMX tiles:
+// Whether a call whose tile GEMMs take 16-bit operands (low_gemms) runs them on AMX tiles:
 // bfloat16 where the build and the OS allow it, query blocks of more rows than a decode step's
 // (a single query would use one row of each 16-row tile) and key tiles of at most kKeyBlock.
 template <typename I>
-static bool amx_forward(bool low_gemms, int64_t BQ, int64_t BK) {
+static bool amx_tile_gemms(bool low_gemms, int64_t BQ, int64_t BK) {
   return std::is_same_v<I, c10::BFloat16> && low_gemms && BQ > kDecodeQueryRows &&
          BK <= kKeyBlock && use_amx();
 }
@@ -1718,7 +1763,7 @@ static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, con
   const int64_t L = g.L;
   const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
-  const bool amx = amx_forward<I>(low_gemms, BQ, BK);
+  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
@@ -1753,7 +1798,7 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T 
     const int64_t L = vc.seqs[s].L, BQ = forward_query_block(L, vc.heads);
     first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
   }
-  const bool amx = amx_forward<I>(low_gemms, vc.BQ, vc.BK);
+  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK);
 
   at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
@@ -1798,10 +1843,18 @@ struct BackwardBlock {
   std::vector<T> delta;      // (BQ): dO_i . out_i
   std::vector<T> q_wide, do_wide, dk_acc, dv_acc, k_wide, v_wide;  // 16-bit inputs only
   std::vector<I> p_low, ds_low;  // 16-bit inputs with 16-bit GEMMs only
+  bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
+  bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
+#ifdef RELPOS_HAVE_AMX
+  AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
+  bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
+  AmxBuffer k_t, v_t, k_pairs;                    // per key tile
+  AmxBuffer p_t, ds_rows, ds_t;                   // P^T, dS and dS^T of the tile
+#endif
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
                 bool dropout, int64_t Dv = 0, int64_t BK = 0, int64_t S_max = 0,
-                bool low_gemms = false)
+                bool low_gemms = false, bool amx_tiles = false)
       : scores(tile), dp(tile), p_dropped(dropout ? tile : 0), qa(keys ? BQ * R : 0),
         doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0),
         dq_acc(BQ * D), delta(BQ) {
@@ -1811,8 +1864,27 @@ struct BackwardBlock {
       dk_acc.resize(S_max * D);
       dv_acc.resize(S_max * Dv);
       if (low_gemms) {
-        p_low.resize(tile);
-        ds_low.resize(tile);
+        gemms16 = true;
+#ifdef RELPOS_HAVE_AMX
+        if (amx_tiles) {
+          amx = true;
+          const int64_t kq = amx_kblocks(BQ), kk = amx_kblocks(BK);
+          q_rows.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
+          do_rows.resize(amx_tiles_of(BQ) * amx_kblocks(Dv) * kTileElems);
+          q_pairs.resize(amx_tiles_of(D) * kq * kTileElems);
+          do_pairs.resize(amx_tiles_of(Dv) * kq * kTileElems);
+          k_t.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
+          v_t.resize(amx_tiles_of(BK) * amx_kblocks(Dv) * kTileElems);
+          k_pairs.resize(amx_tiles_of(D) * kk * kTileElems);
+          p_t.resize(amx_tiles_of(BK) * kq * kTileElems);
+          ds_rows.resize(amx_tiles_of(BQ) * kk * kTileElems);
+          ds_t.resize(amx_tiles_of(BK) * kq * kTileElems);
+        }
+#endif
+        if (!amx) {
+          p_low.resize(tile);
+          ds_low.resize(tile);
+        }
       } else {
         k_wide.resize(BK * D);
         v_wide.resize(BK * Dv);
@@ -1820,6 +1892,69 @@ struct BackwardBlock {
     }
   }
 };
+
+// The AMX tile GEMMs of the bfloat16 backward (see the forward's): Q_I, dO_I as row tiles and as
+// pairs, once per query block (Q times the scale where it is a power of two: exact).
+template <typename T, typename I>
+static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64_t D, int64_t Dv,
+                                       T scale, const I* q_block, const I* do_block) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    w.q_scaled = power_of_two(scale);
+    if (w.q_scaled) {
+      amx_pack_rows_scaled(bits_of(q_block), nq, D, D, scale, w.q_rows.p);
+      amx_pack_pairs(bits_of(q_block), nq, D, w.q_pairs.p, scale);
+    } else {
+      amx_pack_rows(bits_of(q_block), nq, D, D, w.q_rows.p);
+      amx_pack_pairs(bits_of(q_block), nq, D, w.q_pairs.p);
+    }
+    amx_pack_rows(bits_of(do_block), nq, Dv, Dv, w.do_rows.p);
+    amx_pack_pairs(bits_of(do_block), nq, Dv, w.do_pairs.p);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
+}
+
+// S_IJ = scale · Q_I @ K_J^T and dP_IJ = dO_I @ V_J^T on AMX tiles (K_J, V_J packed here).
+template <typename T, typename I>
+static inline void backward_tile_scores_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
+                                            int64_t D, int64_t Dv, T scale, const I* k_tile,
+                                            const I* v_tile) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    amx_pack_transposed(bits_of(k_tile), nk, D, w.k_t.p);
+    amx_pack_transposed(bits_of(v_tile), nk, Dv, w.v_t.p);
+    amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.p);
+    amx_gemm_scaled(nq, nk, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_rows.p, w.k_t.p,
+                    w.scores.data());
+    amx_gemm_scaled(nq, nk, amx_kblocks(Dv), 1.0f, w.do_rows.p, w.v_t.p, w.dp.data());
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
+}
+
+// dV_J += P_IJ^T @ dO_I, dq_acc_I += dS_IJ @ K_J and dK_J += scale · dS_IJ^T @ Q_I on AMX
+// tiles, P (pd) and dS (w.dp) rounded to bfloat16 as they are packed.
+template <typename T, typename I>
+static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
+                                               int64_t D, int64_t Dv, T scale, const T* pd,
+                                               T* dv_tile, T* dk_tile) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    const int64_t kq = amx_kblocks(nq);
+    amx_pack_rows_t(pd, nq, nk, w.p_t.p);
+    amx_pack_rows(w.dp.data(), nq, nk, nk, w.ds_rows.p);
+    amx_pack_rows_t(w.dp.data(), nq, nk, w.ds_t.p);
+    amx_gemm_add(nk, Dv, kq, w.p_t.p, w.do_pairs.p, dv_tile);
+    amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, w.k_pairs.p, w.dq_acc.data());
+    amx_gemm_add(nk, D, kq, w.ds_t.p, w.q_pairs.p, dk_tile, w.q_scaled ? 1.0f : scale);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
+}
 
 // delta_i = dO_i . out_i for the rows of a query block.
 template <typename T, typename I>
@@ -2091,7 +2226,7 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   constexpr bool low = !std::is_same_v<T, I>;
-  const bool low_gemms = low && !w.p_low.empty();
+  const bool low_gemms = low && w.gemms16;
   T* dk = nullptr;  // (S, D) and (S, Dv): where dK and dV accumulate
   T* dv = nullptr;
   if constexpr (low) {
@@ -2113,13 +2248,16 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
                                                   w.do_wide);
     backward_prologue<T, I>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv, q_wide,
                             do_wide);
+    if (w.amx) backward_pack_block(w, nq, D, Dv, scale, q_block, do_block);
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
       if (!g.block_visible(i1, j0)) break;
       const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
       const I* k_tile = hd.k + j0 * D;
       const I* v_tile = hd.v + j0 * Dv;
       const T* k_wide = nullptr;  // K_J and V_J as T (float GEMMs)
-      if (low_gemms) {
+      if (w.amx) {
+        backward_tile_scores_amx(w, nq, nk, D, Dv, scale, k_tile, v_tile);
+      } else if (low_gemms) {
         if constexpr (low) {
           // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T; dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
           low_gemm<I>(false, true, nq, nk, D, scale, q_block, k_tile, T(0), w.scores.data());
@@ -2138,7 +2276,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       for (int64_t r = 0; r < nq; ++r)
         backward_row<T, I>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
                            j1);
-      if (low_gemms) {
+      if (w.amx) {
+        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, pd, dv + j0 * Dv, dk + j0 * D);
+      } else if (low_gemms) {
         if constexpr (low) {
           convert(pd, w.p_low.data(), nq * nk);
           convert(w.dp.data(), w.ds_low.data(), nq * nk);
@@ -2176,11 +2316,12 @@ static void backward_impl(const Geometry& g, const Inputs<T, I>& in, const I* do
                           T* dak_part, T* dav_part, bool low_gemms = false) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = backward_query_block(L), BK = key_block_size(L, S);
+  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     BackwardBlock<T, I> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on, Dv,
-                          BK, S, low_gemms);
+                          BK, S, low_gemms, amx);
     for (int64_t bh = begin; bh < stop; ++bh) {
       T* dak = in.ak ? dak_part + bh * R * D : nullptr;
       T* dav = in.av ? dav_part + bh * R * Dv : nullptr;
@@ -2245,11 +2386,12 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
   int64_t S_max = 0;  // 16-bit inputs: the float dK and dV of the longest sequence
   if constexpr (!std::is_same_v<T, I>)
     for (const Geometry& g : vc.seqs) S_max = std::max(S_max, g.S);
+  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK);
 
   at::parallel_for(0, n_groups * pk.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     BackwardBlock<T, I> w(vc.BQ, vc.tile, R, vc.D, in.ak != nullptr, in.av != nullptr, drop.on,
-                          vc.Dv, vc.BK, S_max, low_gemms);
+                          vc.Dv, vc.BK, S_max, low_gemms, amx);
     for (int64_t unit = begin; unit < stop; ++unit) {
       const int64_t group = unit / pk.H, h = unit % pk.H;
       T* dak = in.ak ? dak_part + unit * R * vc.D : nullptr;
