@@ -174,7 +174,7 @@ def half_gemms() -> str:
         wanted = wish == "1" or (wish != "0" and dtype == "bfloat16")
         if wanted and have_blas() and _exported(symbol):
             amx = dtype == "bfloat16" and amx_tiles()
-            parts.append(f"{dtype} {symbol}" + (" (the forward's on AMX tiles)" if amx else ""))
+            parts.append(f"{dtype} {symbol}" + (" and AMX tiles (every tile GEMM)" if amx else ""))
         else:
             parts.append(f"{dtype} tiles widened to float32")
     return "; ".join(parts)
@@ -184,10 +184,10 @@ AMX_ENV = "RELPOS_NATIVE_AMX"
 
 
 def amx_tiles() -> bool:
-    """Whether the bfloat16 forward's tile GEMMs run on AMX tiles here: a CPU with AMX-BF16
-    (the kernels built for this CPU, not a portable prebuilt variant, use them where Linux
-    grants the tile state; the loaded library's ``build_info()`` says ``amx=bf16`` when it
-    did), unless ``RELPOS_NATIVE_AMX=0``."""
+    """Whether the bfloat16 tile GEMMs (forward and backward) run on AMX tiles here: a CPU with
+    AMX-BF16 (the kernels built for this CPU, not a portable prebuilt variant, use them where
+    Linux grants the tile state; the loaded library's ``build_info()`` says ``amx=bf16`` when
+    it did), unless ``RELPOS_NATIVE_AMX=0``."""
     if os.environ.get(AMX_ENV) == "0" or platform.system() != "Linux":
         return False
     flags = set(_cpu_flags().split())

@@ -327,17 +327,20 @@ static bool use_low_gemms() {
 }
 
 // ------------------------------------------------------------------------------------------
-// AMX tile GEMMs for the bfloat16 forward's two tile GEMMs, S = scale · Q_I K_J^T and
-// acc += P V_J, where the build targets a CPU with AMX-BF16 (-march=native on one; the portable
-// variants never do) and Linux grants this process the tile state (arch_prctl
-// ARCH_REQ_XCOMP_PERM, once). MKL's bfloat16 GEMM repacks both operands on every call (a tenth
-// of the forward at 8 x 512, perf) and loads its tiles with the operands' strides; here each
-// operand is packed once per query block (Q) or key tile (K, V, P) into contiguous 16 x 32
-// bfloat16 tiles of 1 KiB, in the pair-interleaved layout TDPBF16PS reads for B, edges
-// zero-filled, so any n, D and Dv run. Products accumulate in float32 in the tile registers
-// (input denormals count as zero, as in MKL's AMX kernels); each 16 x 16 float tile is stored to
-// a 1 KiB buffer and written out scaled (S) or added (acc), masked at the edges. Everything else
-// in the forward is as with MKL's GEMM. RELPOS_NATIVE_AMX=0 turns them off (MKL serves).
+// AMX tile GEMMs for bfloat16: the forward's four (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
+// acc += P V_J, acc += Pb aV) and the backward's five tile GEMMs (S, dP = dO_I V_J^T,
+// dV_J += P^T dO_I, dq += dS K_J, dK_J += scale · dS^T Q_I), where the build targets a CPU with
+// AMX-BF16 (-march=native on one; the portable variants never do) and Linux grants this process
+// the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once). MKL's bfloat16 GEMM repacks both
+// operands on every call (a tenth of the forward at 8 x 512, perf); here each operand is packed
+// once per query block (Q, dO) or key tile (K, V, P, dS) into contiguous 16 x 32 bfloat16 tiles
+// of 1 KiB (A as rows, B in the pair-interleaved layout TDPBF16PS reads), edges zero-filled, so
+// any n, D and Dv run. Products accumulate in float32 in the tile registers (input denormals
+// count as zero, as in MKL's AMX kernels). Whole 2 x 2 blocks of 16 x 16 float tiles go straight
+// to their float destination (stored, or loaded, accumulated and stored); edge tiles through a
+// 1 KiB buffer, masked. A power-of-two scale (D = 64's 1/8) is applied exactly to Q as it is
+// packed; another one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest
+// even) as they are packed, as MKL's path rounds them. RELPOS_NATIVE_AMX=0 turns them off.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #define RELPOS_HAVE_AMX 1
