@@ -364,7 +364,6 @@ static bool use_amx() {
   return amx_granted();
 }
 
-#ifdef RELPOS_HAVE_AMX
 constexpr int64_t kTileElems = 512;  // bfloat16 elements of one 16 x 32 tile (1 KiB)
 
 // 16-row (or 16-column) tiles covering n, rounded up to an even count (the GEMM's 2 x 2 blocks).
@@ -388,6 +387,23 @@ struct AmxBuffer {
     p = raw.data() + ((64 - addr % 64) % 64) / 2;
   }
 };
+
+// A packed input operand (K_J, V_J or a table) and which rows it holds: packed again only for
+// other rows. A thread's state lives for one call, whose inputs do not change, so the same rows
+// pack the same: the next query block of a head reuses its single key tile, every block of a
+// call the shared tables.
+struct AmxOperand {
+  AmxBuffer buf;
+  const void* src = nullptr;
+  int64_t rows = -1;
+  bool holds(const void* from, int64_t n) const { return src == from && rows == n; }
+  void mark(const void* from, int64_t n) {
+    src = from;
+    rows = n;
+  }
+};
+
+#ifdef RELPOS_HAVE_AMX
 
 static inline void amx_configure() {
   struct alignas(64) {
@@ -1401,15 +1417,10 @@ struct ForwardBlock {
   std::vector<T> q_wide, k_wide, v_wide;
   std::vector<I> p_low, pb_low;  // P and Pb rounded to I for the 16-bit GEMMs
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
-  bool amx = false;              // ... on AMX tiles (bfloat16), Q_I, K_J, V_J and P packed:
-#ifdef RELPOS_HAVE_AMX
-  AmxBuffer q_pack, k_pack, v_pack, p_pack;
-  AmxBuffer ak_pack, av_pack, pb_pack;  // the tables and Pb, for QA and acc += Pb aV
-  bool q_scaled = false;  // q_pack holds scale · Q_I (a power-of-two scale: exact)
-  const void* ak_packed = nullptr;       // the tables ak_pack / av_pack hold (and their R):
-  const void* av_packed = nullptr;       // shared tables are packed once per thread
-  int64_t ak_rows = 0, av_rows = 0;
-#endif
+  bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
+  AmxBuffer q_pack, p_pack, pb_pack;   // Q_I (rows; times a power-of-two scale: q_scaled),
+  bool q_scaled = false;               // P and Pb as they are rounded
+  AmxOperand k_op, v_op, ak_op, av_op;  // K_J and aK (transposed), V_J and aV (pairs)
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
                int64_t D = 0, int64_t BK = 0, bool low_gemms = false, bool amx_tiles = false)
@@ -1420,19 +1431,18 @@ struct ForwardBlock {
       if (low_gemms) {
         gemms16 = true;
         pb_low.resize(values ? BQ * R : 0);
-#ifdef RELPOS_HAVE_AMX
         if (amx_tiles) {
           amx = true;
           q_pack.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
-          k_pack.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
-          v_pack.resize(amx_tiles_of(Dv) * amx_kblocks(BK) * kTileElems);
           p_pack.resize(amx_tiles_of(BQ) * amx_kblocks(BK) * kTileElems);
-          ak_pack.resize(keys ? amx_tiles_of(R) * amx_kblocks(D) * kTileElems : 0);
-          av_pack.resize(values ? amx_tiles_of(Dv) * amx_kblocks(R) * kTileElems : 0);
           pb_pack.resize(values ? amx_tiles_of(BQ) * amx_kblocks(R) * kTileElems : 0);
+          k_op.buf.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
+          v_op.buf.resize(amx_tiles_of(Dv) * amx_kblocks(BK) * kTileElems);
+          ak_op.buf.resize(keys ? amx_tiles_of(R) * amx_kblocks(D) * kTileElems : 0);
+          av_op.buf.resize(values ? amx_tiles_of(Dv) * amx_kblocks(R) * kTileElems : 0);
+        } else {
+          p_low.resize(tile);
         }
-#endif
-        if (!amx) p_low.resize(tile);
       } else {
         k_wide.resize(BK * D);
         v_wide.resize(BK * Dv);
@@ -1527,47 +1537,47 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
   }
 }
 
-// QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T with 16-bit operands: AMX tiles or MKL's GEMM.
+// out (nq, n) = scale · Q_I (nq, D) @ B^T for rows B (n, D) in I (K_J, or aK for QA) with
+// 16-bit operands: on AMX tiles (B packed into op unless it holds B already) or MKL's GEMM.
 template <typename T, typename I>
-static inline void table_scores_low(ForwardBlock<T, I>& w, int64_t nq, int64_t R, int64_t D,
-                                    T scale, const I* q_low, const I* ak_low) {
+static inline void scores_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
+                              int64_t D, T scale, const I* q_block, const I* b, T* out) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
-      if (w.ak_packed != ak_low || w.ak_rows != R) {
-        amx_pack_transposed(bits_of(ak_low), R, D, w.ak_pack.p);
-        w.ak_packed = ak_low;
-        w.ak_rows = R;
+      if (!op.holds(b, n)) {
+        amx_pack_transposed(bits_of(b), n, D, op.buf.p);
+        op.mark(b, n);
       }
-      amx_gemm_scaled(nq, R, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_pack.p, w.ak_pack.p,
-                      w.qa.data());
+      amx_gemm_scaled(nq, n, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_pack.p, op.buf.p,
+                      out);
       return;
     }
   }
 #endif
-  low_gemm<I>(false, true, nq, R, D, scale, q_low, ak_low, T(0), w.qa.data());
+  low_gemm<I>(false, true, nq, n, D, scale, q_block, b, T(0), out);
 }
 
-// acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv), Pb rounded to I: AMX tiles or MKL's GEMM.
+// acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
+// a_pack for AMX, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
 template <typename T, typename I>
-static inline void table_values_low(ForwardBlock<T, I>& w, int64_t nq, int64_t R, int64_t Dv,
-                                    const I* av_low) {
+static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
+                              int64_t Dv, const T* a, AmxBuffer& a_pack, I* a_low, const I* b) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
-      if (w.av_packed != av_low || w.av_rows != R) {
-        amx_pack_pairs(bits_of(av_low), R, Dv, w.av_pack.p);
-        w.av_packed = av_low;
-        w.av_rows = R;
+      if (!op.holds(b, n)) {
+        amx_pack_pairs(bits_of(b), n, Dv, op.buf.p);
+        op.mark(b, n);
       }
-      amx_pack_rows(w.pb.data(), nq, R, R, w.pb_pack.p);
-      amx_gemm_add(nq, Dv, amx_kblocks(R), w.pb_pack.p, w.av_pack.p, w.acc.data());
+      amx_pack_rows(a, nq, n, n, a_pack.p);
+      amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, op.buf.p, w.acc.data());
       return;
     }
   }
 #endif
-  convert(w.pb.data(), w.pb_low.data(), nq * R);
-  low_gemm<I>(false, false, nq, Dv, R, T(1), w.pb_low.data(), av_low, T(1), w.acc.data());
+  convert(a, a_low, nq * n);
+  low_gemm<I>(false, false, nq, Dv, n, T(1), a_low, b, T(1), w.acc.data());
 }
 
 // Prologue of a query block: QA of its rows; the online softmax's state emptied.
@@ -1579,7 +1589,7 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
   const T ninf = -std::numeric_limits<T>::infinity();
   // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
   if constexpr (!std::is_same_v<T, I>) {
-    if (hd.ak_low) table_scores_low(w, nq, R, g.D, scale, q_low, hd.ak_low);
+    if (hd.ak_low) scores_low(w, w.ak_op, nq, R, g.D, scale, q_low, hd.ak_low, w.qa.data());
   }
   if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
   if (hd.av) std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
@@ -1623,7 +1633,8 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   const int64_t Dv = g.Dv;
   // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv) (Pb rounded to I where aV comes in I)
   if constexpr (!std::is_same_v<T, I>) {
-    if (hd.av_low) table_values_low(w, nq, g.R, Dv, hd.av_low);
+    if (hd.av_low)
+      values_low(w, w.av_op, nq, g.R, Dv, w.pb.data(), w.pb_pack, w.pb_low.data(), hd.av_low);
   }
   if (hd.av && !hd.av_low) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
   for (int64_t r = 0; r < nq; ++r) {
@@ -1659,41 +1670,6 @@ static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64
 #endif
 }
 
-// S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T with 16-bit operands: AMX tiles or MKL's GEMM.
-template <typename T, typename I>
-static inline void scores_low(ForwardBlock<T, I>& w, int64_t nq, int64_t nk, int64_t D, T scale,
-                              const I* q_block, const I* k_tile) {
-#ifdef RELPOS_HAVE_AMX
-  if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (w.amx) {
-      amx_pack_transposed(bits_of(k_tile), nk, D, w.k_pack.p);
-      amx_gemm_scaled(nq, nk, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_pack.p, w.k_pack.p,
-                      w.scores.data());
-      return;
-    }
-  }
-#endif
-  low_gemm<I>(false, true, nq, nk, D, scale, q_block, k_tile, T(0), w.scores.data());
-}
-
-// acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv), P rounded to I: AMX tiles or MKL's GEMM.
-template <typename T, typename I>
-static inline void values_low(ForwardBlock<T, I>& w, int64_t nq, int64_t nk, int64_t Dv,
-                              const I* v_tile) {
-#ifdef RELPOS_HAVE_AMX
-  if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (w.amx) {
-      amx_pack_rows(w.scores.data(), nq, nk, nk, w.p_pack.p);
-      amx_pack_pairs(bits_of(v_tile), nk, Dv, w.v_pack.p);
-      amx_gemm_add(nq, Dv, amx_kblocks(nk), w.p_pack.p, w.v_pack.p, w.acc.data());
-      return;
-    }
-  }
-#endif
-  convert(w.scores.data(), w.p_low.data(), nq * nk);
-  low_gemm<I>(false, false, nq, Dv, nk, T(1), w.p_low.data(), v_tile, T(1), w.acc.data());
-}
-
 // One forward task: the query block [i0, min(L, i0 + BQ)) of one head, streamed through its key
 // blocks of BK keys by the online softmax; writes the block's rows of out_head (L, Dv) and
 // lse_head (L).
@@ -1725,7 +1701,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
-        scores_low(w, nq, nk, D, scale, q_block, hd.k + j0 * D);
+        scores_low(w, w.k_op, nq, nk, D, scale, q_block, hd.k + j0 * D, w.scores.data());
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
         gemm_nt<T>(nq, nk, D, scale, q_wide, w.k_wide.data(), T(0), w.scores.data());
@@ -1738,7 +1714,8 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
     if constexpr (low) {
       if (low_gemms) {
-        values_low(w, nq, nk, Dv, hd.v + j0 * Dv);
+        values_low(w, w.v_op, nq, nk, Dv, w.scores.data(), w.p_pack, w.p_low.data(),
+                   hd.v + j0 * Dv);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
         gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
@@ -1848,12 +1825,11 @@ struct BackwardBlock {
   std::vector<I> p_low, ds_low;  // 16-bit inputs with 16-bit GEMMs only
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
-#ifdef RELPOS_HAVE_AMX
   AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
   bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
-  AmxBuffer k_t, v_t, k_pairs;                    // per key tile
+  AmxOperand k_t, v_t;  // K_J, V_J transposed, per key tile (kept while the tile stays)
+  AmxBuffer k_pairs;    // K_J as pairs, packed with k_t
   AmxBuffer p_t, ds_rows, ds_t;                   // P^T, dS and dS^T of the tile
-#endif
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
                 bool dropout, int64_t Dv = 0, int64_t BK = 0, int64_t S_max = 0,
@@ -1868,7 +1844,6 @@ struct BackwardBlock {
       dv_acc.resize(S_max * Dv);
       if (low_gemms) {
         gemms16 = true;
-#ifdef RELPOS_HAVE_AMX
         if (amx_tiles) {
           amx = true;
           const int64_t kq = amx_kblocks(BQ), kk = amx_kblocks(BK);
@@ -1876,14 +1851,13 @@ struct BackwardBlock {
           do_rows.resize(amx_tiles_of(BQ) * amx_kblocks(Dv) * kTileElems);
           q_pairs.resize(amx_tiles_of(D) * kq * kTileElems);
           do_pairs.resize(amx_tiles_of(Dv) * kq * kTileElems);
-          k_t.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
-          v_t.resize(amx_tiles_of(BK) * amx_kblocks(Dv) * kTileElems);
+          k_t.buf.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
+          v_t.buf.resize(amx_tiles_of(BK) * amx_kblocks(Dv) * kTileElems);
           k_pairs.resize(amx_tiles_of(D) * kk * kTileElems);
           p_t.resize(amx_tiles_of(BK) * kq * kTileElems);
           ds_rows.resize(amx_tiles_of(BQ) * kk * kTileElems);
           ds_t.resize(amx_tiles_of(BK) * kq * kTileElems);
         }
-#endif
         if (!amx) {
           p_low.resize(tile);
           ds_low.resize(tile);
@@ -1926,12 +1900,18 @@ static inline void backward_tile_scores_amx(BackwardBlock<T, I>& w, int64_t nq, 
                                             const I* v_tile) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    amx_pack_transposed(bits_of(k_tile), nk, D, w.k_t.p);
-    amx_pack_transposed(bits_of(v_tile), nk, Dv, w.v_t.p);
-    amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.p);
-    amx_gemm_scaled(nq, nk, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_rows.p, w.k_t.p,
+    if (!w.k_t.holds(k_tile, nk)) {
+      amx_pack_transposed(bits_of(k_tile), nk, D, w.k_t.buf.p);
+      amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.p);
+      w.k_t.mark(k_tile, nk);
+    }
+    if (!w.v_t.holds(v_tile, nk)) {
+      amx_pack_transposed(bits_of(v_tile), nk, Dv, w.v_t.buf.p);
+      w.v_t.mark(v_tile, nk);
+    }
+    amx_gemm_scaled(nq, nk, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_rows.p, w.k_t.buf.p,
                     w.scores.data());
-    amx_gemm_scaled(nq, nk, amx_kblocks(Dv), 1.0f, w.do_rows.p, w.v_t.p, w.dp.data());
+    amx_gemm_scaled(nq, nk, amx_kblocks(Dv), 1.0f, w.do_rows.p, w.v_t.buf.p, w.dp.data());
     return;
   }
 #endif
