@@ -133,33 +133,30 @@ def test_module_under_autocast_keeps_float32_parameters():
 
 
 @contextlib.contextmanager
-def _half_gemms(value: str) -> Iterator[None]:
+def _env(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` inside (what the kernels read per
+    call), restored after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _half_gemms(value: str) -> contextlib.AbstractContextManager[None]:
     """RELPOS_NATIVE_HALF_GEMM=value inside: "1" the 16-bit GEMMs (where libtorch has them,
     else the widened tiles), "0" the widened tiles."""
-    old = os.environ.get("RELPOS_NATIVE_HALF_GEMM")
-    os.environ["RELPOS_NATIVE_HALF_GEMM"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["RELPOS_NATIVE_HALF_GEMM"]
-        else:
-            os.environ["RELPOS_NATIVE_HALF_GEMM"] = old
+    return _env("RELPOS_NATIVE_HALF_GEMM", value)
 
 
-@contextlib.contextmanager
-def _amx(value: str) -> Iterator[None]:
+def _amx(value: str) -> contextlib.AbstractContextManager[None]:
     """RELPOS_NATIVE_AMX=value inside: "0" keeps the bfloat16 tile GEMMs (forward and backward)
     on MKL's GEMM; otherwise they run on AMX tiles where the build and the OS have them."""
-    old = os.environ.get("RELPOS_NATIVE_AMX")
-    os.environ["RELPOS_NATIVE_AMX"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["RELPOS_NATIVE_AMX"]
-        else:
-            os.environ["RELPOS_NATIVE_AMX"] = old
+    return _env("RELPOS_NATIVE_AMX", value)
 
 
 def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, float, float]:
