@@ -420,23 +420,10 @@ static inline void amx_configure() {
 }
 
 // A operand: rows of a (M, K; row stride ld) as row tiles: element (r, c) of row tile t and
-// k-block b at out[(t · KB + b) · 512 + (r % 16) · 32 + c % 32]; zeros past M and K.
-static void amx_pack_rows(const uint16_t* a, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
-  const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
-  for (int64_t r = 0; r < MT * 16; ++r) {
-    uint16_t* row = out + (r / 16) * KB * kTileElems + (r % 16) * 32;
-    for (int64_t b = 0; b < KB; ++b) {
-      const int64_t n = r < M ? std::min<int64_t>(32, K - b * 32) : 0;
-      const __mmask32 m = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
-      _mm512_storeu_si512(row + b * kTileElems,
-                          _mm512_maskz_loadu_epi16(m, r < M ? a + r * ld + b * 32 : a));
-    }
-  }
-}
-
-// The same times a power of two `scale` (exact: the bfloat16 values scaled, not rounded).
-static void amx_pack_rows_scaled(const uint16_t* a, int64_t M, int64_t K, int64_t ld,
-                                 float scale, uint16_t* out) {
+// k-block b at out[(t · KB + b) · 512 + (r % 16) · 32 + c % 32]; zeros past M and K; times a
+// power of two `scale` where it is not 1 (exact: the bfloat16 values scaled, not rounded).
+static void amx_pack_rows(const uint16_t* a, int64_t M, int64_t K, int64_t ld, uint16_t* out,
+                          float scale = 1.0f) {
   const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < MT * 16; ++r) {
@@ -444,14 +431,15 @@ static void amx_pack_rows_scaled(const uint16_t* a, int64_t M, int64_t K, int64_
     for (int64_t b = 0; b < KB; ++b) {
       const int64_t n = r < M ? std::min<int64_t>(32, K - b * 32) : 0;
       const __mmask32 m = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
-      const __m512i x = _mm512_maskz_loadu_epi16(m, r < M ? a + r * ld + b * 32 : a);
-      // bfloat16 -> float: the 16 bits on top of a zero half
-      const __m512 lo = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
-      const __m512 hi = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
-      _mm512_storeu_si512(row + b * kTileElems, (__m512i)_mm512_cvtne2ps_pbh(
-                                                    _mm512_mul_ps(hi, sc), _mm512_mul_ps(lo, sc)));
+      __m512i x = _mm512_maskz_loadu_epi16(m, r < M ? a + r * ld + b * 32 : a);
+      if (scale != 1.0f) {  // bfloat16 -> float: the 16 bits on top of a zero half
+        const __m512 lo = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
+        const __m512 hi = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+        x = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sc), _mm512_mul_ps(lo, sc));
+      }
+      _mm512_storeu_si512(row + b * kTileElems, x);
     }
   }
 }
@@ -661,41 +649,39 @@ static inline __mmask16 amx_tile_columns(int64_t col0, int64_t N) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
 
-// s (M, N; row stride N) = scale · A @ B (scale 1: whole blocks stored straight into s).
-static void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale, const uint16_t* a,
-                            const uint16_t* b, float* s) {
+// c (M, N; row stride N) = scale · A @ B, or with accumulate c += scale · A @ B (one rounding:
+// a fused multiply-add); with scale 1 whole blocks go straight between c and the tiles.
+static void amx_gemm_into(int64_t M, int64_t N, int64_t KB, float scale, const uint16_t* a,
+                          const uint16_t* b, float* c, bool accumulate) {
   const __m512 sc = _mm512_set1_ps(scale);
-  amx_gemm(
-      M, N, KB, a, b,
-      [&](int64_t row0, int64_t col0, const float* tile) {
-        const __mmask16 m = amx_tile_columns(col0, N);
-        const int64_t rows = std::min<int64_t>(16, M - row0);
-        for (int64_t r = 0; r < rows; ++r)
-          _mm512_mask_storeu_ps(s + (row0 + r) * N + col0, m,
-                                _mm512_mul_ps(sc, _mm512_load_ps(tile + r * 16)));
-      },
-      scale == 1.0f ? s : nullptr);
-}
-
-// acc (M, N; row stride N) += scale · A @ B (scale 1: whole blocks accumulated in the tiles).
-static void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
-                         float* acc, float scale = 1.0f) {
-  const __m512 sc = _mm512_set1_ps(scale);
+  const bool unit = scale == 1.0f;
   amx_gemm(
       M, N, KB, a, b,
       [&](int64_t row0, int64_t col0, const float* tile) {
         const __mmask16 m = amx_tile_columns(col0, N);
         const int64_t rows = std::min<int64_t>(16, M - row0);
         for (int64_t r = 0; r < rows; ++r) {
-          float* dst = acc + (row0 + r) * N + col0;
+          float* dst = c + (row0 + r) * N + col0;
           const __m512 t = _mm512_load_ps(tile + r * 16);
-          const __m512 prev = _mm512_maskz_loadu_ps(m, dst);
-          _mm512_mask_storeu_ps(dst, m,
-                                scale == 1.0f ? _mm512_add_ps(prev, t)
-                                              : _mm512_fmadd_ps(sc, t, prev));
+          __m512 v = unit ? t : _mm512_mul_ps(sc, t);
+          if (accumulate) {
+            const __m512 prev = _mm512_maskz_loadu_ps(m, dst);
+            v = unit ? _mm512_add_ps(prev, t) : _mm512_fmadd_ps(sc, t, prev);
+          }
+          _mm512_mask_storeu_ps(dst, m, v);
         }
       },
-      scale == 1.0f ? acc : nullptr, true);
+      unit ? c : nullptr, accumulate);
+}
+
+static inline void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale,
+                                   const uint16_t* a, const uint16_t* b, float* s) {
+  amx_gemm_into(M, N, KB, scale, a, b, s, false);
+}
+
+static inline void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a,
+                                const uint16_t* b, float* acc, float scale = 1.0f) {
+  amx_gemm_into(M, N, KB, scale, a, b, acc, true);
 }
 #endif  // RELPOS_HAVE_AMX
 
@@ -1537,25 +1523,27 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
   }
 }
 
-// out (nq, n) = scale · Q_I (nq, D) @ B^T for rows B (n, D) in I (K_J, or aK for QA) with
-// 16-bit operands: on AMX tiles (B packed into op unless it holds B already) or MKL's GEMM.
+// out (nq, n) = scale · A (nq, K) @ B^T for rows A and B (n, K) in I (Q_I or dO_I against K_J,
+// V_J, aK or aV), 16-bit operands: on AMX tiles (amx), A packed as rows in a_rows (the scale
+// already in it where a_scaled) and B packed into op unless it holds B already; else MKL's GEMM
+// on a_low and b.
 template <typename T, typename I>
-static inline void scores_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
-                              int64_t D, T scale, const I* q_block, const I* b, T* out) {
+static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t n, int64_t K,
+                                   T scale, const AmxBuffer& a_rows, bool a_scaled,
+                                   const I* a_low, const I* b, T* out) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (w.amx) {
+    if (amx) {
       if (!op.holds(b, n)) {
-        amx_pack_transposed(bits_of(b), n, D, op.buf.p);
+        amx_pack_transposed(bits_of(b), n, K, op.buf.p);
         op.mark(b, n);
       }
-      amx_gemm_scaled(nq, n, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_pack.p, op.buf.p,
-                      out);
+      amx_gemm_scaled(nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, op.buf.p, out);
       return;
     }
   }
 #endif
-  low_gemm<I>(false, true, nq, n, D, scale, q_block, b, T(0), out);
+  low_gemm<I>(false, true, nq, n, K, scale, a_low, b, T(0), out);
 }
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
@@ -1589,7 +1577,9 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
   const T ninf = -std::numeric_limits<T>::infinity();
   // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
   if constexpr (!std::is_same_v<T, I>) {
-    if (hd.ak_low) scores_low(w, w.ak_op, nq, R, g.D, scale, q_low, hd.ak_low, w.qa.data());
+    if (hd.ak_low)
+      gemm_scores_low(w.amx, w.ak_op, nq, R, g.D, scale, w.q_pack, w.q_scaled, q_low, hd.ak_low,
+                      w.qa.data());
   }
   if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
   if (hd.av) std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
@@ -1662,10 +1652,7 @@ static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (!w.amx) return;
     w.q_scaled = power_of_two(scale);
-    if (w.q_scaled)
-      amx_pack_rows_scaled(bits_of(q_block), nq, D, D, scale, w.q_pack.p);
-    else
-      amx_pack_rows(bits_of(q_block), nq, D, D, w.q_pack.p);
+    amx_pack_rows(bits_of(q_block), nq, D, D, w.q_pack.p, w.q_scaled ? scale : 1.0f);
   }
 #endif
 }
@@ -1701,7 +1688,8 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
-        scores_low(w, w.k_op, nq, nk, D, scale, q_block, hd.k + j0 * D, w.scores.data());
+        gemm_scores_low(w.amx, w.k_op, nq, nk, D, scale, w.q_pack, w.q_scaled, q_block,
+                        hd.k + j0 * D, w.scores.data());
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
         gemm_nt<T>(nq, nk, D, scale, q_wide, w.k_wide.data(), T(0), w.scores.data());
@@ -1827,8 +1815,8 @@ struct BackwardBlock {
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
   AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
   bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
-  AmxOperand k_t, v_t;  // K_J, V_J transposed, per key tile (kept while the tile stays)
-  AmxBuffer k_pairs;    // K_J as pairs, packed with k_t
+  AmxOperand k_t, v_t, ak_op, av_op;  // K_J, V_J, aK, aV transposed (kept while the same rows
+  AmxOperand k_pairs;                 // come back) and K_J as pairs
   AmxBuffer p_t, ds_rows, ds_t;                   // P^T, dS and dS^T of the tile
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
@@ -1853,7 +1841,9 @@ struct BackwardBlock {
           do_pairs.resize(amx_tiles_of(Dv) * kq * kTileElems);
           k_t.buf.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
           v_t.buf.resize(amx_tiles_of(BK) * amx_kblocks(Dv) * kTileElems);
-          k_pairs.resize(amx_tiles_of(D) * kk * kTileElems);
+          k_pairs.buf.resize(amx_tiles_of(D) * kk * kTileElems);
+          ak_op.buf.resize(keys ? amx_tiles_of(R) * amx_kblocks(D) * kTileElems : 0);
+          av_op.buf.resize(values ? amx_tiles_of(R) * amx_kblocks(Dv) * kTileElems : 0);
           p_t.resize(amx_tiles_of(BK) * kq * kTileElems);
           ds_rows.resize(amx_tiles_of(BQ) * kk * kTileElems);
           ds_t.resize(amx_tiles_of(BK) * kq * kTileElems);
@@ -1878,13 +1868,9 @@ static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     w.q_scaled = power_of_two(scale);
-    if (w.q_scaled) {
-      amx_pack_rows_scaled(bits_of(q_block), nq, D, D, scale, w.q_rows.p);
-      amx_pack_pairs(bits_of(q_block), nq, D, w.q_pairs.p, scale);
-    } else {
-      amx_pack_rows(bits_of(q_block), nq, D, D, w.q_rows.p);
-      amx_pack_pairs(bits_of(q_block), nq, D, w.q_pairs.p);
-    }
+    const float q_scale = w.q_scaled ? scale : 1.0f;
+    amx_pack_rows(bits_of(q_block), nq, D, D, w.q_rows.p, q_scale);
+    amx_pack_pairs(bits_of(q_block), nq, D, w.q_pairs.p, q_scale);
     amx_pack_rows(bits_of(do_block), nq, Dv, Dv, w.do_rows.p);
     amx_pack_pairs(bits_of(do_block), nq, Dv, w.do_pairs.p);
     return;
@@ -1893,45 +1879,24 @@ static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64
   TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
 }
 
-// S_IJ = scale · Q_I @ K_J^T and dP_IJ = dO_I @ V_J^T on AMX tiles (K_J, V_J packed here).
-template <typename T, typename I>
-static inline void backward_tile_scores_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
-                                            int64_t D, int64_t Dv, T scale, const I* k_tile,
-                                            const I* v_tile) {
-#ifdef RELPOS_HAVE_AMX
-  if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (!w.k_t.holds(k_tile, nk)) {
-      amx_pack_transposed(bits_of(k_tile), nk, D, w.k_t.buf.p);
-      amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.p);
-      w.k_t.mark(k_tile, nk);
-    }
-    if (!w.v_t.holds(v_tile, nk)) {
-      amx_pack_transposed(bits_of(v_tile), nk, Dv, w.v_t.buf.p);
-      w.v_t.mark(v_tile, nk);
-    }
-    amx_gemm_scaled(nq, nk, amx_kblocks(D), w.q_scaled ? 1.0f : scale, w.q_rows.p, w.k_t.buf.p,
-                    w.scores.data());
-    amx_gemm_scaled(nq, nk, amx_kblocks(Dv), 1.0f, w.do_rows.p, w.v_t.buf.p, w.dp.data());
-    return;
-  }
-#endif
-  TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
-}
-
 // dV_J += P_IJ^T @ dO_I, dq_acc_I += dS_IJ @ K_J and dK_J += scale · dS_IJ^T @ Q_I on AMX
-// tiles, P (pd) and dS (w.dp) rounded to bfloat16 as they are packed.
+// tiles, P (pd) and dS (w.dp) rounded to bfloat16 as they are packed, K_J as pairs (unless held).
 template <typename T, typename I>
 static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
                                                int64_t D, int64_t Dv, T scale, const T* pd,
-                                               T* dv_tile, T* dk_tile) {
+                                               const I* k_tile, T* dv_tile, T* dk_tile) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const int64_t kq = amx_kblocks(nq);
+    if (!w.k_pairs.holds(k_tile, nk)) {
+      amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.buf.p);
+      w.k_pairs.mark(k_tile, nk);
+    }
     amx_pack_rows_t(pd, nq, nk, w.p_t.p);
     amx_pack_rows(w.dp.data(), nq, nk, nk, w.ds_rows.p);
     amx_pack_rows_t(w.dp.data(), nq, nk, w.ds_t.p);
     amx_gemm_add(nk, Dv, kq, w.p_t.p, w.do_pairs.p, dv_tile);
-    amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, w.k_pairs.p, w.dq_acc.data());
+    amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, w.k_pairs.buf.p, w.dq_acc.data());
     amx_gemm_add(nk, D, kq, w.ds_t.p, w.q_pairs.p, dk_tile, w.q_scaled ? 1.0f : scale);
     return;
   }
@@ -2106,7 +2071,8 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>&
     // as the forward computed it)
     if constexpr (!std::is_same_v<T, I>) {
       if (hd.ak_low)
-        low_gemm<I>(false, true, nq, R, D, scale, q_block, hd.ak_low, T(0), w.qa.data());
+        gemm_scores_low(w.amx, w.ak_op, nq, R, D, scale, w.q_rows, w.q_scaled, q_block,
+                        hd.ak_low, w.qa.data());
     }
     if (!hd.ak_low) gemm_nt<T>(nq, R, D, scale, q_wide, hd.ak, T(0), w.qa.data());
     std::fill(w.dsb.begin(), w.dsb.begin() + nq * R, T(0));
@@ -2115,7 +2081,8 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>&
     // dOA_I (nq, R) = dO_I (nq, Dv) @ aV^T
     if constexpr (!std::is_same_v<T, I>) {
       if (hd.av_low)
-        low_gemm<I>(false, true, nq, R, Dv, T(1), do_block, hd.av_low, T(0), w.doa.data());
+        gemm_scores_low(w.amx, w.av_op, nq, R, Dv, T(1), w.do_rows, false, do_block, hd.av_low,
+                        w.doa.data());
     }
     if (!hd.av_low) gemm_nt<T>(nq, R, Dv, T(1), do_wide, hd.av, T(0), w.doa.data());
     std::fill(w.pb.begin(), w.pb.begin() + nq * R, T(0));
@@ -2229,22 +2196,22 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
     // Q_I and dO_I as T
     const auto [q_wide, do_wide] = as_wide2<T, I>(q_block, nq * D, w.q_wide, do_block, nq * Dv,
                                                   w.do_wide);
+    if (w.amx) backward_pack_block(w, nq, D, Dv, scale, q_block, do_block);
     backward_prologue<T, I>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv, q_wide,
                             do_wide);
-    if (w.amx) backward_pack_block(w, nq, D, Dv, scale, q_block, do_block);
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
       if (!g.block_visible(i1, j0)) break;
       const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
       const I* k_tile = hd.k + j0 * D;
       const I* v_tile = hd.v + j0 * Dv;
       const T* k_wide = nullptr;  // K_J and V_J as T (float GEMMs)
-      if (w.amx) {
-        backward_tile_scores_amx(w, nq, nk, D, Dv, scale, k_tile, v_tile);
-      } else if (low_gemms) {
+      if (low_gemms) {
         if constexpr (low) {
           // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T; dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
-          low_gemm<I>(false, true, nq, nk, D, scale, q_block, k_tile, T(0), w.scores.data());
-          low_gemm<I>(false, true, nq, nk, Dv, T(1), do_block, v_tile, T(0), w.dp.data());
+          gemm_scores_low(w.amx, w.k_t, nq, nk, D, scale, w.q_rows, w.q_scaled, q_block, k_tile,
+                          w.scores.data());
+          gemm_scores_low(w.amx, w.v_t, nq, nk, Dv, T(1), w.do_rows, false, do_block, v_tile,
+                          w.dp.data());
         }
       } else {
         const auto [kw, v_wide] = as_wide2<T, I>(k_tile, nk * D, w.k_wide, v_tile, nk * Dv,
@@ -2260,7 +2227,8 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
         backward_row<T, I>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
                            j1);
       if (w.amx) {
-        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, pd, dv + j0 * Dv, dk + j0 * D);
+        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, pd, k_tile, dv + j0 * Dv,
+                                    dk + j0 * D);
       } else if (low_gemms) {
         if constexpr (low) {
           convert(pd, w.p_low.data(), nq * nk);
