@@ -399,7 +399,7 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     found = module.build_info().split("half_gemm=")[1].split(",")
     line = next(x for x in out.splitlines() if x.startswith("16-bit GEMMs:"))
     assert ("cblas_gemm_bf16bf16f32" in line) == ("bf16" in found), (line, found)
-    # the bfloat16 forward's AMX tiles: named where the loaded kernels have them
+    # the bfloat16 AMX tiles: named where the loaded kernels have them
     info = module.build_info()
     assert ("AMX tiles" in line) == ("amx=bf16" in info), (line, info)
     assert "float16 tiles widened to float32" in line  # float16's default

@@ -69,7 +69,7 @@ from pathlib import Path
 from types import ModuleType
 
 from relpos._io import atomic_write_text
-from relpos._sysinfo import cpuinfo
+from relpos._sysinfo import cpu_flags, cpuinfo
 from relpos.ops.native._builder import kill_session
 from relpos.ops.native.variants import runnable, variants
 from relpos.ops.native.variants import variant as variant_named
@@ -190,7 +190,7 @@ def amx_tiles() -> bool:
     it did), unless ``RELPOS_NATIVE_AMX=0``."""
     if os.environ.get(AMX_ENV) == "0" or platform.system() != "Linux":
         return False
-    flags = set(_cpu_flags().split())
+    flags = cpu_flags() or frozenset()
     if platform.machine() != "x86_64" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
         return False
     root = prebuilt_root()

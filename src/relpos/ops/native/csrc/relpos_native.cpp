@@ -357,7 +357,8 @@ static bool amx_granted() {
 #endif
 }
 
-// Whether a bfloat16 forward with 16-bit GEMMs runs them on AMX tiles (not MKL's GEMM).
+// Whether bfloat16 calls with 16-bit GEMMs may run them on AMX tiles (else MKL's GEMM serves):
+// where the build and the OS have them, unless RELPOS_NATIVE_AMX=0.
 static bool use_amx() {
   const char* env = std::getenv("RELPOS_NATIVE_AMX");
   if (env != nullptr && std::string(env) == "0") return false;
@@ -450,7 +451,7 @@ static inline bool power_of_two(float x) {
   return x > 0.0f && std::isfinite(x) && std::frexp(x, &e) == 0.5f;
 }
 
-// The same from float rows (P), rounded to bfloat16 (nearest even).
+// The same from float rows (P, Pb, dS), rounded to bfloat16 (nearest even).
 static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
   const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
   for (int64_t r = 0; r < MT * 16; ++r) {
@@ -643,7 +644,7 @@ static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const 
   _tile_release();
 }
 
-// The rows and the column mask of tile (row0, col0) inside C (M, N).
+// The mask of the columns of C (M, N) in the tile whose first column is col0.
 static inline __mmask16 amx_tile_columns(int64_t col0, int64_t N) {
   const int64_t n = std::min<int64_t>(16, N - col0);
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
@@ -2944,7 +2945,7 @@ std::string build_info() {
   std::string half;
   if (has_low_gemm<c10::BFloat16>()) half = "bf16";
   if (has_low_gemm<c10::Half>()) half += half.empty() ? "fp16" : ",fp16";
-  // the AMX tile GEMMs of the bfloat16 forward: built for this CPU and granted by the OS
+  // the AMX tile GEMMs of bfloat16 calls: built for this CPU and granted by the OS
   info += amx_granted() ? " amx=bf16" : " amx=none";
   return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
