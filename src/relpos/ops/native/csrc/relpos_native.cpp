@@ -1716,13 +1716,20 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   forward_epilogue(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
 }
 
+// The fewest query rows per block for which a direction's GEMMs run on AMX tiles: shorter
+// blocks fill too little of the 32-row tile pairs (bfloat16, 128 sequences, K = 16, one thread:
+// the forward at n = 12 took 1.15x MKL's time on tiles, at n = 20 0.93x; forward + backward
+// 1.1x at n = 12, 1.0x at n = 20 and 28, 0.97x at n = 40).
+constexpr int64_t kAmxForwardRows = 16;
+constexpr int64_t kAmxBackwardRows = 32;
+
 // Whether a call whose tile GEMMs take 16-bit operands (low_gemms) runs them on AMX tiles:
-// bfloat16 where the build and the OS allow it, query blocks of more rows than a decode step's
-// (a single query would use one row of each 16-row tile) and key tiles of at most kKeyBlock.
+// bfloat16 where the build and the OS allow it, query blocks of at least min_rows rows (BQ, a
+// varlen call's longest) and key tiles of at most kKeyBlock.
 template <typename I>
-static bool amx_tile_gemms(bool low_gemms, int64_t BQ, int64_t BK) {
-  return std::is_same_v<I, c10::BFloat16> && low_gemms && BQ > kDecodeQueryRows &&
-         BK <= kKeyBlock && use_amx();
+static bool amx_tile_gemms(bool low_gemms, int64_t BQ, int64_t BK, int64_t min_rows) {
+  return std::is_same_v<I, c10::BFloat16> && low_gemms && BQ >= min_rows && BK <= kKeyBlock &&
+         use_amx();
 }
 
 // Padded tasks: (batch, head, query block).
@@ -1732,7 +1739,7 @@ static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, con
   const int64_t L = g.L;
   const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
-  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK);
+  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK, kAmxForwardRows);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
@@ -1767,7 +1774,7 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T 
     const int64_t L = vc.seqs[s].L, BQ = forward_query_block(L, vc.heads);
     first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
   }
-  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK);
+  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK, kAmxForwardRows);
 
   at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
@@ -2268,7 +2275,7 @@ static void backward_impl(const Geometry& g, const Inputs<T, I>& in, const I* do
                           T* dak_part, T* dav_part, bool low_gemms = false) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = backward_query_block(L), BK = key_block_size(L, S);
-  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK);
+  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK, kAmxBackwardRows);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
@@ -2338,7 +2345,7 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
   int64_t S_max = 0;  // 16-bit inputs: the float dK and dV of the longest sequence
   if constexpr (!std::is_same_v<T, I>)
     for (const Geometry& g : vc.seqs) S_max = std::max(S_max, g.S);
-  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK);
+  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK, kAmxBackwardRows);
 
   at::parallel_for(0, n_groups * pk.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
