@@ -163,17 +163,18 @@ def _exported(symbol: str) -> bool:
         return False
 
 
-def half_gemms() -> str:
+def half_gemms(prebuilt_serves: bool = False) -> str:
     """How the kernels run 16-bit inputs' GEMMs here, as ``relpos kernels`` says it: by
     default bfloat16 on MKL's 16-bit GEMM where libtorch exports it, float16 on tiles widened
     to float32 (faster where measured); ``RELPOS_NATIVE_HALF_GEMM=1`` / ``=0`` asks for the
-    16-bit GEMMs for both / neither (what the kernels read per call)."""
+    16-bit GEMMs for both / neither (what the kernels read per call). bfloat16's run on AMX tiles
+    where :func:`amx_tiles` says so (``prebuilt_serves``: a portable variant serves)."""
     wish = os.environ.get(HALF_GEMM_ENV)
     parts = []
     for dtype, symbol in _HALF_GEMMS.items():
         wanted = wish == "1" or (wish != "0" and dtype == "bfloat16")
         if wanted and have_blas() and _exported(symbol):
-            amx = dtype == "bfloat16" and amx_tiles()
+            amx = dtype == "bfloat16" and amx_tiles(prebuilt_serves)
             parts.append(f"{dtype} {symbol}" + (" and AMX tiles (every tile GEMM)" if amx else ""))
         else:
             parts.append(f"{dtype} tiles widened to float32")
@@ -183,18 +184,15 @@ def half_gemms() -> str:
 AMX_ENV = "RELPOS_NATIVE_AMX"
 
 
-def amx_tiles() -> bool:
+def amx_tiles(prebuilt_serves: bool = False) -> bool:
     """Whether the bfloat16 tile GEMMs (forward and backward) run on AMX tiles here: a CPU with
-    AMX-BF16 (the kernels built for this CPU, not a portable prebuilt variant, use them where
-    Linux grants the tile state; the loaded library's ``build_info()`` says ``amx=bf16`` when
-    it did), unless ``RELPOS_NATIVE_AMX=0``."""
-    if os.environ.get(AMX_ENV) == "0" or platform.system() != "Linux":
+    AMX-BF16 (the kernels built for this CPU use them where Linux grants the tile state; the
+    loaded library's ``build_info()`` says ``amx=bf16`` when it did; a portable prebuilt variant,
+    ``prebuilt_serves``, never does), unless ``RELPOS_NATIVE_AMX=0``."""
+    if prebuilt_serves or os.environ.get(AMX_ENV) == "0" or platform.system() != "Linux":
         return False
     flags = cpu_flags() or frozenset()
     if platform.machine() != "x86_64" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
-        return False
-    root = prebuilt_root()
-    if root is not None and any(p.runs and p.problem is None for p in prebuilt(root)):
         return False
     return _amx_granted()
 
@@ -791,11 +789,12 @@ def status() -> KernelStatus:
     directory = build_directory()
     problem = _problem(library_path(directory))
     root = prebuilt_root()
+    found = tuple(prebuilt(root)) if root is not None else ()  # reads each library once
     return KernelStatus(
         enabled=not disabled(), built=problem is None, directory=directory, isa=isa(),
         blas="mkl (libtorch's sgemm_/dgemm_)" if have_blas() else "plain C++ loops",
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
-        prebuilt_root=root, prebuilt=tuple(prebuilt(root)) if root is not None else (),
-        half=half_gemms(),
+        prebuilt_root=root, prebuilt=found,
+        half=half_gemms(prebuilt_serves=any(p.runs and p.problem is None for p in found)),
     )
