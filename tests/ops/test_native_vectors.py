@@ -1,7 +1,8 @@
 """The native kernels' explicit float vectors (csrc/relpos_native.cpp, the section that defines
 ``VecF``): compiled alone for each instruction set this CPU runs (AVX-512 with ``-march=x86-64-v4``,
 AVX2 with ``-march=x86-64-v3``) and checked against the scalar loops they replace, at every length
-from 0 to 100 (so every masked tail): max, exp and sum, far-segment dS and the band's add,
+from 0 to 100 (so every masked tail): max, exp and sum (and the cheaper exp of 16-bit calls
+against exp within its error), far-segment dS and the band's add,
 with NaN, +-inf and extreme values among the entries. The
 whole kernels run the vectors of the machine's build; the other build's vectors are checked here.
 """
@@ -81,6 +82,24 @@ int main() {
           }
         if (!same(got_sum, want_sum, 1e-5f))
           FAIL("exp_sum n=%ld off=%a: %a != %a", (long)n, off, got_sum, want_sum);
+        // the 16-bit calls' cheaper polynomial: within 4e-6 of exp (its own 2.8e-6 and the
+        // roundings), the same zeros, infinities and NaNs, nothing past n written
+        std::vector<float> z = x;
+        const float low_sum = exp_sum_vec<true>(z.data(), n, off);
+        ++checked;
+        for (int64_t j = 0; j < n; ++j)
+          if (!same(z[j], want[j], 4e-6f) || ((want[j] == 0.0f) != (z[j] == 0.0f))) {
+            FAIL("low exp n=%ld j=%ld x=%a off=%a: %a != %a", (long)n, (long)j, x[j], off, z[j],
+                 want[j]);
+            break;
+          }
+        for (int64_t j = n; j < n + 32; ++j)
+          if (z[j] != canary) {
+            FAIL("low exp_sum wrote past n=%ld at %ld", (long)n, (long)j);
+            break;
+          }
+        if (!same(low_sum, want_sum, 1e-5f))
+          FAIL("low exp_sum n=%ld off=%a: %a != %a", (long)n, off, low_sum, want_sum);
       }
       // far_segment_ds: dp[j] = p[j] (dp[j] - c) and its sum; a non-finite c reaches no lane
       // past n (where p would be 0)
@@ -169,4 +188,4 @@ def test_the_vector_row_passes_equal_the_scalar_loops(name: str, flags: str,
     assert "#define RELPOS_VEC_FLOAT 1" in probe.stdout
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]
-    assert run.stdout.strip().endswith("checked " + str(40 * 101 * 9)), run.stdout[-500:]
+    assert run.stdout.strip().endswith("checked " + str(40 * 101 * 13)), run.stdout[-500:]

@@ -1091,6 +1091,12 @@ struct VecF {
 // bits for every x <= 88.37 (the kernels take x <= 0). AVX-512 scales by 2^n with vscalefps
 // (one instruction for exp_float's shift, multiply and two range fixes: the exp 17% faster),
 // which is exact up to the float range where exp_float clamps at 88.37.
+//
+// Low: for calls with 16-bit inputs, whose P is rounded to bfloat16 or float16 (or their
+// output is): the same reduction, a degree-4 polynomial for e^r on [-ln2/2, ln2/2] (near
+// minimax, relative error 2.8e-6 against the degree-7's 1e-7; bfloat16's rounding is 3.9e-3,
+// float16's 4.9e-4), three fewer multiply-adds.
+template <bool Low = false>
 static RELPOS_INLINE VecF::V vec_exp(VecF::V x) {
   using V = VecF::V;
   const V lo = VecF::set1(-87.3365447504019f);
@@ -1100,11 +1106,18 @@ static RELPOS_INLINE VecF::V vec_exp(VecF::V x) {
   const V n = VecF::sub(t, magic);
   V r = VecF::fnmadd(n, VecF::set1(0.693359375f), xc);
   r = VecF::fnmadd(n, VecF::set1(-2.12194440e-4f), r);
-  V y = VecF::set1(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
-                        5.0000001201e-1f})
-    y = VecF::fmadd(y, r, VecF::set1(c));
-  y = VecF::add(VecF::fmadd(VecF::mul(y, r), r, r), VecF::set1(1.0f));
+  V y;
+  if constexpr (Low) {
+    y = VecF::set1(4.1513847776e-2f);
+    for (const float c : {1.6787473959e-1f, 5.0003013670e-1f, 9.9996683618e-1f, 1.0f})
+      y = VecF::fmadd(y, r, VecF::set1(c));
+  } else {
+    y = VecF::set1(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                          1.6666665459e-1f, 5.0000001201e-1f})
+      y = VecF::fmadd(y, r, VecF::set1(c));
+    y = VecF::add(VecF::fmadd(VecF::mul(y, r), r, r), VecF::set1(1.0f));
+  }
   return VecF::exp_scale(y, n, t, x, lo);
 }
 
@@ -1127,28 +1140,29 @@ static inline float row_max_vec(const float* x, int64_t n) {
   return VecF::reduce_max(VecF::max_skip_nan(m0, m2));
 }
 
-// x[j] = exp(x[j] - offset) over n entries; returns their sum.
+// x[j] = exp(x[j] - offset) over n entries; returns their sum. (Low: vec_exp's.)
+template <bool Low = false>
 static inline float exp_sum_vec(float* x, int64_t n, float offset) {
   constexpr int64_t W = VecF::W;
   const VecF::V off = VecF::set1(offset);
   VecF::V s0 = VecF::set1(0.0f), s1 = s0;
   int64_t j = 0;
   for (; j + 2 * W <= n; j += 2 * W) {
-    const VecF::V e0 = vec_exp(VecF::sub(VecF::load(x + j), off));
-    const VecF::V e1 = vec_exp(VecF::sub(VecF::load(x + j + W), off));
+    const VecF::V e0 = vec_exp<Low>(VecF::sub(VecF::load(x + j), off));
+    const VecF::V e1 = vec_exp<Low>(VecF::sub(VecF::load(x + j + W), off));
     VecF::store(x + j, e0);
     VecF::store(x + j + W, e1);
     s0 = VecF::add(s0, e0);
     s1 = VecF::add(s1, e1);
   }
   for (; j + W <= n; j += W) {
-    const VecF::V e = vec_exp(VecF::sub(VecF::load(x + j), off));
+    const VecF::V e = vec_exp<Low>(VecF::sub(VecF::load(x + j), off));
     VecF::store(x + j, e);
     s0 = VecF::add(s0, e);
   }
   if (j < n) {
     const VecF::M m = VecF::tail(n - j);
-    const VecF::V e = vec_exp(VecF::sub(VecF::load_tail(x + j, m, off), off));
+    const VecF::V e = vec_exp<Low>(VecF::sub(VecF::load_tail(x + j, m, off), off));
     VecF::store_tail(x + j, m, e);
     s1 = VecF::add(s1, VecF::zero_off_tail(m, e));
   }
@@ -1266,10 +1280,11 @@ static inline void add_to(T* dst, const T* src, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
 }
 
-template <typename T>
+// Low: the vector path may take the cheaper polynomial (vec_exp; 16-bit calls only).
+template <typename T, bool Low = false>
 static inline T exp_sum(T* x, int64_t n, T offset) {
 #if defined(RELPOS_VEC_FLOAT)
-  if constexpr (std::is_same_v<T, float>) return exp_sum_vec(x, n, offset);
+  if constexpr (std::is_same_v<T, float>) return exp_sum_vec<Low>(x, n, offset);
 #endif
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -1284,9 +1299,9 @@ static inline T exp_sum(T* x, int64_t n, T offset) {
 // x[j] = exp(x[j] + far - offset) over a far segment, whose relative term is the one constant
 // `far`; returns their sum. A hidden key (-inf) gives 0 even where the constant is not finite
 // (-inf + inf, -inf + NaN): a non-finite table row reaches no row through keys it does not see.
-template <typename T>
+template <typename T, bool Low = false>
 static inline T far_exp_sum(T* x, int64_t n, T offset, T far) {
-  if (std::isfinite(far)) return exp_sum<T>(x, n, offset - far);
+  if (std::isfinite(far)) return exp_sum<T, Low>(x, n, offset - far);
   const T ninf = -std::numeric_limits<T>::infinity();
   T sum = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -1352,15 +1367,16 @@ struct SegmentSums {
   T left, band, right;
 };
 
-// s = exp(s + far constant - offset), segment by segment; returns each segment's sum.
-template <typename T>
+// s = exp(s + far constant - offset), segment by segment; returns each segment's sum. Low:
+// a call with 16-bit inputs (exp_sum).
+template <typename T, bool Low = false>
 static RELPOS_INLINE SegmentSums<T> exp_segments(T* s, const RowSegments& seg,
                                                  FarConstants<T> qa_far, T offset) {
   T* band_scores = s + seg.n_left;
   SegmentSums<T> sum;
-  sum.left = far_exp_sum<T>(s, seg.n_left, offset, qa_far.left);
-  sum.band = exp_sum<T>(band_scores, seg.n_band, offset);
-  sum.right = far_exp_sum<T>(band_scores + seg.n_band, seg.n_right, offset, qa_far.right);
+  sum.left = far_exp_sum<T, Low>(s, seg.n_left, offset, qa_far.left);
+  sum.band = exp_sum<T, Low>(band_scores, seg.n_band, offset);
+  sum.right = far_exp_sum<T, Low>(band_scores + seg.n_band, seg.n_right, offset, qa_far.right);
   return sum;
 }
 
@@ -1502,7 +1518,7 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, 
     if (alpha != T(1)) rescale_row(w, r, alpha, Dv, R, values);
   }
   w.m[r] = m_new;
-  p_sums = exp_segments<T>(s, seg, qa_far, m_new);
+  p_sums = exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, m_new);
   for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
   w.l[r] += p_sums.left + p_sums.band + p_sums.right;
   return true;
@@ -2046,12 +2062,13 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd,
     if (dsb_row) bucket_row<T>(dp, R, seg, dsb_row);
   } else if (!drop.on) {
     // P, segment by segment (the far constants folded into the offsets)
-    const SegmentSums<T> p_sums = exp_segments<T>(s, seg, qa_far, row_lse);
+    const SegmentSums<T> p_sums =
+        exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, row_lse);
     const SegmentSums<T> ds_sums = ds_row<T>(s, dp, seg, doa_row, doa_far, row_delta);
     if (pb_row) add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
     if (dsb_row) add_to_buckets<T>(dsb_row, R, seg, ds_sums.left, dp + seg.n_left, ds_sums.right);
   } else {
-    exp_segments<T>(s, seg, qa_far, row_lse);
+    exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, row_lse);
     ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop,
                       hd.dropout_row + i, inv_keep);
     if (pb_row) bucket_row<T>(pd_row, R, seg, pb_row);
