@@ -451,21 +451,36 @@ static inline bool power_of_two(float x) {
   return x > 0.0f && std::isfinite(x) && std::frexp(x, &e) == 0.5f;
 }
 
+// Row r of the A operand of float rows (M, K), rounded to bfloat16 (nearest even): x its K
+// floats, or zeros for a row past M (x null).
+static inline void amx_pack_row(const float* x, int64_t K, int64_t r, uint16_t* out) {
+  const int64_t KB = amx_kblocks(K);
+  uint16_t* row = out + (r / 16) * KB * kTileElems + (r % 16) * 32;
+  if (x == nullptr) {
+    for (int64_t b = 0; b < KB; ++b)
+      _mm512_storeu_si512(row + b * kTileElems, _mm512_setzero_si512());
+    return;
+  }
+  for (int64_t b = 0; b < KB; ++b) {
+    const int64_t n = std::min<int64_t>(32, K - b * 32);
+    const int64_t n0 = std::min<int64_t>(n, 16), n1 = std::max<int64_t>(n - 16, 0);
+    const __mmask16 m0 = n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n0) - 1);
+    const __mmask16 m1 = n1 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n1) - 1);
+    const __m512 lo = _mm512_maskz_loadu_ps(m0, x + b * 32);
+    const __m512 hi = _mm512_maskz_loadu_ps(m1, x + b * 32 + 16);
+    _mm512_storeu_si512(row + b * kTileElems, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// The zero rows past M of the A operand of float rows (M, K) (amx_pack_row's).
+static inline void amx_pack_row_padding(int64_t M, int64_t K, uint16_t* out) {
+  for (int64_t r = M; r < amx_tiles_of(M) * 16; ++r) amx_pack_row(nullptr, K, r, out);
+}
+
 // The same from float rows (P, Pb, dS), rounded to bfloat16 (nearest even).
 static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint16_t* out) {
-  const int64_t KB = amx_kblocks(K), MT = amx_tiles_of(M);
-  for (int64_t r = 0; r < MT * 16; ++r) {
-    uint16_t* row = out + (r / 16) * KB * kTileElems + (r % 16) * 32;
-    for (int64_t b = 0; b < KB; ++b) {
-      const int64_t n = r < M ? std::min<int64_t>(32, K - b * 32) : 0;
-      const int64_t n0 = std::min<int64_t>(n, 16), n1 = std::max<int64_t>(n - 16, 0);
-      const __mmask16 m0 = n0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n0) - 1);
-      const __mmask16 m1 = n1 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n1) - 1);
-      const float* src = r < M ? a + r * ld + b * 32 : a;
-      const __m512 lo = _mm512_maskz_loadu_ps(m0, src), hi = _mm512_maskz_loadu_ps(m1, src + 16);
-      _mm512_storeu_si512(row + b * kTileElems, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-  }
+  for (int64_t r = 0; r < M; ++r) amx_pack_row(a + r * ld, K, r, out);
+  amx_pack_row_padding(M, K, out);
 }
 
 // r[i] = row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] = its column i.
@@ -1564,10 +1579,12 @@ static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t
 }
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
-// a_pack for AMX, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
+// a_pack for AMX, unless a_packed: the rows packed already; a_low for MKL), B in I (V_J or aV;
+// packed into op unless it holds B already).
 template <typename T, typename I>
 static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
-                              int64_t Dv, const T* a, AmxBuffer& a_pack, I* a_low, const I* b) {
+                              int64_t Dv, const T* a, AmxBuffer& a_pack, I* a_low, const I* b,
+                              bool a_packed = false) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
@@ -1575,7 +1592,10 @@ static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq,
         amx_pack_pairs(bits_of(b), n, Dv, op.buf.p);
         op.mark(b, n);
       }
-      amx_pack_rows(a, nq, n, n, a_pack.p);
+      if (a_packed)
+        amx_pack_row_padding(nq, n, a_pack.p);
+      else
+        amx_pack_rows(a, nq, n, n, a_pack.p);
       amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, op.buf.p, w.acc.data());
       return;
     }
@@ -1714,13 +1734,20 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     } else {
       gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
     }
-    for (int64_t r = 0; r < nq; ++r)
+    for (int64_t r = 0; r < nq; ++r) {
       forward_row(g, hd, attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
+#ifdef RELPOS_HAVE_AMX
+      // P's row rounded into its AMX operand while in cache
+      if constexpr (std::is_same_v<I, c10::BFloat16>) {
+        if (w.amx) amx_pack_row(w.scores.data() + r * nk, nk, r, w.p_pack.p);
+      }
+#endif
+    }
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
     if constexpr (low) {
       if (low_gemms) {
         values_low(w, w.v_op, nq, nk, Dv, w.scores.data(), w.p_pack, w.p_low.data(),
-                   hd.v + j0 * Dv);
+                   hd.v + j0 * Dv, /*a_packed=*/true);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
         gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
