@@ -509,12 +509,14 @@ static inline void amx_transpose16(__m512i r[16]) {
 
 // A operand of x^T for float rows x (M, K; row stride K), rounded to bfloat16: row tile t of
 // x^T (columns 16t.. of x), k-block b (rows 32b.. of x); zeros past K and M. (P^T and dS^T.)
-static void amx_pack_rows_t(const float* x, int64_t M, int64_t K, uint16_t* out) {
+// Only k-block `only` where it is not -1 (rows 32 · only ..: packed as soon as they are done).
+static void amx_pack_rows_t(const float* x, int64_t M, int64_t K, uint16_t* out,
+                            int64_t only = -1) {
   const int64_t KB = amx_kblocks(M), MT = amx_tiles_of(K);
   for (int64_t t = 0; t < MT; ++t) {
     const int64_t c0 = t * 16, nc = std::max<int64_t>(0, std::min<int64_t>(16, K - c0));
     const __mmask16 m = nc >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nc) - 1);
-    for (int64_t b = 0; b < KB; ++b) {
+    for (int64_t b = only < 0 ? 0 : only; b < (only < 0 ? KB : only + 1); ++b) {
       __m512i half[2][16];
       for (int h = 0; h < 2; ++h) {
         for (int i = 0; i < 16; ++i) {
@@ -1930,12 +1932,29 @@ static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64
   TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
 }
 
+// Rows [r0, r1) of P (pd) and dS (w.dp), done, rounded to bfloat16 into their AMX operands
+// while in cache: dS as rows, and where r1 ends a 32-row k-block (or the block), that k-block
+// of P^T and dS^T.
+template <typename T, typename I>
+static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
+                                      const T* pd, int64_t r0, int64_t r1) {
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    for (int64_t r = r0; r < r1; ++r) amx_pack_row(w.dp.data() + r * nk, nk, r, w.ds_rows.p);
+    if (r1 % 32 == 0 || r1 == nq) {
+      amx_pack_rows_t(pd, nq, nk, w.p_t.p, (r1 - 1) / 32);
+      amx_pack_rows_t(w.dp.data(), nq, nk, w.ds_t.p, (r1 - 1) / 32);
+    }
+  }
+#endif
+}
+
 // dV_J += P_IJ^T @ dO_I, dq_acc_I += dS_IJ @ K_J and dK_J += scale · dS_IJ^T @ Q_I on AMX
-// tiles, P (pd) and dS (w.dp) rounded to bfloat16 as they are packed, K_J as pairs (unless held).
+// tiles, P (pd) and dS (w.dp) packed by backward_pack_rows, K_J as pairs (unless held).
 template <typename T, typename I>
 static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
-                                               int64_t D, int64_t Dv, T scale, const T* pd,
-                                               const I* k_tile, T* dv_tile, T* dk_tile) {
+                                               int64_t D, int64_t Dv, T scale, const I* k_tile,
+                                               T* dv_tile, T* dk_tile) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const int64_t kq = amx_kblocks(nq);
@@ -1943,9 +1962,7 @@ static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t n
       amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.buf.p);
       w.k_pairs.mark(k_tile, nk);
     }
-    amx_pack_rows_t(pd, nq, nk, w.p_t.p);
-    amx_pack_rows(w.dp.data(), nq, nk, nk, w.ds_rows.p);
-    amx_pack_rows_t(w.dp.data(), nq, nk, w.ds_t.p);
+    amx_pack_row_padding(nq, nk, w.ds_rows.p);
     amx_gemm_add(nk, Dv, kq, w.p_t.p, w.do_pairs.p, dv_tile);
     amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, w.k_pairs.buf.p, w.dq_acc.data());
     amx_gemm_add(nk, D, kq, w.ds_t.p, w.q_pairs.p, dk_tile, w.q_scaled ? 1.0f : scale);
@@ -2275,12 +2292,13 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
         gemm_nt<T>(nq, nk, Dv, T(1), do_wide, v_wide, T(0), w.dp.data());
       }
       T* pd = drop.on ? w.p_dropped.data() : w.scores.data();  // what multiplies V
-      for (int64_t r = 0; r < nq; ++r)
+      for (int64_t r = 0; r < nq; ++r) {
         backward_row<T, I>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
                            j1);
+        if (w.amx) backward_pack_rows(w, nq, nk, pd, r, r + 1);
+      }
       if (w.amx) {
-        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, pd, k_tile, dv + j0 * Dv,
-                                    dk + j0 * D);
+        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D);
       } else if (low_gemms) {
         if constexpr (low) {
           convert(pd, w.p_low.data(), nq * nk);
