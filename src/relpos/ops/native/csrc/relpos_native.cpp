@@ -604,16 +604,23 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
 // each tile inside C (row0, col0 its first row and column; tile 16 x 16, row stride 16).
 // With `direct` (C itself, row stride N), whole blocks are stored there from the tiles (and,
 // with `accumulate`, start from it: C += A @ B), and only the edges go through emit.
+// With lda (> 0), A is bfloat16 rows of stride lda instead (its tiles loaded with that stride):
+// every row of its 16-row tiles readable, finite past the row count (those rows' products are
+// never emitted), zeros from column K on (lda >= 32 KB).
 template <typename Emit>
 static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
-                     Emit&& emit, float* direct = nullptr, bool accumulate = false) {
+                     Emit&& emit, float* direct = nullptr, bool accumulate = false,
+                     int64_t lda = 0) {
   alignas(64) float c[4][256];
   const int64_t MT = amx_tiles_of(M), NT = amx_tiles_of(N), step = KB * kTileElems;
   const int64_t ldc = N * static_cast<int64_t>(sizeof(float));
+  // A's tile (16 rows, k-block x) at a0 + x * a_next, rows a_stride bytes apart
+  const int64_t a_tile = lda > 0 ? 16 * lda : step, a_next = lda > 0 ? 32 : kTileElems;
+  const int64_t a_stride = lda > 0 ? lda * 2 : 64;
   amx_configure();
   for (int64_t mt = 0; mt < MT; mt += 2) {
-    const uint16_t* a0 = a + mt * step;
-    const uint16_t* a1 = a0 + step;
+    const uint16_t* a0 = a + mt * a_tile;
+    const uint16_t* a1 = a0 + a_tile;
     for (int64_t nt = 0; nt < NT; nt += 2) {
       const uint16_t* b0 = b + nt * step;
       const uint16_t* b1 = b0 + step;
@@ -632,8 +639,8 @@ static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const 
         _tile_zero(3);
       }
       for (int64_t x = 0; x < KB; ++x) {
-        _tile_loadd(4, a0 + x * kTileElems, 64);
-        _tile_loadd(5, a1 + x * kTileElems, 64);
+        _tile_loadd(4, a0 + x * a_next, a_stride);
+        _tile_loadd(5, a1 + x * a_next, a_stride);
         _tile_loadd(6, b0 + x * kTileElems, 64);
         _tile_loadd(7, b1 + x * kTileElems, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -670,7 +677,7 @@ static inline __mmask16 amx_tile_columns(int64_t col0, int64_t N) {
 // c (M, N; row stride N) = scale · A @ B, or with accumulate c += scale · A @ B (one rounding:
 // a fused multiply-add); with scale 1 whole blocks go straight between c and the tiles.
 static void amx_gemm_into(int64_t M, int64_t N, int64_t KB, float scale, const uint16_t* a,
-                          const uint16_t* b, float* c, bool accumulate) {
+                          const uint16_t* b, float* c, bool accumulate, int64_t lda = 0) {
   const __m512 sc = _mm512_set1_ps(scale);
   const bool unit = scale == 1.0f;
   amx_gemm(
@@ -689,7 +696,7 @@ static void amx_gemm_into(int64_t M, int64_t N, int64_t KB, float scale, const u
           _mm512_mask_storeu_ps(dst, m, v);
         }
       },
-      unit ? c : nullptr, accumulate);
+      unit ? c : nullptr, accumulate, lda);
 }
 
 static inline void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale,
@@ -698,8 +705,9 @@ static inline void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale
 }
 
 static inline void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a,
-                                const uint16_t* b, float* acc, float scale = 1.0f) {
-  amx_gemm_into(M, N, KB, scale, a, b, acc, true);
+                                const uint16_t* b, float* acc, float scale = 1.0f,
+                                int64_t lda = 0) {
+  amx_gemm_into(M, N, KB, scale, a, b, acc, true, lda);
 }
 #endif  // RELPOS_HAVE_AMX
 
@@ -1223,6 +1231,44 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
 }
 #endif  // RELPOS_VEC_FLOAT: end of the vector section
 
+#ifdef RELPOS_HAVE_AMX
+// The bfloat16 P of a call on AMX tiles, written by the softmax itself (no float32 P to store
+// and read back): out[j] = x[j] rounded to bfloat16 (nearest even) over n entries.
+static inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + j)));
+  if (j < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + j));
+    _mm256_mask_storeu_epi16(out + j, m, y);
+  }
+}
+
+// out[j] = exp(x[j] - offset) rounded to bfloat16 over n entries (x left as it is); returns the
+// sum of the unrounded values (vec_exp<true>: 16-bit calls only).
+static inline float exp_sum_to_bf16(const float* x, int64_t n, float offset, uint16_t* out) {
+  const __m512 off = _mm512_set1_ps(offset);
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = vec_exp<true>(_mm512_sub_ps(_mm512_loadu_ps(x + j), off));
+    const __m512 e1 = vec_exp<true>(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), off));
+    _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    s0 = _mm512_add_ps(s0, e0);
+    s1 = _mm512_add_ps(s1, e1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
+    const __m512 e = vec_exp<true>(_mm512_sub_ps(_mm512_mask_loadu_ps(off, m, x + j), off));
+    _mm256_mask_storeu_epi16(out + j, m, (__m256i)_mm512_cvtneps_pbh(e));
+    s1 = _mm512_add_ps(s1, _mm512_maskz_mov_ps(m, e));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+#endif
+
 // float16 <-> float by the CPU's conversion instructions (vcvtph2ps / vcvtps2ph: 16 lanes with
 // AVX-512, 8 with F16C), rounding to nearest even as c10::Half does; the overloads win over
 // convert<From, To> for these types. (bfloat16's conversions are shifts the compiler
@@ -1440,6 +1486,8 @@ struct ForwardBlock {
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
   AmxBuffer q_pack, p_pack, pb_pack;   // Q_I (rows; times a power-of-two scale: q_scaled),
   bool q_scaled = false;               // P and Pb as they are rounded
+  AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
+  int64_t p_ld = 0;  // (AMX reads its tiles with that stride): zeros past each row's keys
   AmxOperand k_op, v_op, ak_op, av_op;  // K_J and aK (transposed), V_J and aV (pairs)
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
@@ -1455,6 +1503,8 @@ struct ForwardBlock {
           amx = true;
           q_pack.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
           p_pack.resize(amx_tiles_of(BQ) * amx_kblocks(BK) * kTileElems);
+          p_ld = amx_kblocks(BK) * 32;
+          p_rows.resize(amx_tiles_of(BQ) * 16 * p_ld);
           pb_pack.resize(values ? amx_tiles_of(BQ) * amx_kblocks(R) * kTileElems : 0);
           k_op.buf.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
           v_op.buf.resize(amx_tiles_of(Dv) * amx_kblocks(BK) * kTileElems);
@@ -1513,20 +1563,59 @@ static RELPOS_INLINE void rescale_row(ForwardBlock<T, I>& w, int64_t r, T alpha,
   }
 }
 
+// exp_segments for a call on AMX tiles without dropout: P rounded to bfloat16 into p_row
+// (nk entries: zeros past the visible keys, up to p_ld), the band's float P also in s (for
+// the bucket masses), the far segments' only in p_row.
+template <typename T>
+static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& seg,
+                                                      FarConstants<T> qa_far, T offset,
+                                                      uint16_t* p_row, int64_t p_ld) {
+  SegmentSums<T> sum{};
+#ifdef RELPOS_HAVE_AMX
+  if constexpr (std::is_same_v<T, float>) {
+    T* band_scores = s + seg.n_left;
+    T* right_scores = band_scores + seg.n_band;
+    const int64_t right0 = seg.n_left + seg.n_band;
+    if (std::isfinite(qa_far.left)) {
+      sum.left = exp_sum_to_bf16(s, seg.n_left, offset - qa_far.left, p_row);
+    } else {
+      sum.left = far_exp_sum<T, true>(s, seg.n_left, offset, qa_far.left);
+      round_to_bf16(s, seg.n_left, p_row);
+    }
+    sum.band = exp_sum<T, true>(band_scores, seg.n_band, offset);
+    round_to_bf16(band_scores, seg.n_band, p_row + seg.n_left);
+    if (std::isfinite(qa_far.right)) {
+      sum.right = exp_sum_to_bf16(right_scores, seg.n_right, offset - qa_far.right,
+                                  p_row + right0);
+    } else {
+      sum.right = far_exp_sum<T, true>(right_scores, seg.n_right, offset, qa_far.right);
+      round_to_bf16(right_scores, seg.n_right, p_row + right0);
+    }
+    std::fill(p_row + seg.n_visible, p_row + p_ld, uint16_t(0));
+  }
+#endif
+  return sum;
+}
+
 // Online-softmax step of row r over one tile: the new max, the rescale of the row's state, then
 // s = exp(s - m_new) (far constants folded in; the hidden tail [n_visible, nk) set to 0) and
-// l += its sum. Returns false, with the row's tile zeroed, while the row has seen no key.
+// l += its sum; with p_row (AMX, no dropout), P goes to p_row in bfloat16 instead, s keeping
+// only the band's (exp_segments_bf16). Returns false, with the row's tile (or p_row) zeroed,
+// while the row has seen no key.
 template <typename T, typename I>
 static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, T* s, int64_t nk,
                                               const RowSegments& seg, FarConstants<T> qa_far,
                                               int64_t Dv, int64_t R, bool values,
-                                              SegmentSums<T>& p_sums) {
+                                              SegmentSums<T>& p_sums, uint16_t* p_row) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const T mx = segments_max<T>(s, seg, qa_far);
   const T m_old = w.m[r];
   const T m_new = std::isnan(mx) ? mx : std::max(m_old, mx);
   if (m_new == ninf) {  // nothing visible yet in this row
-    std::fill(s, s + nk, T(0));
+    if (p_row != nullptr)
+      std::fill(p_row, p_row + w.p_ld, uint16_t(0));
+    else
+      std::fill(s, s + nk, T(0));
     return false;
   }
   // RESCALE to the new max; a row's first visible tile finds its state empty (0) and skips it
@@ -1535,8 +1624,12 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, 
     if (alpha != T(1)) rescale_row(w, r, alpha, Dv, R, values);
   }
   w.m[r] = m_new;
-  p_sums = exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, m_new);
-  for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
+  if (p_row != nullptr) {
+    p_sums = exp_segments_bf16<T>(s, seg, qa_far, m_new, p_row, w.p_ld);
+  } else {
+    p_sums = exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, m_new);
+    for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
+  }
   w.l[r] += p_sums.left + p_sums.band + p_sums.right;
   return true;
 }
@@ -1581,12 +1674,12 @@ static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t
 }
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
-// a_pack for AMX, unless a_packed: the rows packed already; a_low for MKL), B in I (V_J or aV;
-// packed into op unless it holds B already).
+// a_pack for AMX, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
+// AMX with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n).
 template <typename T, typename I>
 static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
                               int64_t Dv, const T* a, AmxBuffer& a_pack, I* a_low, const I* b,
-                              bool a_packed = false) {
+                              const uint16_t* a_rows = nullptr, int64_t lda = 0) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
@@ -1594,11 +1687,12 @@ static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq,
         amx_pack_pairs(bits_of(b), n, Dv, op.buf.p);
         op.mark(b, n);
       }
-      if (a_packed)
-        amx_pack_row_padding(nq, n, a_pack.p);
-      else
+      if (a_rows != nullptr) {
+        amx_gemm_add(nq, Dv, amx_kblocks(n), a_rows, op.buf.p, w.acc.data(), 1.0f, lda);
+      } else {
         amx_pack_rows(a, nq, n, n, a_pack.p);
-      amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, op.buf.p, w.acc.data());
+        amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, op.buf.p, w.acc.data());
+      }
       return;
     }
   }
@@ -1628,7 +1722,8 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
 }
 
 // Row r of one tile: band key term, masks, online-softmax step, then dropout and the bucket
-// update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) in the row's tile for the P @ V GEMM.
+// update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) for the P @ V GEMM in the row's tile
+// or, on AMX tiles, in bfloat16 in row r of w.p_rows (row stride w.p_ld).
 template <typename T, typename I>
 static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
                                       const T* attn_bias, const Dropout& drop, T inv_keep,
@@ -1641,13 +1736,26 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
   const FarConstants<T> qa_far = far_constants(qa_row, R);
   add_band_key_term<T>(s, seg, qa_row);
   add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
+  // the bfloat16 row AMX reads (written by the softmax where there is no dropout)
+  uint16_t* p_row = w.amx ? w.p_rows.p + r * w.p_ld : nullptr;
   SegmentSums<T> p_sums;
-  if (!online_softmax_step(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums))
+  if (!online_softmax_step(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums,
+                           drop.on ? nullptr : p_row)) {
+    if (p_row != nullptr && drop.on) std::fill(p_row, p_row + w.p_ld, uint16_t(0));
     return;
+  }
   T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   if (drop.on) {
     drop_row<T>(s, seg, drop, hd.dropout_row + i, inv_keep);
     if (pb_row) bucket_row<T>(s, R, seg, pb_row);
+#ifdef RELPOS_HAVE_AMX
+    if constexpr (std::is_same_v<T, float>) {
+      if (p_row != nullptr) {
+        round_to_bf16(s, nk, p_row);
+        std::fill(p_row + nk, p_row + w.p_ld, uint16_t(0));
+      }
+    }
+#endif
   } else if (pb_row) {
     add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
   }
@@ -1736,20 +1844,13 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     } else {
       gemm_nt<T>(nq, nk, D, scale, q_block, hd.k + j0 * D, T(0), w.scores.data());
     }
-    for (int64_t r = 0; r < nq; ++r) {
+    for (int64_t r = 0; r < nq; ++r)
       forward_row(g, hd, attn_bias, drop, inv_keep, w, r, i0 + r, j0, j1);
-#ifdef RELPOS_HAVE_AMX
-      // P's row rounded into its AMX operand while in cache
-      if constexpr (std::is_same_v<I, c10::BFloat16>) {
-        if (w.amx) amx_pack_row(w.scores.data() + r * nk, nk, r, w.p_pack.p);
-      }
-#endif
-    }
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
     if constexpr (low) {
       if (low_gemms) {
         values_low(w, w.v_op, nq, nk, Dv, w.scores.data(), w.p_pack, w.p_low.data(),
-                   hd.v + j0 * Dv, /*a_packed=*/true);
+                   hd.v + j0 * Dv, w.p_rows.p, w.p_ld);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
         gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
