@@ -404,6 +404,42 @@ struct AmxOperand {
   }
 };
 
+// A head's key tiles (K_J or V_J) packed as one operand each, on first use, and kept for the
+// head's other query blocks (MKL's GEMM, and this file's before, packed them again for every
+// query block: a twentieth of the time at n = 4096). Tile t (keys t·BK ..) in slot t of
+// `slot` elements, packed from its first min(BK, S - t·BK) rows. Keyed by the head's rows (src,
+// S) and the slot: a thread's state lives for one call, whose inputs do not change.
+struct AmxHeadTiles {
+  AmxBuffer buf;
+  int64_t capacity = 0;
+  const void* src = nullptr;
+  int64_t S = -1, BK = 0, slot = 0;
+  std::vector<uint8_t> done;
+  // The slot of the tile starting at key j0, packed by pack(slot pointer) unless it is already.
+  template <typename Pack>
+  const uint16_t* tile(const void* from, int64_t S_, int64_t BK_, int64_t slot_, int64_t j0,
+                       Pack&& pack) {
+    if (from != src || S_ != S || BK_ != BK || slot_ != slot) {
+      const int64_t tiles = (S_ + BK_ - 1) / BK_;
+      if (capacity < tiles * slot_) {
+        buf.resize(tiles * slot_);
+        capacity = tiles * slot_;
+      }
+      src = from;
+      S = S_;
+      BK = BK_;
+      slot = slot_;
+      done.assign(tiles, 0);
+    }
+    uint16_t* p = buf.p + (j0 / BK) * slot;
+    if (!done[j0 / BK]) {
+      pack(p);
+      done[j0 / BK] = 1;
+    }
+    return p;
+  }
+};
+
 #ifdef RELPOS_HAVE_AMX
 
 static inline void amx_configure() {
@@ -708,6 +744,31 @@ static inline void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t
                                 const uint16_t* b, float* acc, float scale = 1.0f,
                                 int64_t lda = 0) {
   amx_gemm_into(M, N, KB, scale, a, b, acc, true, lda);
+}
+
+// The AMX B operand of key tile J (keys j0 .. of a head's S rows `head`, K wide) transposed,
+// as for A @ K_J^T (scores, dP), from the head's cache. A tile the causal mask cuts to fewer
+// keys uses the same packing: its further columns are computed and never stored.
+template <typename I>
+static inline const uint16_t* amx_head_tile_transposed(AmxHeadTiles& cache, const I* head,
+                                                       int64_t S, int64_t BK, int64_t j0,
+                                                       int64_t K) {
+  const int64_t n = std::min(BK, S - j0);
+  return cache.tile(head, S, BK, amx_tiles_of(BK) * amx_kblocks(K) * kTileElems, j0,
+                    [&](uint16_t* p) { amx_pack_transposed(bits_of(head + j0 * K), n, K, p); });
+}
+
+// The same as pairs, as for A @ V_J (P @ V, dS @ K), for a tile of all its nk = min(BK, S - j0)
+// keys; nullptr for a tile cut shorter, which the caller packs alone: there A's zero columns
+// past nk must meet zero rows (the keys past nk, which may hold anything, are not read).
+template <typename I>
+static inline const uint16_t* amx_head_tile_pairs(AmxHeadTiles& cache, const I* head, int64_t S,
+                                                  int64_t BK, int64_t j0, int64_t nk,
+                                                  int64_t N) {
+  const int64_t n = std::min(BK, S - j0);
+  if (nk != n) return nullptr;
+  return cache.tile(head, S, BK, amx_tiles_of(N) * amx_kblocks(BK) * kTileElems, j0,
+                    [&](uint16_t* p) { amx_pack_pairs(bits_of(head + j0 * N), n, N, p); });
 }
 #endif  // RELPOS_HAVE_AMX
 
@@ -1489,6 +1550,7 @@ struct ForwardBlock {
   AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
   int64_t p_ld = 0;  // (AMX reads its tiles with that stride): zeros past each row's keys
   AmxOperand k_op, v_op, ak_op, av_op;  // K_J and aK (transposed), V_J and aV (pairs)
+  AmxHeadTiles k_head, v_head;          // a head's K_J (transposed) and V_J (pairs), kept
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
                int64_t D = 0, int64_t BK = 0, bool low_gemms = false, bool amx_tiles = false)
@@ -1652,20 +1714,24 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 
 // out (nq, n) = scale · A (nq, K) @ B^T for rows A and B (n, K) in I (Q_I or dO_I against K_J,
 // V_J, aK or aV), 16-bit operands: on AMX tiles (amx), A packed as rows in a_rows (the scale
-// already in it where a_scaled) and B packed into op unless it holds B already; else MKL's GEMM
-// on a_low and b.
+// already in it where a_scaled) and B packed into op unless it holds B already (or b_packed:
+// packed already); else MKL's GEMM on a_low and b.
 template <typename T, typename I>
 static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t n, int64_t K,
                                    T scale, const AmxBuffer& a_rows, bool a_scaled,
-                                   const I* a_low, const I* b, T* out) {
+                                   const I* a_low, const I* b, T* out,
+                                   const uint16_t* b_packed = nullptr) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (amx) {
-      if (!op.holds(b, n)) {
-        amx_pack_transposed(bits_of(b), n, K, op.buf.p);
-        op.mark(b, n);
+      if (b_packed == nullptr) {
+        if (!op.holds(b, n)) {
+          amx_pack_transposed(bits_of(b), n, K, op.buf.p);
+          op.mark(b, n);
+        }
+        b_packed = op.buf.p;
       }
-      amx_gemm_scaled(nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, op.buf.p, out);
+      amx_gemm_scaled(nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed, out);
       return;
     }
   }
@@ -1675,23 +1741,28 @@ static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
 // a_pack for AMX, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
-// AMX with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n).
+// AMX with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n); with
+// b_packed, B too.
 template <typename T, typename I>
 static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
                               int64_t Dv, const T* a, AmxBuffer& a_pack, I* a_low, const I* b,
-                              const uint16_t* a_rows = nullptr, int64_t lda = 0) {
+                              const uint16_t* a_rows = nullptr, int64_t lda = 0,
+                              const uint16_t* b_packed = nullptr) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
-      if (!op.holds(b, n)) {
-        amx_pack_pairs(bits_of(b), n, Dv, op.buf.p);
-        op.mark(b, n);
+      if (b_packed == nullptr) {
+        if (!op.holds(b, n)) {
+          amx_pack_pairs(bits_of(b), n, Dv, op.buf.p);
+          op.mark(b, n);
+        }
+        b_packed = op.buf.p;
       }
       if (a_rows != nullptr) {
-        amx_gemm_add(nq, Dv, amx_kblocks(n), a_rows, op.buf.p, w.acc.data(), 1.0f, lda);
+        amx_gemm_add(nq, Dv, amx_kblocks(n), a_rows, b_packed, w.acc.data(), 1.0f, lda);
       } else {
         amx_pack_rows(a, nq, n, n, a_pack.p);
-        amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, op.buf.p, w.acc.data());
+        amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, b_packed, w.acc.data());
       }
       return;
     }
@@ -1832,11 +1903,22 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   for (int64_t j0 = 0; j0 < g.S; j0 += BK) {
     if (!g.block_visible(i1, j0)) break;
     const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
+    // the head's K_J and V_J as AMX operands (V_J cut by the causal mask: nullptr, packed alone)
+    const uint16_t* k_packed = nullptr;
+    const uint16_t* v_packed = nullptr;
+#ifdef RELPOS_HAVE_AMX
+    if constexpr (std::is_same_v<I, c10::BFloat16>) {
+      if (w.amx) {
+        k_packed = amx_head_tile_transposed(w.k_head, hd.k, g.S, BK, j0, D);
+        v_packed = amx_head_tile_pairs(w.v_head, hd.v, g.S, BK, j0, nk, Dv);
+      }
+    }
+#endif
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
         gemm_scores_low(w.amx, w.k_op, nq, nk, D, scale, w.q_pack, w.q_scaled, q_block,
-                        hd.k + j0 * D, w.scores.data());
+                        hd.k + j0 * D, w.scores.data(), k_packed);
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
         gemm_nt<T>(nq, nk, D, scale, q_wide, w.k_wide.data(), T(0), w.scores.data());
@@ -1850,7 +1932,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     if constexpr (low) {
       if (low_gemms) {
         values_low(w, w.v_op, nq, nk, Dv, w.scores.data(), w.p_pack, w.p_low.data(),
-                   hd.v + j0 * Dv, w.p_rows.p, w.p_ld);
+                   hd.v + j0 * Dv, w.p_rows.p, w.p_ld, v_packed);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
         gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
@@ -1971,6 +2053,7 @@ struct BackwardBlock {
   bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
   AmxOperand k_t, v_t, ak_op, av_op;  // K_J, V_J, aK, aV transposed (kept while the same rows
   AmxOperand k_pairs;                 // come back) and K_J as pairs
+  AmxHeadTiles k_head_t, v_head_t, k_head_pairs;  // the same, kept for the head's query blocks
   AmxBuffer p_t, ds_rows, ds_t;                   // P^T, dS and dS^T of the tile
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
@@ -2051,21 +2134,26 @@ static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_
 }
 
 // dV_J += P_IJ^T @ dO_I, dq_acc_I += dS_IJ @ K_J and dK_J += scale · dS_IJ^T @ Q_I on AMX
-// tiles, P (pd) and dS (w.dp) packed by backward_pack_rows, K_J as pairs (unless held).
+// tiles, P (pd) and dS (w.dp) packed by backward_pack_rows, K_J as pairs (k_packed: the head's
+// cache; else packed unless held).
 template <typename T, typename I>
 static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
                                                int64_t D, int64_t Dv, T scale, const I* k_tile,
-                                               T* dv_tile, T* dk_tile) {
+                                               T* dv_tile, T* dk_tile,
+                                               const uint16_t* k_packed = nullptr) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const int64_t kq = amx_kblocks(nq);
-    if (!w.k_pairs.holds(k_tile, nk)) {
-      amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.buf.p);
-      w.k_pairs.mark(k_tile, nk);
+    if (k_packed == nullptr) {
+      if (!w.k_pairs.holds(k_tile, nk)) {
+        amx_pack_pairs(bits_of(k_tile), nk, D, w.k_pairs.buf.p);
+        w.k_pairs.mark(k_tile, nk);
+      }
+      k_packed = w.k_pairs.buf.p;
     }
     amx_pack_row_padding(nq, nk, w.ds_rows.p);
     amx_gemm_add(nk, Dv, kq, w.p_t.p, w.do_pairs.p, dv_tile);
-    amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, w.k_pairs.buf.p, w.dq_acc.data());
+    amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, k_packed, w.dq_acc.data());
     amx_gemm_add(nk, D, kq, w.ds_t.p, w.q_pairs.p, dk_tile, w.q_scaled ? 1.0f : scale);
     return;
   }
@@ -2375,13 +2463,27 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       const I* k_tile = hd.k + j0 * D;
       const I* v_tile = hd.v + j0 * Dv;
       const T* k_wide = nullptr;  // K_J and V_J as T (float GEMMs)
+      // the head's K_J, V_J (transposed) and K_J (pairs; nullptr where the causal mask cuts
+      // the tile) as AMX operands
+      const uint16_t* k_packed_t = nullptr;
+      const uint16_t* v_packed_t = nullptr;
+      const uint16_t* k_packed_pairs = nullptr;
+#ifdef RELPOS_HAVE_AMX
+      if constexpr (std::is_same_v<I, c10::BFloat16>) {
+        if (w.amx) {
+          k_packed_t = amx_head_tile_transposed(w.k_head_t, hd.k, S, BK, j0, D);
+          v_packed_t = amx_head_tile_transposed(w.v_head_t, hd.v, S, BK, j0, Dv);
+          k_packed_pairs = amx_head_tile_pairs(w.k_head_pairs, hd.k, S, BK, j0, nk, D);
+        }
+      }
+#endif
       if (low_gemms) {
         if constexpr (low) {
           // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T; dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
           gemm_scores_low(w.amx, w.k_t, nq, nk, D, scale, w.q_rows, w.q_scaled, q_block, k_tile,
-                          w.scores.data());
+                          w.scores.data(), k_packed_t);
           gemm_scores_low(w.amx, w.v_t, nq, nk, Dv, T(1), w.do_rows, false, do_block, v_tile,
-                          w.dp.data());
+                          w.dp.data(), v_packed_t);
         }
       } else {
         const auto [kw, v_wide] = as_wide2<T, I>(k_tile, nk * D, w.k_wide, v_tile, nk * Dv,
@@ -2399,7 +2501,8 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
         if (w.amx) backward_pack_rows(w, nq, nk, pd, r, r + 1);
       }
       if (w.amx) {
-        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D);
+        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D,
+                                    k_packed_pairs);
       } else if (low_gemms) {
         if constexpr (low) {
           convert(pd, w.p_low.data(), nq * nk);
