@@ -1545,12 +1545,14 @@ struct ForwardBlock {
   std::vector<I> p_low, pb_low;  // P and Pb rounded to I for the 16-bit GEMMs
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
-  AmxBuffer q_pack, p_pack, pb_pack;   // Q_I (rows; times a power-of-two scale: q_scaled),
-  bool q_scaled = false;               // P and Pb as they are rounded
+  AmxBuffer q_pack, pb_pack;  // Q_I (rows; times a power-of-two scale: q_scaled), Pb as it is
+  bool q_scaled = false;      // rounded (p_pack: unused, P goes to p_rows)
+  AmxBuffer p_pack;
   AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
   int64_t p_ld = 0;  // (AMX reads its tiles with that stride): zeros past each row's keys
-  AmxOperand k_op, v_op, ak_op, av_op;  // K_J and aK (transposed), V_J and aV (pairs)
+  AmxOperand k_op, v_op, ak_op, av_op;  // aK (transposed), V_J cut short and aV (pairs);
   AmxHeadTiles k_head, v_head;          // a head's K_J (transposed) and V_J (pairs), kept
+                                        // (k_op: unused, K_J comes from k_head)
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
                int64_t D = 0, int64_t BK = 0, bool low_gemms = false, bool amx_tiles = false)
@@ -1564,11 +1566,9 @@ struct ForwardBlock {
         if (amx_tiles) {
           amx = true;
           q_pack.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
-          p_pack.resize(amx_tiles_of(BQ) * amx_kblocks(BK) * kTileElems);
           p_ld = amx_kblocks(BK) * 32;
           p_rows.resize(amx_tiles_of(BQ) * 16 * p_ld);
           pb_pack.resize(values ? amx_tiles_of(BQ) * amx_kblocks(R) * kTileElems : 0);
-          k_op.buf.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
           v_op.buf.resize(amx_tiles_of(Dv) * amx_kblocks(BK) * kTileElems);
           ak_op.buf.resize(keys ? amx_tiles_of(R) * amx_kblocks(D) * kTileElems : 0);
           av_op.buf.resize(values ? amx_tiles_of(Dv) * amx_kblocks(R) * kTileElems : 0);
@@ -2051,9 +2051,10 @@ struct BackwardBlock {
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
   AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
   bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
-  AmxOperand k_t, v_t, ak_op, av_op;  // K_J, V_J, aK, aV transposed (kept while the same rows
-  AmxOperand k_pairs;                 // come back) and K_J as pairs
-  AmxHeadTiles k_head_t, v_head_t, k_head_pairs;  // the same, kept for the head's query blocks
+  AmxOperand k_t, v_t, ak_op, av_op;  // aK, aV transposed (kept while the same rows come back;
+  AmxOperand k_pairs;                 // k_t, v_t unused) and K_J as pairs where cut short
+  AmxHeadTiles k_head_t, v_head_t, k_head_pairs;  // a head's K_J, V_J transposed and K_J as
+                                                  // pairs, kept for its query blocks
   AmxBuffer p_t, ds_rows, ds_t;                   // P^T, dS and dS^T of the tile
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
@@ -2076,8 +2077,6 @@ struct BackwardBlock {
           do_rows.resize(amx_tiles_of(BQ) * amx_kblocks(Dv) * kTileElems);
           q_pairs.resize(amx_tiles_of(D) * kq * kTileElems);
           do_pairs.resize(amx_tiles_of(Dv) * kq * kTileElems);
-          k_t.buf.resize(amx_tiles_of(BK) * amx_kblocks(D) * kTileElems);
-          v_t.buf.resize(amx_tiles_of(BK) * amx_kblocks(Dv) * kTileElems);
           k_pairs.buf.resize(amx_tiles_of(D) * kk * kTileElems);
           ak_op.buf.resize(keys ? amx_tiles_of(R) * amx_kblocks(D) * kTileElems : 0);
           av_op.buf.resize(values ? amx_tiles_of(R) * amx_kblocks(Dv) * kTileElems : 0);
