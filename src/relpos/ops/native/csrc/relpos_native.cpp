@@ -333,14 +333,17 @@ static bool use_low_gemms() {
 // AMX-BF16 (-march=native on one; the portable variants never do) and Linux grants this process
 // the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once). MKL's bfloat16 GEMM repacks both
 // operands on every call (a tenth of the forward at 8 x 512, perf); here each operand is packed
-// once per query block (Q, dO) or key tile (K, V, P, dS) into contiguous 16 x 32 bfloat16 tiles
-// of 1 KiB (A as rows, B in the pair-interleaved layout TDPBF16PS reads), edges zero-filled, so
-// any n, D and Dv run. Products accumulate in float32 in the tile registers (input denormals
-// count as zero, as in MKL's AMX kernels). Whole 2 x 2 blocks of 16 x 16 float tiles go straight
-// to their float destination (stored, or loaded, accumulated and stored); edge tiles through a
-// 1 KiB buffer, masked. A power-of-two scale (D = 64's 1/8) is applied exactly to Q as it is
-// packed; another one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest
-// even) as they are packed, as MKL's path rounds them. RELPOS_NATIVE_AMX=0 turns them off.
+// once: Q and dO per query block, a head's K and V tiles once per head (AmxHeadTiles), dS (and
+// P^T, dS^T) row by row as the backward's rows are done, into contiguous 16 x 32 bfloat16
+// tiles of 1 KiB (A as rows, B in the pair-interleaved layout TDPBF16PS reads), edges
+// zero-filled, so any n, D and Dv run; the forward's P is written in bfloat16 by the softmax
+// itself and its tiles loaded from those rows by stride. Products accumulate in float32 in the
+// tile registers (input denormals count as zero, as in MKL's AMX kernels). Whole 2 x 2 blocks
+// of 16 x 16 float tiles go straight to their float destination (stored, or loaded,
+// accumulated and stored); edge tiles through a 1 KiB buffer, masked. A power-of-two scale
+// (D = 64's 1/8) is applied exactly to Q as it is packed; another one to the tiles on their
+// way out. P and dS are rounded to bfloat16 (nearest even), as MKL's path rounds them.
+// RELPOS_NATIVE_AMX=0 turns them off.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__) && defined(__linux__)
 #define RELPOS_HAVE_AMX 1
@@ -779,7 +782,7 @@ static inline void convert(const From* src, To* dst, int64_t n) {
 }
 
 // ------------------------------------------------------------------------------------------
-// exp: a vectorizable exp for float (Cody-Waite reduction, degree-6 polynomial; relative error
+// exp: a vectorizable exp for float (Cody-Waite reduction, degree-7 polynomial; relative error
 // about 2 ulp), exact std::exp for double. exp(-inf) = 0 and exp of anything below the float
 // range is 0, at full speed (no slow underflow path); exp(+inf) = +inf, exp(NaN) = NaN.
 
