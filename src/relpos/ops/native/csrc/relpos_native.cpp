@@ -1311,8 +1311,11 @@ static inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
 }
 
 // out[j] = exp(x[j] - offset) rounded to bfloat16 over n entries (x left as it is); returns the
-// sum of the unrounded values (vec_exp<true>: 16-bit calls only).
-static inline float exp_sum_to_bf16(const float* x, int64_t n, float offset, uint16_t* out) {
+// sum of the unrounded values (vec_exp<true>: 16-bit calls only). With Acc, also acc[j] += the
+// unrounded value (the band's bucket masses, in the same pass).
+template <bool Acc = false>
+static inline float exp_sum_to_bf16(const float* x, int64_t n, float offset, uint16_t* out,
+                                    float* acc = nullptr) {
   const __m512 off = _mm512_set1_ps(offset);
   __m512 s0 = _mm512_setzero_ps(), s1 = s0;
   int64_t j = 0;
@@ -1320,6 +1323,10 @@ static inline float exp_sum_to_bf16(const float* x, int64_t n, float offset, uin
     const __m512 e0 = vec_exp<true>(_mm512_sub_ps(_mm512_loadu_ps(x + j), off));
     const __m512 e1 = vec_exp<true>(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), off));
     _mm512_storeu_si512(out + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    if constexpr (Acc) {
+      _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), e0));
+      _mm512_storeu_ps(acc + j + 16, _mm512_add_ps(_mm512_loadu_ps(acc + j + 16), e1));
+    }
     s0 = _mm512_add_ps(s0, e0);
     s1 = _mm512_add_ps(s1, e1);
   }
@@ -1327,6 +1334,8 @@ static inline float exp_sum_to_bf16(const float* x, int64_t n, float offset, uin
     const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1u);
     const __m512 e = vec_exp<true>(_mm512_sub_ps(_mm512_mask_loadu_ps(off, m, x + j), off));
     _mm256_mask_storeu_epi16(out + j, m, (__m256i)_mm512_cvtneps_pbh(e));
+    if constexpr (Acc)
+      _mm512_mask_storeu_ps(acc + j, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + j), e));
     s1 = _mm512_add_ps(s1, _mm512_maskz_mov_ps(m, e));
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
@@ -1629,12 +1638,13 @@ static RELPOS_INLINE void rescale_row(ForwardBlock<T, I>& w, int64_t r, T alpha,
 }
 
 // exp_segments for a call on AMX tiles without dropout: P rounded to bfloat16 into p_row
-// (nk entries: zeros past the visible keys, up to p_ld), the band's float P also in s (for
-// the bucket masses), the far segments' only in p_row.
+// (nk entries: zeros past the visible keys, up to p_ld), s left as it is; with pb_row (R
+// entries) the row's bucket masses added in the same pass (add_to_buckets's).
 template <typename T>
 static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& seg,
                                                       FarConstants<T> qa_far, T offset,
-                                                      uint16_t* p_row, int64_t p_ld) {
+                                                      uint16_t* p_row, int64_t p_ld, T* pb_row,
+                                                      int64_t R) {
   SegmentSums<T> sum{};
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<T, float>) {
@@ -1647,8 +1657,11 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
       sum.left = far_exp_sum<T, true>(s, seg.n_left, offset, qa_far.left);
       round_to_bf16(s, seg.n_left, p_row);
     }
-    sum.band = exp_sum<T, true>(band_scores, seg.n_band, offset);
-    round_to_bf16(band_scores, seg.n_band, p_row + seg.n_left);
+    if (pb_row != nullptr)
+      sum.band = exp_sum_to_bf16<true>(band_scores, seg.n_band, offset, p_row + seg.n_left,
+                                       pb_row + seg.band_row);
+    else
+      sum.band = exp_sum_to_bf16(band_scores, seg.n_band, offset, p_row + seg.n_left);
     if (std::isfinite(qa_far.right)) {
       sum.right = exp_sum_to_bf16(right_scores, seg.n_right, offset - qa_far.right,
                                   p_row + right0);
@@ -1657,6 +1670,10 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
       round_to_bf16(right_scores, seg.n_right, p_row + right0);
     }
     std::fill(p_row + seg.n_visible, p_row + p_ld, uint16_t(0));
+    if (pb_row != nullptr) {
+      pb_row[0] += sum.left;
+      pb_row[R - 1] += sum.right;
+    }
   }
 #endif
   return sum;
@@ -1690,7 +1707,9 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, 
   }
   w.m[r] = m_new;
   if (p_row != nullptr) {
-    p_sums = exp_segments_bf16<T>(s, seg, qa_far, m_new, p_row, w.p_ld);
+    // after the rescale above, so the row's masses are relative to m_new
+    p_sums = exp_segments_bf16<T>(s, seg, qa_far, m_new, p_row, w.p_ld,
+                                  values ? w.pb.data() + r * R : nullptr, R);
   } else {
     p_sums = exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, m_new);
     for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
@@ -1830,7 +1849,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
       }
     }
 #endif
-  } else if (pb_row) {
+  } else if (pb_row && p_row == nullptr) {  // (with p_row the softmax added them)
     add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
   }
 }
