@@ -1229,9 +1229,10 @@ static inline float row_max_vec(const float* x, int64_t n) {
   return VecF::reduce_max(VecF::max_skip_nan(m0, m2));
 }
 
-// x[j] = exp(x[j] - offset) over n entries; returns their sum. (Low: vec_exp's.)
-template <bool Low = false>
-static inline float exp_sum_vec(float* x, int64_t n, float offset) {
+// x[j] = exp(x[j] - offset) over n entries; returns their sum. (Low: vec_exp's.) With Acc,
+// also acc[j] += x[j] (the band's bucket masses, in the same pass).
+template <bool Low = false, bool Acc = false>
+static inline float exp_sum_vec(float* x, int64_t n, float offset, float* acc = nullptr) {
   constexpr int64_t W = VecF::W;
   const VecF::V off = VecF::set1(offset);
   VecF::V s0 = VecF::set1(0.0f), s1 = s0;
@@ -1241,18 +1242,27 @@ static inline float exp_sum_vec(float* x, int64_t n, float offset) {
     const VecF::V e1 = vec_exp<Low>(VecF::sub(VecF::load(x + j + W), off));
     VecF::store(x + j, e0);
     VecF::store(x + j + W, e1);
+    if constexpr (Acc) {
+      VecF::store(acc + j, VecF::add(VecF::load(acc + j), e0));
+      VecF::store(acc + j + W, VecF::add(VecF::load(acc + j + W), e1));
+    }
     s0 = VecF::add(s0, e0);
     s1 = VecF::add(s1, e1);
   }
   for (; j + W <= n; j += W) {
     const VecF::V e = vec_exp<Low>(VecF::sub(VecF::load(x + j), off));
     VecF::store(x + j, e);
+    if constexpr (Acc) VecF::store(acc + j, VecF::add(VecF::load(acc + j), e));
     s0 = VecF::add(s0, e);
   }
   if (j < n) {
     const VecF::M m = VecF::tail(n - j);
     const VecF::V e = vec_exp<Low>(VecF::sub(VecF::load_tail(x + j, m, off), off));
     VecF::store_tail(x + j, m, e);
+    if constexpr (Acc) {
+      const VecF::V zero = VecF::set1(0.0f);
+      VecF::store_tail(acc + j, m, VecF::add(VecF::load_tail(acc + j, m, zero), e));
+    }
     s1 = VecF::add(s1, VecF::zero_off_tail(m, e));
   }
   return VecF::reduce_add(VecF::add(s0, s1));
@@ -1416,17 +1426,19 @@ static inline void add_to(T* dst, const T* src, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
 }
 
-// Low: the vector path may take the cheaper polynomial (vec_exp; 16-bit calls only).
-template <typename T, bool Low = false>
-static inline T exp_sum(T* x, int64_t n, T offset) {
+// Low: the vector path may take the cheaper polynomial (vec_exp; 16-bit calls only). Acc:
+// acc[j] += x[j] too.
+template <typename T, bool Low = false, bool Acc = false>
+static inline T exp_sum(T* x, int64_t n, T offset, T* acc = nullptr) {
 #if defined(RELPOS_VEC_FLOAT)
-  if constexpr (std::is_same_v<T, float>) return exp_sum_vec<Low>(x, n, offset);
+  if constexpr (std::is_same_v<T, float>) return exp_sum_vec<Low, Acc>(x, n, offset, acc);
 #endif
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
     const T e = exp_<T>(x[j] - offset);
     x[j] = e;
+    if constexpr (Acc) acc[j] += e;
     sum += e;
   }
   return sum;
@@ -1504,15 +1516,24 @@ struct SegmentSums {
 };
 
 // s = exp(s + far constant - offset), segment by segment; returns each segment's sum. Low:
-// a call with 16-bit inputs (exp_sum).
+// a call with 16-bit inputs (exp_sum). With buckets (R entries), the row's bucket masses are
+// added in the same pass (add_to_buckets's; the band's table rows are 1 .. R-2).
 template <typename T, bool Low = false>
 static RELPOS_INLINE SegmentSums<T> exp_segments(T* s, const RowSegments& seg,
-                                                 FarConstants<T> qa_far, T offset) {
+                                                 FarConstants<T> qa_far, T offset,
+                                                 T* buckets = nullptr, int64_t R = 0) {
   T* band_scores = s + seg.n_left;
   SegmentSums<T> sum;
   sum.left = far_exp_sum<T, Low>(s, seg.n_left, offset, qa_far.left);
-  sum.band = exp_sum<T, Low>(band_scores, seg.n_band, offset);
+  if (buckets != nullptr)
+    sum.band = exp_sum<T, Low, true>(band_scores, seg.n_band, offset, buckets + seg.band_row);
+  else
+    sum.band = exp_sum<T, Low>(band_scores, seg.n_band, offset);
   sum.right = far_exp_sum<T, Low>(band_scores + seg.n_band, seg.n_right, offset, qa_far.right);
+  if (buckets != nullptr) {
+    buckets[0] += sum.left;
+    buckets[R - 1] += sum.right;
+  }
   return sum;
 }
 
@@ -1681,14 +1702,16 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
 
 // Online-softmax step of row r over one tile: the new max, the rescale of the row's state, then
 // s = exp(s - m_new) (far constants folded in; the hidden tail [n_visible, nk) set to 0) and
-// l += its sum; with p_row (AMX, no dropout), P goes to p_row in bfloat16 instead, s keeping
-// only the band's (exp_segments_bf16). Returns false, with the row's tile (or p_row) zeroed,
-// while the row has seen no key.
+// l += its sum; with p_row (AMX, no dropout), P goes to p_row in bfloat16 instead, s left as
+// it is (exp_segments_bf16). With buckets (no dropout), the row's bucket masses (R) are added
+// in the same pass. Returns false, with the row's tile (or p_row) zeroed, while the row has
+// seen no key.
 template <typename T, typename I>
 static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, T* s, int64_t nk,
                                               const RowSegments& seg, FarConstants<T> qa_far,
                                               int64_t Dv, int64_t R, bool values,
-                                              SegmentSums<T>& p_sums, uint16_t* p_row) {
+                                              SegmentSums<T>& p_sums, uint16_t* p_row,
+                                              T* buckets) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const T mx = segments_max<T>(s, seg, qa_far);
   const T m_old = w.m[r];
@@ -1708,10 +1731,9 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, 
   w.m[r] = m_new;
   if (p_row != nullptr) {
     // after the rescale above, so the row's masses are relative to m_new
-    p_sums = exp_segments_bf16<T>(s, seg, qa_far, m_new, p_row, w.p_ld,
-                                  values ? w.pb.data() + r * R : nullptr, R);
+    p_sums = exp_segments_bf16<T>(s, seg, qa_far, m_new, p_row, w.p_ld, buckets, R);
   } else {
-    p_sums = exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, m_new);
+    p_sums = exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, m_new, buckets, R);
     for (int64_t j = seg.n_visible; j < nk; ++j) s[j] = T(0);
   }
   w.l[r] += p_sums.left + p_sums.band + p_sums.right;
@@ -1831,13 +1853,13 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
   add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   // the bfloat16 row AMX reads (written by the softmax where there is no dropout)
   uint16_t* p_row = w.amx ? w.p_rows.p + r * w.p_ld : nullptr;
+  T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   SegmentSums<T> p_sums;
   if (!online_softmax_step(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums,
-                           drop.on ? nullptr : p_row)) {
+                           drop.on ? nullptr : p_row, drop.on ? nullptr : pb_row)) {
     if (p_row != nullptr && drop.on) std::fill(p_row, p_row + w.p_ld, uint16_t(0));
     return;
   }
-  T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   if (drop.on) {
     drop_row<T>(s, seg, drop, hd.dropout_row + i, inv_keep);
     if (pb_row) bucket_row<T>(s, R, seg, pb_row);
@@ -1849,9 +1871,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
       }
     }
 #endif
-  } else if (pb_row && p_row == nullptr) {  // (with p_row the softmax added them)
-    add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
-  }
+  }  // (without dropout the softmax added the bucket masses)
 }
 
 // Epilogue of a query block: acc += Pb @ aV, out = acc / l, lse = m + log l. A row that sees no
@@ -2316,10 +2336,8 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd,
     if (dsb_row) bucket_row<T>(dp, R, seg, dsb_row);
   } else if (!drop.on) {
     // P, segment by segment (the far constants folded into the offsets)
-    const SegmentSums<T> p_sums =
-        exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, row_lse);
+    exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, row_lse, pb_row, R);  // P, Pb
     const SegmentSums<T> ds_sums = ds_row<T>(s, dp, seg, doa_row, doa_far, row_delta);
-    if (pb_row) add_to_buckets<T>(pb_row, R, seg, p_sums.left, s + seg.n_left, p_sums.right);
     if (dsb_row) add_to_buckets<T>(dsb_row, R, seg, ds_sums.left, dp + seg.n_left, ds_sums.right);
   } else {
     exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, row_lse);
