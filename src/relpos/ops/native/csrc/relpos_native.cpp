@@ -408,8 +408,8 @@ struct AmxOperand {
 };
 
 // A head's key tiles (K_J or V_J) packed as one operand each, on first use, and kept for the
-// head's other query blocks (MKL's GEMM, and this file's before, packed them again for every
-// query block: a twentieth of the time at n = 4096). Tile t (keys t·BK ..) in slot t of
+// head's other query blocks (packing them again for every query block, as MKL's GEMM does on
+// every call, cost a twentieth of the forward at n = 4096). Tile t (keys t·BK ..) in slot t of
 // `slot` elements, packed from its first min(BK, S - t·BK) rows. Keyed by the head's rows (src,
 // S) and the slot: a thread's state lives for one call, whose inputs do not change.
 struct AmxHeadTiles {
