@@ -1579,13 +1579,11 @@ struct ForwardBlock {
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
   AmxBuffer q_pack, pb_pack;  // Q_I (rows; times a power-of-two scale: q_scaled), Pb as it is
-  bool q_scaled = false;      // rounded (p_pack: unused, P goes to p_rows)
-  AmxBuffer p_pack;
+  bool q_scaled = false;      // rounded
   AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
   int64_t p_ld = 0;  // (AMX reads its tiles with that stride): zeros past each row's keys
-  AmxOperand k_op, v_op, ak_op, av_op;  // aK (transposed), V_J cut short and aV (pairs);
-  AmxHeadTiles k_head, v_head;          // a head's K_J (transposed) and V_J (pairs), kept
-                                        // (k_op: unused, K_J comes from k_head)
+  AmxOperand v_op, ak_op, av_op;  // V_J cut short and aV (pairs), aK (transposed)
+  AmxHeadTiles k_head, v_head;    // a head's K_J (transposed) and V_J (pairs), kept
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
                int64_t D = 0, int64_t BK = 0, bool low_gemms = false, bool amx_tiles = false)
@@ -1759,9 +1757,9 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 // out (nq, n) = scale · A (nq, K) @ B^T for rows A and B (n, K) in I (Q_I or dO_I against K_J,
 // V_J, aK or aV), 16-bit operands: on AMX tiles (amx), A packed as rows in a_rows (the scale
 // already in it where a_scaled) and B packed into op unless it holds B already (or b_packed:
-// packed already); else MKL's GEMM on a_low and b.
+// packed already, op null); else MKL's GEMM on a_low and b.
 template <typename T, typename I>
-static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t n, int64_t K,
+static inline void gemm_scores_low(bool amx, AmxOperand* op, int64_t nq, int64_t n, int64_t K,
                                    T scale, const AmxBuffer& a_rows, bool a_scaled,
                                    const I* a_low, const I* b, T* out,
                                    const uint16_t* b_packed = nullptr) {
@@ -1769,11 +1767,11 @@ static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (amx) {
       if (b_packed == nullptr) {
-        if (!op.holds(b, n)) {
-          amx_pack_transposed(bits_of(b), n, K, op.buf.p);
-          op.mark(b, n);
+        if (!op->holds(b, n)) {
+          amx_pack_transposed(bits_of(b), n, K, op->buf.p);
+          op->mark(b, n);
         }
-        b_packed = op.buf.p;
+        b_packed = op->buf.p;
       }
       amx_gemm_scaled(nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed, out);
       return;
@@ -1785,28 +1783,28 @@ static inline void gemm_scores_low(bool amx, AmxOperand& op, int64_t nq, int64_t
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
 // a_pack for AMX, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
-// AMX with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n); with
-// b_packed, B too.
+// AMX with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n; a_pack
+// null); with b_packed, B too (op null).
 template <typename T, typename I>
-static inline void values_low(ForwardBlock<T, I>& w, AmxOperand& op, int64_t nq, int64_t n,
-                              int64_t Dv, const T* a, AmxBuffer& a_pack, I* a_low, const I* b,
+static inline void values_low(ForwardBlock<T, I>& w, AmxOperand* op, int64_t nq, int64_t n,
+                              int64_t Dv, const T* a, AmxBuffer* a_pack, I* a_low, const I* b,
                               const uint16_t* a_rows = nullptr, int64_t lda = 0,
                               const uint16_t* b_packed = nullptr) {
 #ifdef RELPOS_HAVE_AMX
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (w.amx) {
       if (b_packed == nullptr) {
-        if (!op.holds(b, n)) {
-          amx_pack_pairs(bits_of(b), n, Dv, op.buf.p);
-          op.mark(b, n);
+        if (!op->holds(b, n)) {
+          amx_pack_pairs(bits_of(b), n, Dv, op->buf.p);
+          op->mark(b, n);
         }
-        b_packed = op.buf.p;
+        b_packed = op->buf.p;
       }
       if (a_rows != nullptr) {
         amx_gemm_add(nq, Dv, amx_kblocks(n), a_rows, b_packed, w.acc.data(), 1.0f, lda);
       } else {
-        amx_pack_rows(a, nq, n, n, a_pack.p);
-        amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack.p, b_packed, w.acc.data());
+        amx_pack_rows(a, nq, n, n, a_pack->p);
+        amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack->p, b_packed, w.acc.data());
       }
       return;
     }
@@ -1826,7 +1824,7 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
   // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
   if constexpr (!std::is_same_v<T, I>) {
     if (hd.ak_low)
-      gemm_scores_low(w.amx, w.ak_op, nq, R, g.D, scale, w.q_pack, w.q_scaled, q_low, hd.ak_low,
+      gemm_scores_low(w.amx, &w.ak_op, nq, R, g.D, scale, w.q_pack, w.q_scaled, q_low, hd.ak_low,
                       w.qa.data());
   }
   if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
@@ -1884,7 +1882,7 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   // acc_I (nq, Dv) += Pb_I (nq, R) @ aV (R, Dv) (Pb rounded to I where aV comes in I)
   if constexpr (!std::is_same_v<T, I>) {
     if (hd.av_low)
-      values_low(w, w.av_op, nq, g.R, Dv, w.pb.data(), w.pb_pack, w.pb_low.data(), hd.av_low);
+      values_low(w, &w.av_op, nq, g.R, Dv, w.pb.data(), &w.pb_pack, w.pb_low.data(), hd.av_low);
   }
   if (hd.av && !hd.av_low) gemm_nn<T>(nq, Dv, g.R, T(1), w.pb.data(), hd.av, T(1), w.acc.data());
   for (int64_t r = 0; r < nq; ++r) {
@@ -1959,7 +1957,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
-        gemm_scores_low(w.amx, w.k_op, nq, nk, D, scale, w.q_pack, w.q_scaled, q_block,
+        gemm_scores_low(w.amx, nullptr, nq, nk, D, scale, w.q_pack, w.q_scaled, q_block,
                         hd.k + j0 * D, w.scores.data(), k_packed);
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
@@ -1973,7 +1971,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
     if constexpr (low) {
       if (low_gemms) {
-        values_low(w, w.v_op, nq, nk, Dv, w.scores.data(), w.p_pack, w.p_low.data(),
+        values_low(w, &w.v_op, nq, nk, Dv, w.scores.data(), nullptr, w.p_low.data(),
                    hd.v + j0 * Dv, w.p_rows.p, w.p_ld, v_packed);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
@@ -2093,8 +2091,8 @@ struct BackwardBlock {
   bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
   AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
   bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
-  AmxOperand k_t, v_t, ak_op, av_op;  // aK, aV transposed (kept while the same rows come back;
-  AmxOperand k_pairs;                 // k_t, v_t unused) and K_J as pairs where cut short
+  AmxOperand ak_op, av_op;  // aK, aV transposed (kept while the same rows come back)
+  AmxOperand k_pairs;       // K_J as pairs where cut short
   AmxHeadTiles k_head_t, v_head_t, k_head_pairs;  // a head's K_J, V_J transposed and K_J as
                                                   // pairs, kept for its query blocks
   AmxBuffer p_t, ds_rows, ds_t;                   // P^T, dS and dS^T of the tile
@@ -2368,7 +2366,7 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>&
     // as the forward computed it)
     if constexpr (!std::is_same_v<T, I>) {
       if (hd.ak_low)
-        gemm_scores_low(w.amx, w.ak_op, nq, R, D, scale, w.q_rows, w.q_scaled, q_block,
+        gemm_scores_low(w.amx, &w.ak_op, nq, R, D, scale, w.q_rows, w.q_scaled, q_block,
                         hd.ak_low, w.qa.data());
     }
     if (!hd.ak_low) gemm_nt<T>(nq, R, D, scale, q_wide, hd.ak, T(0), w.qa.data());
@@ -2378,7 +2376,7 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>&
     // dOA_I (nq, R) = dO_I (nq, Dv) @ aV^T
     if constexpr (!std::is_same_v<T, I>) {
       if (hd.av_low)
-        gemm_scores_low(w.amx, w.av_op, nq, R, Dv, T(1), w.do_rows, false, do_block, hd.av_low,
+        gemm_scores_low(w.amx, &w.av_op, nq, R, Dv, T(1), w.do_rows, false, do_block, hd.av_low,
                         w.doa.data());
     }
     if (!hd.av_low) gemm_nt<T>(nq, R, Dv, T(1), do_wide, hd.av, T(0), w.doa.data());
@@ -2519,9 +2517,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       if (low_gemms) {
         if constexpr (low) {
           // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T; dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
-          gemm_scores_low(w.amx, w.k_t, nq, nk, D, scale, w.q_rows, w.q_scaled, q_block, k_tile,
+          gemm_scores_low(w.amx, nullptr, nq, nk, D, scale, w.q_rows, w.q_scaled, q_block, k_tile,
                           w.scores.data(), k_packed_t);
-          gemm_scores_low(w.amx, w.v_t, nq, nk, Dv, T(1), w.do_rows, false, do_block, v_tile,
+          gemm_scores_low(w.amx, nullptr, nq, nk, Dv, T(1), w.do_rows, false, do_block, v_tile,
                           w.dp.data(), v_packed_t);
         }
       } else {
