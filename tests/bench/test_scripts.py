@@ -51,3 +51,30 @@ def test_script_command_names_how_it_started(monkeypatch) -> None:  # type: igno
     assert common.script_command("relpos.bench.eole") == "python benchmarks/eole_bench.py"
     monkeypatch.setattr(sys, "argv", ["/x/src/relpos/bench/eole.py", "--quick"])
     assert common.script_command("relpos.bench.eole") == "python -m relpos.bench.eole"
+
+
+def test_half_precision_times_each_bfloat16_engine(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--bf16-engines`` times the bfloat16 call once per engine beside float32 and names,
+    per row, the engine that ran (an engine this machine lacks gives way to the next, so two
+    requests may name one engine: it is timed once)."""
+    from relpos.bench import half_precision
+
+    assert half_precision.main([
+        "--tokens", "32", "--lengths", "16", "--max-distances", "2", "--repeats", "1",
+        "--warmup", "0", "--bf16-engines", "mkl,widened", "--out", str(tmp_path)]) == 0
+    report = (tmp_path / "half_precision_engines.md").read_text()
+    rows = (tmp_path / "half_precision_engines.csv").read_text().splitlines()
+    assert "| bfloat16 widened |" in report
+    names = [row.split(",")[3] for row in rows[1:]]
+    assert names[-1] == "bfloat16 widened" and len(names) == len(set(names)) >= 1
+    assert not (tmp_path / "half_precision.md").exists()
+
+
+def test_half_precision_refuses_an_unknown_engine(capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.bench import half_precision
+
+    with pytest.raises(SystemExit) as caught:
+        half_precision.main(["--bf16-engines", "amx,tpu"])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "tpu" in err and "avx512bf16" in err

@@ -153,16 +153,22 @@ def _half_gemms(value: str) -> contextlib.AbstractContextManager[None]:
     return _env("RELPOS_NATIVE_HALF_GEMM", value)
 
 
-def _amx(value: str) -> contextlib.AbstractContextManager[None]:
-    """RELPOS_NATIVE_AMX=value inside: "0" keeps the bfloat16 tile GEMMs (forward and backward)
-    on MKL's GEMM; otherwise they run on AMX tiles where the build and the OS have them."""
-    return _env("RELPOS_NATIVE_AMX", value)
+#: Where bfloat16 calls can run their GEMMs (RELPOS_NATIVE_BF16_GEMM): AMX tiles, VDPBF16PS on
+#: the same packed tiles, MKL's bfloat16 GEMM (an engine the build or CPU lacks gives way to the
+#: next; the kernels' bf16_gemm() says which runs).
+BF16_ENGINES = ("amx", "avx512bf16", "mkl")
+
+
+def _bf16_gemm(engine: str) -> contextlib.AbstractContextManager[None]:
+    """RELPOS_NATIVE_BF16_GEMM=engine inside: bfloat16's GEMMs (forward and backward) on that
+    engine (``amx``, ``avx512bf16``, ``mkl`` or ``widened``)."""
+    return _env("RELPOS_NATIVE_BF16_GEMM", engine)
 
 
 def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, float, float]:
-    """Max error of the native forward (16-bit GEMMs on AMX tiles where there are some and on
-    MKL's GEMM, widened tiles), of the reference in ``dtype`` and the native paths' largest
-    difference, against the float64 truth of the rounded inputs."""
+    """Max error of the native forward (16-bit GEMMs on each bfloat16 engine, widened tiles),
+    of the reference in ``dtype`` and the native paths' largest difference, against the float64
+    truth of the rounded inputs."""
     g = torch.Generator().manual_seed(5)
     Bx, Hx, Lx, Sx, Dx, Kx = 2, 3, 300, 1100, 24, 9
     # key and value as (B, S, H, D) memory seen as (B, H, S, D): non-contiguous views
@@ -197,17 +203,17 @@ def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, f
                 **{**call, "rel_keys": c(rk), "rel_values": c(rv)})  # type: ignore[arg-type]
     truth = attend("reference", F64)
     with torch.no_grad():
+        outs = []
         with _half_gemms("1"):
-            fast = attend("native")
-            with _amx("0"):
-                mkl = attend("native")
+            for engine in BF16_ENGINES:
+                with _bf16_gemm(engine):
+                    outs.append(attend("native"))
         with _half_gemms("0"):
-            widened = attend("native")
+            outs.append(attend("native"))
         ref = attend("reference")
-    assert fast.dtype == mkl.dtype == widened.dtype == dtype
-    err = max(float((out.double() - truth).abs().max()) for out in (fast, mkl, widened))
-    apart = max(float((a.double() - b.double()).abs().max())
-                for a, b in ((fast, widened), (mkl, widened), (fast, mkl)))
+    assert all(out.dtype == dtype for out in outs)
+    err = max(float((out.double() - truth).abs().max()) for out in outs)
+    apart = max(float((a.double() - b.double()).abs().max()) for a in outs for b in outs)
     return err, float((ref.double() - truth).abs().max()), apart
 
 
@@ -234,12 +240,12 @@ def test_the_native_forward_reads_half_precision_within_twice_the_reference(
     [(2, 3, 96, 640, 64, 64, 16), (2, 2, 77, 301, 64, 48, 8), (1, 2, 45, 1030, 33, 40, 5),
      (2, 2, 130, 130, 32, 17, 70)],
     ids=["whole-tiles", "edges", "odd", "wide-window"])
-def test_the_native_bfloat16_forward_on_amx_tiles_and_mkl_within_twice_the_reference(
+def test_the_native_bfloat16_forward_on_each_engine_within_twice_the_reference(
         shape: tuple[int, ...], causal: bool, tables: str) -> None:
-    """The bfloat16 forward's four GEMMs (scores, QA, P V, Pb aV) on AMX tiles (the default
-    where the build and the OS have them) and on MKL's GEMM (RELPOS_NATIVE_AMX=0): each within
-    twice the reference's own bfloat16 error of the float64 truth, and within that of each
-    other."""
+    """The bfloat16 forward's four GEMMs (scores, QA, P V, Pb aV) on AMX tiles, on VDPBF16PS
+    over the same packed tiles and on MKL's GEMM (where the build and the CPU have them): each
+    within twice the reference's own bfloat16 error of the float64 truth, and within that of
+    each other."""
     Bx, Hx, Lx, Sx, Dx, Dvx, Kx = shape
     g = torch.Generator().manual_seed(11)
     q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).bfloat16()
@@ -259,21 +265,22 @@ def test_the_native_bfloat16_forward_on_amx_tiles_and_mkl_within_twice_the_refer
     truth = attend("reference", F64)
     ref = float((attend("reference").double() - truth).abs().max())
     assert ref > 1e-4  # the criterion can fail: the reference is measurably off in bfloat16
-    default = attend("native")
-    with _amx("0"):
-        mkl = attend("native")
-    for out in (default, mkl):
+    outs = []
+    for engine in BF16_ENGINES:
+        with _bf16_gemm(engine):
+            outs.append(attend("native"))
+    for out in outs:
         assert out.dtype == torch.bfloat16
         err = float((out.double() - truth).abs().max())
         assert err <= 2 * ref + 1e-5, (err, ref)
-    assert float((default.double() - mkl.double()).abs().max()) <= 2 * ref
+    assert max(float((a.double() - b.double()).abs().max()) for a in outs for b in outs) <= 2 * ref
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_the_native_bfloat16_varlen_forward_on_amx_tiles_with_short_sequences(
+def test_the_native_bfloat16_varlen_forward_on_each_engine_with_short_sequences(
         causal: bool) -> None:
     """Packed sequences from one query (a single row of a 16-row tile) to several tiles, on
-    AMX tiles and on MKL's GEMM, each within twice the reference's bfloat16 error."""
+    each bfloat16 engine, each within twice the reference's bfloat16 error."""
     g = torch.Generator().manual_seed(3)
     Hx, Dx, Kx = 2, 64, 5
     lq, lk = [1, 3, 17, 30, 100], [1, 9, 17, 33, 100]
@@ -294,9 +301,9 @@ def test_the_native_bfloat16_varlen_forward_on_amx_tiles_with_short_sequences(
     truth = attend("reference", F64)
     ref = float((attend("reference").double() - truth).abs().max())
     assert ref > 1e-4
-    with _amx("0"):
-        mkl = attend("native")
-    for out in (attend("native"), mkl):
+    for engine in BF16_ENGINES:
+        with _bf16_gemm(engine):
+            out = attend("native")
         err = float((out.double() - truth).abs().max())
         assert err <= 2 * ref + 1e-5, (err, ref)
 
@@ -314,7 +321,8 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
                         ) -> tuple[list[float], list[float]]:
     """Max error of each native gradient and of the reference's in ``dtype`` against the
     float64 truth of the rounded inputs (``path``: "low" = the 16-bit GEMMs, on AMX tiles in
-    bfloat16 where there are some, "low-mkl" = on MKL's GEMM, "wide" = tiles widened)."""
+    bfloat16 where there are some, "low-dot" = on VDPBF16PS where there is, "low-mkl" = on
+    MKL's GEMM, "wide" = tiles widened)."""
     g = torch.Generator().manual_seed(8)
     Bx, Hx, Lx, Sx, Dx, Kx = 2, 2, 290, 700, 24, 9
     q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
@@ -349,7 +357,8 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
         return [leaf.grad.double() for leaf in leaves]  # type: ignore[union-attr]
 
     truth = grads("reference", F64)
-    with _half_gemms("0" if path == "wide" else "1"), _amx("0" if path == "low-mkl" else "1"):
+    engine = {"low": "amx", "low-dot": "avx512bf16", "low-mkl": "mkl"}.get(path, "widened")
+    with _half_gemms("0" if path == "wide" else "1"), _bf16_gemm(engine):
         got = grads("native", None)
     ref = grads("reference", None)
     err = [float((a - t).abs().max()) for a, t in zip(got, truth, strict=True)]
@@ -357,7 +366,7 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
     return err, ref_err
 
 
-@pytest.mark.parametrize("path", ["low", "low-mkl", "wide"])
+@pytest.mark.parametrize("path", ["low", "low-dot", "low-mkl", "wide"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
@@ -369,7 +378,7 @@ def test_the_native_backward_reads_half_precision_within_twice_the_reference(
         assert r > 1e-4, (name, r)  # the criterion can fail: the reference is measurably off
 
 
-@pytest.mark.parametrize("amx", ["1", "0"], ids=["amx", "mkl"])
+@pytest.mark.parametrize("engine", BF16_ENGINES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "shape",
@@ -377,10 +386,11 @@ def test_the_native_backward_reads_half_precision_within_twice_the_reference(
     # accumulated in place) with whole and with edge tiles; a scale that is no power of two
     [(1, 2, 160, 640, 64, 64, 16), (2, 2, 77, 301, 64, 48, 8), (1, 2, 45, 130, 40, 24, 5)],
     ids=["whole-tiles", "edges", "odd"])
-def test_the_native_bfloat16_backward_on_amx_tiles_and_mkl_within_twice_the_reference(
-        shape: tuple[int, ...], causal: bool, amx: str) -> None:
-    """The bfloat16 backward's five tile GEMMs on AMX tiles (where the build and the OS have
-    them) and on MKL's GEMM: every gradient within twice the reference's bfloat16 error."""
+def test_the_native_bfloat16_backward_on_each_engine_within_twice_the_reference(
+        shape: tuple[int, ...], causal: bool, engine: str) -> None:
+    """The bfloat16 backward's five tile GEMMs on AMX tiles, on VDPBF16PS over the same packed
+    tiles and on MKL's GEMM (where the build and the CPU have them): every gradient within twice
+    the reference's bfloat16 error."""
     Bx, Hx, Lx, Sx, Dx, Dvx, Kx = shape
     g = torch.Generator().manual_seed(12)
     base = [torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64),
@@ -400,7 +410,7 @@ def test_the_native_bfloat16_backward_on_amx_tiles_and_mkl_within_twice_the_refe
 
     truth = grads("reference", F64)
     ref = grads("reference", None)
-    with _amx(amx):
+    with _bf16_gemm(engine):
         got = grads("native", None)
     for name, a, r, t in zip(GRAD_NAMES, got, ref, truth, strict=True):
         e, re = float((a - t).abs().max()), float((r - t).abs().max())
@@ -449,11 +459,20 @@ def test_the_native_half_backward_regenerates_the_forward_dropout(dtype: torch.d
         assert re > 1e-4
 
 
+def _kernels():  # type: ignore[no-untyped-def]
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    return module
+
+
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
-    """bfloat16 takes the 16-bit GEMMs by default, float16 the widened tiles (faster where
-    measured); the two paths differ (P rounded or not), so the default is one of them bit for
-    bit."""
+    """bfloat16 runs on the engine the kernels' bf16_gemm() names (AMX tiles, VDPBF16PS where
+    it pays, MKL's GEMM where the CPU has AMX, else widened tiles), float16 on the widened tiles
+    (faster where measured): the default is that path bit for bit, and the paths differ (P
+    rounded or not)."""
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 2, 70, 16, generator=g).to(dtype) for _ in range(3))
     rk, rv = ((0.5 * torch.randn(9, 16, generator=g)).to(dtype) for _ in range(2))
@@ -463,20 +482,58 @@ def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
             return relpos.relative_attention(q, k, v, max_distance=4, rel_keys=rk,
                                              rel_values=rv, implementation="native")
 
+    module = _kernels()
     default = call()
+    engine = module.bf16_gemm() if dtype == torch.bfloat16 else "widened"
+    with _half_gemms("1"), _bf16_gemm(engine):
+        chosen = call()
     with _half_gemms("1"):
         low = call()
     with _half_gemms("0"):
         wide = call()
-    want = low if dtype == torch.bfloat16 else wide
-    assert torch.equal(default, want)
-    from relpos.ops.native.build import load
-
-    module = load()
-    assert module is not None
+    assert torch.equal(default, wide if engine == "widened" else chosen)
     half = module.build_info().split("half_gemm=")[1]
     if ("bf16" if dtype == torch.bfloat16 else "fp16") in half:
         assert not torch.equal(low, wide)  # the switch reaches the kernels
+
+
+def test_the_native_bfloat16_engine_follows_the_environment() -> None:
+    """RELPOS_NATIVE_BF16_GEMM names the engine (one the build or CPU lacks gives way to the
+    next: amx, avx512bf16, mkl, widened); RELPOS_NATIVE_HALF_GEMM=0 means widened tiles,
+    RELPOS_NATIVE_AMX=0 (the older switch) MKL's GEMM; the explicit engine wins."""
+    module = _kernels()
+    info = module.build_info()
+    if "half_gemm=bf16" not in info.replace(",fp16", ""):
+        pytest.skip("libtorch exports no bfloat16 GEMM here: every engine is widened")
+    has_amx, has_dot = "amx=bf16" in info, "avx512bf16=bf16" in info
+    with _bf16_gemm("amx"):
+        assert module.bf16_gemm() == ("amx" if has_amx else "avx512bf16" if has_dot else "mkl")
+    with _bf16_gemm("avx512bf16"):
+        assert module.bf16_gemm() == ("avx512bf16" if has_dot else "mkl")
+    with _bf16_gemm("mkl"):
+        assert module.bf16_gemm() == "mkl"
+    with _bf16_gemm("widened"):
+        assert module.bf16_gemm() == "widened"
+    with _half_gemms("0"):
+        assert module.bf16_gemm() == "widened"
+        with _bf16_gemm("mkl"):
+            assert module.bf16_gemm() == "mkl"
+    with _env("RELPOS_NATIVE_AMX", "0"):
+        assert module.bf16_gemm() == "mkl"
+    with _half_gemms("1"):
+        assert module.bf16_gemm() == ("amx" if has_amx else "avx512bf16" if has_dot else "mkl")
+    if has_amx:  # AMX tiles first wherever the build and the OS have them
+        assert module.bf16_gemm() == "amx"
+
+
+def test_a_bad_native_bfloat16_engine_name_is_refused() -> None:
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=g).bfloat16() for _ in range(3))
+    with _bf16_gemm("tpu"), pytest.raises(RuntimeError) as caught:
+        relpos.relative_attention(q, k, v, max_distance=2, implementation="native")
+    message = str(caught.value)
+    assert "RELPOS_NATIVE_BF16_GEMM" in message and "'tpu'" in message
+    assert "amx, avx512bf16, mkl or widened" in message
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])

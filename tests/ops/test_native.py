@@ -396,12 +396,14 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     # the 16-bit GEMMs it names are those the loaded kernels found (their build_info)
     module = build.load()
     assert module is not None
-    found = module.build_info().split("half_gemm=")[1].split(",")
     line = next(x for x in out.splitlines() if x.startswith("16-bit GEMMs:"))
-    assert ("cblas_gemm_bf16bf16f32" in line) == ("bf16" in found), (line, found)
-    # the bfloat16 AMX tiles: named where the loaded kernels have them
-    info = module.build_info()
-    assert ("AMX tiles" in line) == ("amx=bf16" in info), (line, info)
+    # bfloat16: the engine the loaded kernels run a bfloat16 call on now is the one named
+    engine = module.bf16_gemm()
+    named = {"amx": "AMX tiles", "avx512bf16": "VDPBF16PS", "mkl": "cblas_gemm_bf16bf16f32",
+             "widened": "bfloat16 tiles widened to float32"}
+    assert named[engine] in line, (line, engine)
+    if engine == "amx":  # no hedging where the kernels have the tiles
+        assert "VDPBF16PS" not in line and "cblas" not in line, line
     assert "float16 tiles widened to float32" in line  # float16's default
 
 
@@ -416,7 +418,18 @@ def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> N
     monkeypatch.setenv("RELPOS_NATIVE_AMX", "0")
     assert main(["kernels"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-    assert "AMX" not in line, line
+    assert "AMX" not in line and "bfloat16 cblas_gemm_bf16bf16f32" in line, line
+    monkeypatch.delenv("RELPOS_NATIVE_AMX")
+    for engine, named in (("mkl", "cblas_gemm_bf16bf16f32"),
+                          ("widened", "bfloat16 tiles widened to float32")):
+        monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", engine)
+        assert main(["kernels"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
+        assert named in line, line
+    monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", "tpu")  # named as refused, no traceback
+    assert main(["kernels"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
+    assert "refused" in line and "'tpu'" in line, line
 
 
 def test_relpos_kernels_cli_refuses_to_build_when_off(no_native: None, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -14,12 +14,19 @@ options)::
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/half_precision.py --out benchmarks
 
-writes ``half_precision.md`` and ``half_precision.csv``.
+writes ``half_precision.md`` and ``half_precision.csv``. With ``--bf16-engines amx,avx512bf16,
+mkl,widened`` the bfloat16 call runs once per engine (``RELPOS_NATIVE_BF16_GEMM``: AMX tiles,
+VDPBF16PS on the same packed tiles, MKL's bfloat16 GEMM, tiles widened to float32; an engine
+this machine lacks gives way to the next, each row names the one that ran) against the same
+float32 call, into ``half_precision_engines.md`` / ``.csv``. ``MKL_ENABLE_INSTRUCTIONS`` (MKL's
+own switch, recorded in the header) holds MKL to an older instruction set, as MKL without AMX
+runs on a CPU that lacks it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +37,37 @@ from relpos.bench import common
 
 H, D = 8, 64
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+ENGINE_ENV = "RELPOS_NATIVE_BF16_GEMM"
+ENGINES = ("amx", "avx512bf16", "mkl", "widened")
+
+
+def _under(engine: str | None, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn, run with ``RELPOS_NATIVE_BF16_GEMM=engine`` (as it was when engine is None)."""
+    if engine is None:
+        return fn
+
+    def run() -> object:
+        old = os.environ.get(ENGINE_ENV)
+        os.environ[ENGINE_ENV] = engine
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[ENGINE_ENV]
+            else:
+                os.environ[ENGINE_ENV] = old
+    return run
+
+
+def _engine_run(engine: str) -> str:
+    """The engine a bfloat16 call asking for ``engine`` runs on here (the kernels'
+    ``bf16_gemm()``), or ``engine`` itself without the native kernels."""
+    from relpos.ops.native.build import load
+
+    module = load(quiet=True)
+    if module is None:
+        return engine
+    return str(_under(engine, module.bf16_gemm)())
 
 
 def _case(n: int, batch: int, k: int, causal: bool, dtype: torch.dtype, seed: int
@@ -66,6 +104,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--lengths", default="64,128,256,512,1024,4096")
     ap.add_argument("--max-distances", default="16,64")
     ap.add_argument("--dtypes", default="bfloat16", help="comma-separated: bfloat16, float16")
+    ap.add_argument("--bf16-engines", default=None,
+                    help="comma-separated bfloat16 engines timed side by side instead of "
+                         f"--dtypes: {', '.join(ENGINES)}")
     ap.add_argument("--causal", action="store_true", help="causal calls (default: not)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
@@ -85,6 +126,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         ap.error(f"--dtypes: unknown {unknown}; allowed: {sorted(DTYPES)}")
+    if args.bf16_engines is not None:
+        args.bf16_engines = args.bf16_engines.split(",")
+        unknown = [e for e in args.bf16_engines if e not in ENGINES]
+        if unknown:
+            ap.error(f"--bf16-engines: unknown {unknown}; allowed: {list(ENGINES)}")
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     return args
@@ -94,26 +140,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     threads = common.use_threads(args.threads)
     clock = common.RunClock()
+    # what is timed beside float32: (label, dtype, engine asked for or None)
+    variants: list[tuple[str, torch.dtype, str | None]] = []
+    if args.bf16_engines is not None:
+        for engine in args.bf16_engines:
+            label = f"bfloat16 {_engine_run(engine)}"
+            if all(label != v[0] for v in variants):
+                variants.append((label, torch.bfloat16, engine))
+    else:
+        variants = [(name, DTYPES[name], None) for name in args.dtypes]
+    labels = [v[0] for v in variants]
     rows = []
     for n in args.lengths:
         batch = max(1, args.tokens // n)
         for k in args.max_distances:
             cases: dict[str, list[Callable[[], object]]] = {}
             picks: dict[str, str] = {}
-            for name in ["float32", *args.dtypes]:
-                dtype = torch.float32 if name == "float32" else DTYPES[name]
+            for name, dtype, engine in [("float32", torch.float32, None), *variants]:
                 fwd, fwd_bwd, picks[name] = _case(n, batch, k, args.causal, dtype, seed=n + k)
-                cases[name] = [fwd, fwd_bwd]
+                cases[name] = [_under(engine, fwd), _under(engine, fwd_bwd)]
             med, _ = common.interleaved_medians(
                 cases, warmup=args.warmup, repeats=args.repeats, rotate=True)
             base = med["float32"]
-            for name in args.dtypes:
+            for name in labels:
                 rows.append((f"{batch} x {n}", k, name, picks[name],
                              base[0], med[name][0], med[name][0] / base[0],
                              base[1], med[name][1], med[name][1] / base[1]))
             print(f"{batch} x {n} K={k}: " + ", ".join(
                 f"{name} fwd {med[name][0] / base[0]:.2f}x f+b {med[name][1] / base[1]:.2f}x"
-                for name in args.dtypes), file=sys.stderr, flush=True)
+                for name in labels), file=sys.stderr, flush=True)
     head = ["B x n", "K", "dtype", "backend", "fp32 fwd ms", "fwd ms", "fwd / fp32",
             "fp32 f+b ms", "f+b ms", "f+b / fp32"]
     body = common.markdown_table(head, [
@@ -131,10 +186,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "interleaved rounds (every dtype of a shape in turn, rotating)",
         **clock.meta(),
     }
+    for name in ("MKL_ENABLE_INSTRUCTIONS", ENGINE_ENV):
+        if os.environ.get(name):
+            meta[name] = os.environ[name]
+    stem = "half_precision" if args.bf16_engines is None else "half_precision_engines"
     common.print_report("relpos in 16-bit against float32", __doc__, meta, body, args.out,
-                        "half_precision.md")
+                        f"{stem}.md")
     if args.out:
-        common.write_files({args.out / "half_precision.csv": common.csv_text(
+        common.write_files({args.out / f"{stem}.csv": common.csv_text(
             ["B", "n", "K", "dtype", "backend", "fp32_fwd_ms", "fwd_ms", "fwd_over_fp32",
              "fp32_fwd_bwd_ms", "fwd_bwd_ms", "fwd_bwd_over_fp32"],
             [(s.split(" x ")[0], s.split(" x ")[1], k, name, b, f"{a:.3f}", f"{c:.3f}",

@@ -163,33 +163,86 @@ def _exported(symbol: str) -> bool:
         return False
 
 
+BF16_GEMM_ENV = "RELPOS_NATIVE_BF16_GEMM"
+
+#: The engines a bfloat16 call can run its GEMMs on, in the order one the build or CPU lacks
+#: gives way to the next (what ``RELPOS_NATIVE_BF16_GEMM`` names).
+BF16_ENGINES = ("amx", "avx512bf16", "mkl", "widened")
+
+_WIDENED = "tiles widened to float32"
+
+
 def half_gemms(prebuilt_serves: bool = False) -> str:
-    """How the kernels run 16-bit inputs' GEMMs here, as ``relpos kernels`` says it: by
-    default bfloat16 on MKL's 16-bit GEMM where libtorch exports it, float16 on tiles widened
-    to float32 (faster where measured); ``RELPOS_NATIVE_HALF_GEMM=1`` / ``=0`` asks for the
-    16-bit GEMMs for both / neither (what the kernels read per call). bfloat16's run on AMX tiles
-    where :func:`amx_tiles` says so (``prebuilt_serves``: a portable variant serves)."""
+    """How the kernels run 16-bit inputs' GEMMs here, as ``relpos kernels`` says it (what the
+    kernels read per call, predicted without loading them; the loaded kernels' ``bf16_gemm()``
+    says it for bfloat16). float16: tiles widened to float32 (faster where measured), MKL's
+    16-bit GEMM under ``RELPOS_NATIVE_HALF_GEMM=1``. bfloat16: the engine
+    ``RELPOS_NATIVE_BF16_GEMM`` names, else by default AMX tiles where the kernels built for
+    this CPU have them (:func:`amx_tiles`; ``prebuilt_serves``: a portable variant serves,
+    which has neither AMX nor VDPBF16PS), VDPBF16PS on packed tiles where this CPU has
+    AVX512-BF16 and runs it faster than float32 FMAs (the kernels time both once), MKL's
+    bfloat16 GEMM where the CPU has AMX-BF16 (MKL runs it on the tiles), tiles widened to
+    float32 otherwise; ``RELPOS_NATIVE_HALF_GEMM=0`` the widened tiles, then
+    ``RELPOS_NATIVE_AMX=0`` (older) MKL's GEMM, ``RELPOS_NATIVE_HALF_GEMM=1`` the first 16-bit
+    GEMM there is."""
     wish = os.environ.get(HALF_GEMM_ENV)
-    parts = []
-    for dtype, symbol in _HALF_GEMMS.items():
-        wanted = wish == "1" or (wish != "0" and dtype == "bfloat16")
-        if wanted and have_blas() and _exported(symbol):
-            amx = dtype == "bfloat16" and amx_tiles(prebuilt_serves)
-            parts.append(f"{dtype} {symbol}" + (" and AMX tiles (every tile GEMM)" if amx else ""))
-        else:
-            parts.append(f"{dtype} tiles widened to float32")
-    return "; ".join(parts)
+    fp16 = _HALF_GEMMS["float16"]
+    fp16_runs = wish == "1" and have_blas() and _exported(fp16)
+    return f"{_bf16_gemms(prebuilt_serves)}; float16 {fp16 if fp16_runs else _WIDENED}"
+
+
+def _bf16_gemms(prebuilt_serves: bool) -> str:
+    """The bfloat16 part of :func:`half_gemms`."""
+    symbol = _HALF_GEMMS["bfloat16"]
+    want = os.environ.get(BF16_GEMM_ENV, "")
+    if want and want not in BF16_ENGINES:
+        return (f"bfloat16 calls refused: {BF16_GEMM_ENV}={want!r} is none of "
+                f"{', '.join(BF16_ENGINES)}")
+    if not (have_blas() and _exported(symbol)):
+        return f"bfloat16 {_WIDENED}"
+    flags = cpu_flags() or frozenset()
+    amx = amx_tiles(prebuilt_serves, ignore_env=True)
+    dot = (not prebuilt_serves and platform.machine() == "x86_64"
+           and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags)
+    names = {"amx": "bfloat16 AMX tiles (every tile GEMM)",
+             "avx512bf16": "bfloat16 VDPBF16PS on packed tiles (every tile GEMM)",
+             "mkl": f"bfloat16 {symbol}", "widened": f"bfloat16 {_WIDENED}"}
+    have = {"amx": amx, "avx512bf16": dot, "mkl": True, "widened": True}
+
+    def first_from(engine: str) -> str:
+        start = BF16_ENGINES.index(engine)
+        return names[next(e for e in BF16_ENGINES[start:] if have[e])]
+
+    if want:
+        return first_from(want)
+    if os.environ.get(HALF_GEMM_ENV) == "0":
+        return names["widened"]
+    if os.environ.get(AMX_ENV) == "0":
+        return names["mkl"]
+    if os.environ.get(HALF_GEMM_ENV) == "1":
+        return first_from("amx")
+    fallback = "mkl" if "amx_bf16" in flags else "widened"
+    if amx:
+        return names["amx"]
+    if dot:
+        return (f"{names['avx512bf16']} if this CPU runs it faster than float32 FMAs (timed "
+                f"once per process), else {names[fallback].removeprefix('bfloat16 ')}")
+    return names[fallback]
 
 
 AMX_ENV = "RELPOS_NATIVE_AMX"
 
 
-def amx_tiles(prebuilt_serves: bool = False) -> bool:
+def amx_tiles(prebuilt_serves: bool = False, *, ignore_env: bool = False) -> bool:
     """Whether the bfloat16 tile GEMMs (forward and backward) run on AMX tiles here: a CPU with
     AMX-BF16 (the kernels built for this CPU use them where Linux grants the tile state; the
     loaded library's ``build_info()`` says ``amx=bf16`` when it did; a portable prebuilt variant,
-    ``prebuilt_serves``, never does), unless ``RELPOS_NATIVE_AMX=0``."""
-    if prebuilt_serves or os.environ.get(AMX_ENV) == "0" or platform.system() != "Linux":
+    ``prebuilt_serves``, never does), unless ``RELPOS_NATIVE_AMX=0`` or
+    ``RELPOS_NATIVE_BF16_GEMM`` names another engine (``ignore_env``: whether they could)."""
+    if prebuilt_serves or platform.system() != "Linux":
+        return False
+    if not ignore_env and (os.environ.get(AMX_ENV) == "0"
+                           or os.environ.get(BF16_GEMM_ENV, "amx") != "amx"):
         return False
     flags = cpu_flags() or frozenset()
     if platform.machine() != "x86_64" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:

@@ -59,6 +59,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -70,6 +71,10 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
 #endif
 
 #if defined(__linux__)
@@ -310,44 +315,38 @@ static inline void low_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, f
 #endif
 }
 
-// Whether a call with 16-bit inputs of type I runs the 16-bit GEMMs (else its tiles are widened
-// to float and the float GEMMs serve: the same results to float rounding, P and dS unrounded).
-// By default bfloat16 does where libtorch has the GEMM, float16 does not: MKL's float16 GEMM
-// measured slower than widened tiles even on a CPU with AVX512-FP16 (benchmarks/
-// half_precision.md), and CPUs without FP16 arithmetic can only convert inside it.
-// RELPOS_NATIVE_HALF_GEMM=1 asks for the 16-bit GEMMs for both types (where they exist), =0
-// for neither.
-template <typename I>
-static bool use_low_gemms() {
-  if (!has_low_gemm<I>()) return false;
-  const char* env = std::getenv("RELPOS_NATIVE_HALF_GEMM");
-  if (env != nullptr && std::string(env) == "0") return false;
-  if (env != nullptr && std::string(env) == "1") return true;
-  return std::is_same_v<I, c10::BFloat16>;
-}
-
 // ------------------------------------------------------------------------------------------
-// AMX tile GEMMs for bfloat16: the forward's four (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
+// Tile GEMMs for bfloat16: the forward's four (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
 // acc += P V_J, acc += Pb aV) and the backward's five tile GEMMs (S, dP = dO_I V_J^T,
-// dV_J += P^T dO_I, dq += dS K_J, dK_J += scale · dS^T Q_I), where the build targets a CPU with
-// AMX-BF16 (-march=native on one; the portable variants never do) and Linux grants this process
-// the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once). MKL's bfloat16 GEMM repacks both
-// operands on every call (a tenth of the forward at 8 x 512, perf); here each operand is packed
-// once: Q and dO per query block, a head's K and V tiles once per head (AmxHeadTiles), dS (and
-// P^T, dS^T) row by row as the backward's rows are done, into contiguous 16 x 32 bfloat16
-// tiles of 1 KiB (A as rows, B in the pair-interleaved layout TDPBF16PS reads), edges
-// zero-filled, so any n, D and Dv run; the forward's P is written in bfloat16 by the softmax
-// itself and its tiles loaded from those rows by stride. Products accumulate in float32 in the
-// tile registers (input denormals count as zero, as in MKL's AMX kernels). Whole 2 x 2 blocks
-// of 16 x 16 float tiles go straight to their float destination (stored, or loaded,
-// accumulated and stored); edge tiles through a 1 KiB buffer, masked. A power-of-two scale
-// (D = 64's 1/8) is applied exactly to Q as it is packed; another one to the tiles on their
-// way out. P and dS are rounded to bfloat16 (nearest even), as MKL's path rounds them.
-// RELPOS_NATIVE_AMX=0 turns them off.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__) && defined(__linux__)
+// dV_J += P^T dO_I, dq += dS K_J, dK_J += scale · dS^T Q_I) on operands packed by the kernels,
+// where the build targets a CPU with AVX512-BF16 (-march=native on one; the portable variants
+// never do). MKL's bfloat16 GEMM repacks both operands on every call (a tenth of the forward at
+// 8 x 512, perf); here each operand is packed once: Q and dO per query block, a head's K and V
+// tiles once per head (AmxHeadTiles), dS (and P^T, dS^T) row by row as the backward's rows are
+// done, into contiguous 16 x 32 bfloat16 tiles of 1 KiB (A as rows, B in the pair-interleaved
+// layout TDPBF16PS and VDPBF16PS read), edges zero-filled, so any n, D and Dv run; the
+// forward's P is written in bfloat16 by the softmax itself and its tiles read from those rows
+// by stride. The products run on AMX tiles where the CPU has AMX-BF16 and Linux grants this
+// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once), else on the same packed tiles
+// by VDPBF16PS (AMD Zen 4 and later, Intel Cooper Lake: each row of a 16 x 16 float tile a
+// 16-lane accumulator, one dot product per pair of k with the row's pair broadcast). Both sum
+// each pair of bfloat16 products into float32 accumulators (input denormals count as zero, as
+// in MKL's kernels). Whole 2 x 2 blocks of 16 x 16 float tiles go straight to their float
+// destination (stored, or loaded, accumulated and stored); edge tiles through a 1 KiB buffer,
+// masked. A power-of-two scale (D = 64's 1/8) is applied exactly to Q as it is packed; another
+// one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest even), as MKL's
+// path rounds them. bf16_gemm() below says which engine (or MKL's GEMM, or widened tiles) a
+// call runs.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RELPOS_HAVE_BF16_TILES 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define RELPOS_HAVE_AMX 1
 #endif
+#endif
+
+// Where a call's bfloat16 tile GEMMs run: MKL's GEMM on unpacked operands (kNoTiles), or on
+// packed tiles, by AMX or by VDPBF16PS.
+enum TileGemm : uint8_t { kNoTiles = 0, kAmxTiles = 1, kDotTiles = 2 };
 
 // Whether this build has the AMX tile GEMMs and the OS lets this process use the tiles.
 static bool amx_granted() {
@@ -360,12 +359,123 @@ static bool amx_granted() {
 #endif
 }
 
-// Whether bfloat16 calls with 16-bit GEMMs may run them on AMX tiles (else MKL's GEMM serves):
-// where the build and the OS have them, unless RELPOS_NATIVE_AMX=0.
-static bool use_amx() {
-  const char* env = std::getenv("RELPOS_NATIVE_AMX");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return amx_granted();
+// Whether the CPU has AMX-BF16 (CPUID leaf 7: EDX bit 22), which MKL's bfloat16 GEMM then runs
+// on (it asks the OS for the tiles itself).
+static bool cpu_has_amx_bf16() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) != 0;
+#else
+  return false;
+#endif
+}
+
+#ifdef RELPOS_HAVE_BF16_TILES
+// Whether this core's VDPBF16PS gives more multiply-adds per second than its VFMADD231PS (a dot
+// product does two per lane, an FMA one): both timed once, 12 independent accumulators, the
+// best of 9 runs of each. On Intel's Sapphire Rapids one VDPBF16PS takes 4x an FMA's time and
+// the packed tiles' dot products ran the bfloat16 forward 1.4x slower than tiles widened to
+// float32 for the FMA GEMMs (benchmarks/half_precision.md); AMD's Zen 4 issues them at the
+// FMA's rate.
+static bool dot_products_pay() {
+  static const bool pays = [] {
+    using clock = std::chrono::steady_clock;
+    constexpr int kChains = 12, kSteps = 2000;
+    __m512 acc[kChains];
+    __m512 f = _mm512_set1_ps(1.0f), g = _mm512_set1_ps(0.0f);
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0);
+    double best_dot = 1e30, best_fma = 1e30;
+    for (int run = 0; run < 9; ++run) {
+      for (int i = 0; i < kChains; ++i) {  // distinct and opaque: 12 chains, not one
+        acc[i] = _mm512_set1_ps(static_cast<float>(i));
+        __asm__ volatile("" : "+v"(acc[i]));
+      }
+      auto t0 = clock::now();
+      for (int s = 0; s < kSteps; ++s) {
+#pragma GCC unroll 12
+        for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], f, g);
+        __asm__ volatile("" : "+v"(f));
+      }
+      auto t1 = clock::now();
+      for (int s = 0; s < kSteps; ++s) {
+#pragma GCC unroll 12
+        for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, x);
+        __asm__ volatile("" : "+v"(x));
+      }
+      auto t2 = clock::now();
+      for (int i = 0; i < kChains; ++i) __asm__ volatile("" : : "v"(acc[i]));
+      best_fma = std::min(best_fma, std::chrono::duration<double>(t1 - t0).count());
+      best_dot = std::min(best_dot, std::chrono::duration<double>(t2 - t1).count());
+    }
+    return best_dot < 2.0 * best_fma;
+  }();
+  return pays;
+}
+#endif
+
+// What bfloat16 calls run their 16-bit GEMMs on: AMX tiles, VDPBF16PS on the same packed tiles,
+// MKL's cblas_gemm_bf16bf16f32, or none (kWidened: tiles widened to float32 for the float
+// GEMMs, P and dS unrounded).
+enum class Bf16Gemm : uint8_t { kWidened, kMkl, kAmx, kDot };
+
+static std::string env_or_empty(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? v : "";
+}
+
+// The choice for this call. By default: AMX where this build has it and the OS grants it; else
+// VDPBF16PS where this build has it and it pays (dot_products_pay); else MKL's GEMM where the CPU
+// has AMX-BF16 (a portable build on such a CPU: MKL runs it on the tiles); else widened tiles
+// (MKL's bfloat16 GEMM without AMX measured 1.07-1.4x slower than them with MKL held to AVX2,
+// AVX-512 or AVX512-BF16, benchmarks/half_precision.md). RELPOS_NATIVE_BF16_GEMM=amx,
+// avx512bf16, mkl or widened asks for one (one this build or CPU lacks gives way to the next in
+// that order); without it RELPOS_NATIVE_HALF_GEMM=0 asks for widened, then RELPOS_NATIVE_AMX=0
+// (older) for mkl, RELPOS_NATIVE_HALF_GEMM=1 for the first 16-bit GEMM there is (amx,
+// avx512bf16, mkl). MKL's bfloat16 GEMM must exist for any of them (the tile GEMMs' short
+// blocks run on it).
+static Bf16Gemm bf16_gemm() {
+  const std::string want = env_or_empty("RELPOS_NATIVE_BF16_GEMM");
+  TORCH_CHECK(want.empty() || want == "amx" || want == "avx512bf16" || want == "mkl" ||
+                  want == "widened",
+              "relpos native: RELPOS_NATIVE_BF16_GEMM must be amx, avx512bf16, mkl or widened "
+              "(or unset), got '", want, "'");
+  if (!has_low_gemm<c10::BFloat16>()) return Bf16Gemm::kWidened;
+  const bool amx = amx_granted();
+#ifdef RELPOS_HAVE_BF16_TILES
+  const bool dot = true;
+#else
+  const bool dot = false;
+#endif
+  const auto first_from = [&](int from) {  // 0 amx, 1 avx512bf16, 2 mkl, 3 widened
+    if (from <= 0 && amx) return Bf16Gemm::kAmx;
+    if (from <= 1 && dot) return Bf16Gemm::kDot;
+    if (from <= 2) return Bf16Gemm::kMkl;
+    return Bf16Gemm::kWidened;
+  };
+  if (!want.empty())
+    return first_from(want == "amx" ? 0 : want == "avx512bf16" ? 1 : want == "mkl" ? 2 : 3);
+  const std::string half = env_or_empty("RELPOS_NATIVE_HALF_GEMM");
+  if (half == "0") return Bf16Gemm::kWidened;
+  if (env_or_empty("RELPOS_NATIVE_AMX") == "0") return Bf16Gemm::kMkl;
+  if (half == "1") return first_from(0);
+  if (amx) return Bf16Gemm::kAmx;
+#ifdef RELPOS_HAVE_BF16_TILES
+  if (dot_products_pay()) return Bf16Gemm::kDot;
+#endif
+  return cpu_has_amx_bf16() ? Bf16Gemm::kMkl : Bf16Gemm::kWidened;
+}
+
+// Whether a call with 16-bit inputs of type I runs 16-bit GEMMs (else its tiles are widened to
+// float and the float GEMMs serve: the same results to float rounding, P and dS unrounded).
+// bfloat16 as bf16_gemm() says; float16 only under RELPOS_NATIVE_HALF_GEMM=1 (where libtorch
+// has the GEMM): MKL's float16 GEMM measured slower than widened tiles even on a CPU with
+// AVX512-FP16 (benchmarks/half_precision.md), and CPUs without FP16 arithmetic can only convert
+// inside it.
+template <typename I>
+static bool use_low_gemms() {
+  if (!has_low_gemm<I>()) return false;
+  if constexpr (std::is_same_v<I, c10::BFloat16>) return bf16_gemm() != Bf16Gemm::kWidened;
+  return env_or_empty("RELPOS_NATIVE_HALF_GEMM") == "1";
 }
 
 constexpr int64_t kTileElems = 512;  // bfloat16 elements of one 16 x 32 tile (1 KiB)
@@ -443,8 +553,9 @@ struct AmxHeadTiles {
   }
 };
 
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
 
+#ifdef RELPOS_HAVE_AMX
 static inline void amx_configure() {
   struct alignas(64) {
     uint8_t palette, start_row, reserved[14];
@@ -458,6 +569,7 @@ static inline void amx_configure() {
   }
   _tile_loadconfig(&cfg);
 }
+#endif
 
 // A operand: rows of a (M, K; row stride ld) as row tiles: element (r, c) of row tile t and
 // k-block b at out[(t · KB + b) · 512 + (r % 16) · 32 + c % 32]; zeros past M and K; times a
@@ -643,20 +755,26 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
 // each tile inside C (row0, col0 its first row and column; tile 16 x 16, row stride 16).
 // With `direct` (C itself, row stride N), whole blocks are stored there from the tiles (and,
 // with `accumulate`, start from it: C += A @ B), and only the edges go through emit.
-// With lda (> 0), A is bfloat16 rows of stride lda instead (its tiles loaded with that stride):
+// With lda (> 0), A is bfloat16 rows of stride lda instead (its tiles read with that stride):
 // every row of its 16-row tiles readable, finite past the row count (those rows' products are
-// never emitted), zeros from column K on (lda >= 32 KB).
+// never emitted), zeros from column K on (lda >= 32 KB). On AMX tiles (engine kAmxTiles) or
+// by VDPBF16PS (kDotTiles).
 template <typename Emit>
-static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const uint16_t* b,
-                     Emit&& emit, float* direct = nullptr, bool accumulate = false,
-                     int64_t lda = 0) {
+static void tile_gemm(TileGemm engine, int64_t M, int64_t N, int64_t KB, const uint16_t* a,
+                      const uint16_t* b, Emit&& emit, float* direct = nullptr,
+                      bool accumulate = false, int64_t lda = 0) {
   alignas(64) float c[4][256];
   const int64_t MT = amx_tiles_of(M), NT = amx_tiles_of(N), step = KB * kTileElems;
-  const int64_t ldc = N * static_cast<int64_t>(sizeof(float));
-  // A's tile (16 rows, k-block x) at a0 + x * a_next, rows a_stride bytes apart
+  // A's tile (16 rows, k-block x) at a0 + x * a_next, its rows a_row elements apart
   const int64_t a_tile = lda > 0 ? 16 * lda : step, a_next = lda > 0 ? 32 : kTileElems;
-  const int64_t a_stride = lda > 0 ? lda * 2 : 64;
-  amx_configure();
+  const int64_t a_row = lda > 0 ? lda : 32;
+#ifdef RELPOS_HAVE_AMX
+  const bool amx = engine == kAmxTiles;
+  const int64_t ldc = N * static_cast<int64_t>(sizeof(float));
+  if (amx) amx_configure();
+#else
+  (void)engine;
+#endif
   for (int64_t mt = 0; mt < MT; mt += 2) {
     const uint16_t* a0 = a + mt * a_tile;
     const uint16_t* a1 = a0 + a_tile;
@@ -666,45 +784,96 @@ static void amx_gemm(int64_t M, int64_t N, int64_t KB, const uint16_t* a, const 
       float* whole = direct != nullptr && (mt + 2) * 16 <= M && (nt + 2) * 16 <= N
                          ? direct + mt * 16 * N + nt * 16
                          : nullptr;
-      if (whole != nullptr && accumulate) {
-        _tile_loadd(0, whole, ldc);
-        _tile_loadd(1, whole + 16, ldc);
-        _tile_loadd(2, whole + 16 * N, ldc);
-        _tile_loadd(3, whole + 16 * N + 16, ldc);
-      } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+#ifdef RELPOS_HAVE_AMX
+      if (amx) {
+        if (whole != nullptr && accumulate) {
+          _tile_loadd(0, whole, ldc);
+          _tile_loadd(1, whole + 16, ldc);
+          _tile_loadd(2, whole + 16 * N, ldc);
+          _tile_loadd(3, whole + 16 * N + 16, ldc);
+        } else {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        }
+        const int64_t a_stride = a_row * 2;
+        for (int64_t x = 0; x < KB; ++x) {
+          _tile_loadd(4, a0 + x * a_next, a_stride);
+          _tile_loadd(5, a1 + x * a_next, a_stride);
+          _tile_loadd(6, b0 + x * kTileElems, 64);
+          _tile_loadd(7, b1 + x * kTileElems, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        if (whole != nullptr) {
+          _tile_stored(0, whole, ldc);
+          _tile_stored(1, whole + 16, ldc);
+          _tile_stored(2, whole + 16 * N, ldc);
+          _tile_stored(3, whole + 16 * N + 16, ldc);
+          continue;
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+      } else
+#endif
+      {
+        // the block's 32 rows in four groups of 8, each row's 32 columns in two accumulators
+        for (int64_t grp = 0; grp < 4; ++grp) {
+          const uint16_t* ag = (grp < 2 ? a0 : a1) + (grp % 2) * 8 * a_row;
+          float* out = whole != nullptr ? whole + grp * 8 * N : nullptr;
+          __m512 acc[8][2];
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            const bool load = out != nullptr && accumulate;
+            acc[i][0] = load ? _mm512_loadu_ps(out + i * N) : _mm512_setzero_ps();
+            acc[i][1] = load ? _mm512_loadu_ps(out + i * N + 16) : _mm512_setzero_ps();
+          }
+          for (int64_t x = 0; x < KB; ++x) {
+            const uint16_t* ax = ag + x * a_next;
+            const uint16_t* bx0 = b0 + x * kTileElems;
+            const uint16_t* bx1 = b1 + x * kTileElems;
+#pragma GCC unroll 2
+            for (int p = 0; p < 16; ++p) {
+              const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bx0 + p * 32);
+              const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bx1 + p * 32);
+#pragma GCC unroll 8
+              for (int i = 0; i < 8; ++i) {
+                int32_t pair;  // (A[row, 2p], A[row, 2p + 1]), broadcast to every lane
+                std::memcpy(&pair, ax + i * a_row + 2 * p, sizeof pair);
+                const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
+                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], s, w0);
+                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], s, w1);
+              }
+            }
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            if (out != nullptr) {
+              _mm512_storeu_ps(out + i * N, acc[i][0]);
+              _mm512_storeu_ps(out + i * N + 16, acc[i][1]);
+            } else {  // tiles c[2 · (row tile) + (column tile)], rows of 16
+              const int64_t row = (grp % 2) * 8 + i, q = (grp / 2) * 2;
+              _mm512_store_ps(c[q] + row * 16, acc[i][0]);
+              _mm512_store_ps(c[q + 1] + row * 16, acc[i][1]);
+            }
+          }
+        }
+        if (whole != nullptr) continue;
       }
-      for (int64_t x = 0; x < KB; ++x) {
-        _tile_loadd(4, a0 + x * a_next, a_stride);
-        _tile_loadd(5, a1 + x * a_next, a_stride);
-        _tile_loadd(6, b0 + x * kTileElems, 64);
-        _tile_loadd(7, b1 + x * kTileElems, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      if (whole != nullptr) {
-        _tile_stored(0, whole, ldc);
-        _tile_stored(1, whole + 16, ldc);
-        _tile_stored(2, whole + 16 * N, ldc);
-        _tile_stored(3, whole + 16 * N + 16, ldc);
-        continue;
-      }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      _tile_stored(2, c[2], 64);
-      _tile_stored(3, c[3], 64);
       for (int q = 0; q < 4; ++q) {
         const int64_t row0 = (mt + q / 2) * 16, col0 = (nt + q % 2) * 16;
         if (row0 < M && col0 < N) emit(row0, col0, c[q]);
       }
     }
   }
-  _tile_release();
+#ifdef RELPOS_HAVE_AMX
+  if (amx) _tile_release();
+#endif
 }
 
 // The mask of the columns of C (M, N) in the tile whose first column is col0.
@@ -715,12 +884,13 @@ static inline __mmask16 amx_tile_columns(int64_t col0, int64_t N) {
 
 // c (M, N; row stride N) = scale · A @ B, or with accumulate c += scale · A @ B (one rounding:
 // a fused multiply-add); with scale 1 whole blocks go straight between c and the tiles.
-static void amx_gemm_into(int64_t M, int64_t N, int64_t KB, float scale, const uint16_t* a,
-                          const uint16_t* b, float* c, bool accumulate, int64_t lda = 0) {
+static void tile_gemm_into(TileGemm engine, int64_t M, int64_t N, int64_t KB, float scale,
+                           const uint16_t* a, const uint16_t* b, float* c, bool accumulate,
+                           int64_t lda = 0) {
   const __m512 sc = _mm512_set1_ps(scale);
   const bool unit = scale == 1.0f;
-  amx_gemm(
-      M, N, KB, a, b,
+  tile_gemm(
+      engine, M, N, KB, a, b,
       [&](int64_t row0, int64_t col0, const float* tile) {
         const __mmask16 m = amx_tile_columns(col0, N);
         const int64_t rows = std::min<int64_t>(16, M - row0);
@@ -738,15 +908,15 @@ static void amx_gemm_into(int64_t M, int64_t N, int64_t KB, float scale, const u
       unit ? c : nullptr, accumulate, lda);
 }
 
-static inline void amx_gemm_scaled(int64_t M, int64_t N, int64_t KB, float scale,
-                                   const uint16_t* a, const uint16_t* b, float* s) {
-  amx_gemm_into(M, N, KB, scale, a, b, s, false);
+static inline void tile_gemm_scaled(TileGemm engine, int64_t M, int64_t N, int64_t KB,
+                                    float scale, const uint16_t* a, const uint16_t* b, float* s) {
+  tile_gemm_into(engine, M, N, KB, scale, a, b, s, false);
 }
 
-static inline void amx_gemm_add(int64_t M, int64_t N, int64_t KB, const uint16_t* a,
-                                const uint16_t* b, float* acc, float scale = 1.0f,
-                                int64_t lda = 0) {
-  amx_gemm_into(M, N, KB, scale, a, b, acc, true, lda);
+static inline void tile_gemm_add(TileGemm engine, int64_t M, int64_t N, int64_t KB,
+                                 const uint16_t* a, const uint16_t* b, float* acc,
+                                 float scale = 1.0f, int64_t lda = 0) {
+  tile_gemm_into(engine, M, N, KB, scale, a, b, acc, true, lda);
 }
 
 // The AMX B operand of key tile J (keys j0 .. of a head's S rows `head`, K wide) transposed,
@@ -773,7 +943,7 @@ static inline const uint16_t* amx_head_tile_pairs(AmxHeadTiles& cache, const I* 
   return cache.tile(head, S, BK, amx_tiles_of(N) * amx_kblocks(BK) * kTileElems, j0,
                     [&](uint16_t* p) { amx_pack_pairs(bits_of(head + j0 * N), n, N, p); });
 }
-#endif  // RELPOS_HAVE_AMX
+#endif  // RELPOS_HAVE_BF16_TILES
 
 // dst[j] = src[j] in another floating type (rounded to nearest even where it narrows).
 template <typename From, typename To>
@@ -1305,7 +1475,7 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
 }
 #endif  // RELPOS_VEC_FLOAT: end of the vector section
 
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
 // The bfloat16 P of a call on AMX tiles, written by the softmax itself (no float32 P to store
 // and read back): out[j] = x[j] rounded to bfloat16 (nearest even) over n entries.
 static inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
@@ -1577,7 +1747,7 @@ struct ForwardBlock {
   std::vector<T> q_wide, k_wide, v_wide;
   std::vector<I> p_low, pb_low;  // P and Pb rounded to I for the 16-bit GEMMs
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
-  bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
+  TileGemm tiles = kNoTiles;     // ... on packed tiles (bfloat16, AMX or VDPBF16PS):
   AmxBuffer q_pack, pb_pack;  // Q_I (rows; times a power-of-two scale: q_scaled), Pb as it is
   bool q_scaled = false;      // rounded
   AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
@@ -1586,7 +1756,7 @@ struct ForwardBlock {
   AmxHeadTiles k_head, v_head;    // a head's K_J (transposed) and V_J (pairs), kept
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
-               int64_t D = 0, int64_t BK = 0, bool low_gemms = false, bool amx_tiles = false)
+               int64_t D = 0, int64_t BK = 0, bool low_gemms = false, TileGemm tile_gemms = kNoTiles)
       : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ),
         l(BQ) {
     if constexpr (!std::is_same_v<T, I>) {
@@ -1594,8 +1764,8 @@ struct ForwardBlock {
       if (low_gemms) {
         gemms16 = true;
         pb_low.resize(values ? BQ * R : 0);
-        if (amx_tiles) {
-          amx = true;
+        if (tile_gemms != kNoTiles) {
+          tiles = tile_gemms;
           q_pack.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
           p_ld = amx_kblocks(BK) * 32;
           p_rows.resize(amx_tiles_of(BQ) * 16 * p_ld);
@@ -1665,7 +1835,7 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
                                                       uint16_t* p_row, int64_t p_ld, T* pb_row,
                                                       int64_t R) {
   SegmentSums<T> sum{};
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<T, float>) {
     T* band_scores = s + seg.n_left;
     T* right_scores = band_scores + seg.n_band;
@@ -1755,17 +1925,17 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 }
 
 // out (nq, n) = scale · A (nq, K) @ B^T for rows A and B (n, K) in I (Q_I or dO_I against K_J,
-// V_J, aK or aV), 16-bit operands: on AMX tiles (amx), A packed as rows in a_rows (the scale
+// V_J, aK or aV), 16-bit operands: on packed tiles (tiles), A packed as rows in a_rows (the scale
 // already in it where a_scaled) and B packed into op unless it holds B already (or b_packed:
 // packed already, op null); else MKL's GEMM on a_low and b.
 template <typename T, typename I>
-static inline void gemm_scores_low(bool amx, AmxOperand* op, int64_t nq, int64_t n, int64_t K,
+static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, int64_t n, int64_t K,
                                    T scale, const AmxBuffer& a_rows, bool a_scaled,
                                    const I* a_low, const I* b, T* out,
                                    const uint16_t* b_packed = nullptr) {
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (amx) {
+    if (tiles) {
       if (b_packed == nullptr) {
         if (!op->holds(b, n)) {
           amx_pack_transposed(bits_of(b), n, K, op->buf.p);
@@ -1773,7 +1943,7 @@ static inline void gemm_scores_low(bool amx, AmxOperand* op, int64_t nq, int64_t
         }
         b_packed = op->buf.p;
       }
-      amx_gemm_scaled(nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed, out);
+      tile_gemm_scaled(tiles, nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed, out);
       return;
     }
   }
@@ -1790,9 +1960,9 @@ static inline void values_low(ForwardBlock<T, I>& w, AmxOperand* op, int64_t nq,
                               int64_t Dv, const T* a, AmxBuffer* a_pack, I* a_low, const I* b,
                               const uint16_t* a_rows = nullptr, int64_t lda = 0,
                               const uint16_t* b_packed = nullptr) {
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (w.amx) {
+    if (w.tiles) {
       if (b_packed == nullptr) {
         if (!op->holds(b, n)) {
           amx_pack_pairs(bits_of(b), n, Dv, op->buf.p);
@@ -1801,10 +1971,10 @@ static inline void values_low(ForwardBlock<T, I>& w, AmxOperand* op, int64_t nq,
         b_packed = op->buf.p;
       }
       if (a_rows != nullptr) {
-        amx_gemm_add(nq, Dv, amx_kblocks(n), a_rows, b_packed, w.acc.data(), 1.0f, lda);
+        tile_gemm_add(w.tiles, nq, Dv, amx_kblocks(n), a_rows, b_packed, w.acc.data(), 1.0f, lda);
       } else {
         amx_pack_rows(a, nq, n, n, a_pack->p);
-        amx_gemm_add(nq, Dv, amx_kblocks(n), a_pack->p, b_packed, w.acc.data());
+        tile_gemm_add(w.tiles, nq, Dv, amx_kblocks(n), a_pack->p, b_packed, w.acc.data());
       }
       return;
     }
@@ -1824,7 +1994,7 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
   // QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T (16-bit operands where the tables come in I)
   if constexpr (!std::is_same_v<T, I>) {
     if (hd.ak_low)
-      gemm_scores_low(w.amx, &w.ak_op, nq, R, g.D, scale, w.q_pack, w.q_scaled, q_low, hd.ak_low,
+      gemm_scores_low(w.tiles, &w.ak_op, nq, R, g.D, scale, w.q_pack, w.q_scaled, q_low, hd.ak_low,
                       w.qa.data());
   }
   if (hd.ak && !hd.ak_low) gemm_nt<T>(nq, R, g.D, scale, q_block, hd.ak, T(0), w.qa.data());
@@ -1850,7 +2020,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
   add_band_key_term<T>(s, seg, qa_row);
   add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
   // the bfloat16 row AMX reads (written by the softmax where there is no dropout)
-  uint16_t* p_row = w.amx ? w.p_rows.p + r * w.p_ld : nullptr;
+  uint16_t* p_row = w.tiles ? w.p_rows.p + r * w.p_ld : nullptr;
   T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   SegmentSums<T> p_sums;
   if (!online_softmax_step(w, r, s, nk, seg, qa_far, g.Dv, R, hd.av != nullptr, p_sums,
@@ -1861,7 +2031,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
   if (drop.on) {
     drop_row<T>(s, seg, drop, hd.dropout_row + i, inv_keep);
     if (pb_row) bucket_row<T>(s, R, seg, pb_row);
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
     if constexpr (std::is_same_v<T, float>) {
       if (p_row != nullptr) {
         round_to_bf16(s, nk, p_row);
@@ -1906,9 +2076,9 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
 template <typename T, typename I>
 static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64_t nq, int64_t D,
                                   T scale) {
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
-    if (!w.amx) return;
+    if (!w.tiles) return;
     w.q_scaled = power_of_two(scale);
     amx_pack_rows(bits_of(q_block), nq, D, D, w.q_pack.p, w.q_scaled ? scale : 1.0f);
   }
@@ -1946,9 +2116,9 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // the head's K_J and V_J as AMX operands (V_J cut by the causal mask: nullptr, packed alone)
     const uint16_t* k_packed = nullptr;
     const uint16_t* v_packed = nullptr;
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
     if constexpr (std::is_same_v<I, c10::BFloat16>) {
-      if (w.amx) {
+      if (w.tiles) {
         k_packed = amx_head_tile_transposed(w.k_head, hd.k, g.S, BK, j0, D);
         v_packed = amx_head_tile_pairs(w.v_head, hd.v, g.S, BK, j0, nk, Dv);
       }
@@ -1957,7 +2127,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
     if constexpr (low) {
       if (low_gemms) {
-        gemm_scores_low(w.amx, nullptr, nq, nk, D, scale, w.q_pack, w.q_scaled, q_block,
+        gemm_scores_low(w.tiles, nullptr, nq, nk, D, scale, w.q_pack, w.q_scaled, q_block,
                         hd.k + j0 * D, w.scores.data(), k_packed);
       } else {
         convert(hd.k + j0 * D, w.k_wide.data(), nk * D);
@@ -1991,13 +2161,15 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
 constexpr int64_t kAmxForwardRows = 16;
 constexpr int64_t kAmxBackwardRows = 32;
 
-// Whether a call whose tile GEMMs take 16-bit operands (low_gemms) runs them on AMX tiles:
-// bfloat16 where the build and the OS allow it, query blocks of at least min_rows rows (BQ, a
-// varlen call's longest) and key tiles of at most kKeyBlock.
+// Where a call whose tile GEMMs take 16-bit operands (low_gemms) runs them: on packed tiles
+// (bf16_gemm's) for bfloat16 with query blocks of at least min_rows rows (BQ, a varlen
+// call's longest) and key tiles of at most kKeyBlock, else on MKL's GEMM (kNoTiles).
 template <typename I>
-static bool amx_tile_gemms(bool low_gemms, int64_t BQ, int64_t BK, int64_t min_rows) {
-  return std::is_same_v<I, c10::BFloat16> && low_gemms && BQ >= min_rows && BK <= kKeyBlock &&
-         use_amx();
+static TileGemm tile_gemms_of(bool low_gemms, int64_t BQ, int64_t BK, int64_t min_rows) {
+  if (!std::is_same_v<I, c10::BFloat16> || !low_gemms || BQ < min_rows || BK > kKeyBlock)
+    return kNoTiles;
+  const Bf16Gemm e = bf16_gemm();
+  return e == Bf16Gemm::kAmx ? kAmxTiles : e == Bf16Gemm::kDot ? kDotTiles : kNoTiles;
 }
 
 // Padded tasks: (batch, head, query block).
@@ -2007,12 +2179,12 @@ static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, con
   const int64_t L = g.L;
   const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
-  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK, kAmxForwardRows);
+  const TileGemm tiles = tile_gemms_of<I>(low_gemms, BQ, BK, kAmxForwardRows);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     ForwardBlock<T, I> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr, g.D, BK,
-                         low_gemms, amx);
+                         low_gemms, tiles);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
       forward_task(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
@@ -2042,12 +2214,12 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T 
     const int64_t L = vc.seqs[s].L, BQ = forward_query_block(L, vc.heads);
     first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
   }
-  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK, kAmxForwardRows);
+  const TileGemm tiles = tile_gemms_of<I>(low_gemms, vc.BQ, vc.BK, kAmxForwardRows);
 
   at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     ForwardBlock<T, I> w(vc.BQ, vc.tile, vc.R, vc.Dv, in.ak != nullptr, in.av != nullptr, vc.D,
-                         vc.BK, low_gemms, amx);
+                         vc.BK, low_gemms, tiles);
     for (int64_t task = begin; task < stop; ++task) {
       // the last sequence whose tasks start at or before this one (sequences without queries
       // have none)
@@ -2088,7 +2260,7 @@ struct BackwardBlock {
   std::vector<T> q_wide, do_wide, dk_acc, dv_acc, k_wide, v_wide;  // 16-bit inputs only
   std::vector<I> p_low, ds_low;  // 16-bit inputs with 16-bit GEMMs only
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
-  bool amx = false;              // ... on AMX tiles (bfloat16), the operands packed:
+  TileGemm tiles = kNoTiles;     // ... on packed tiles (bfloat16, AMX or VDPBF16PS):
   AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
   bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
   AmxOperand ak_op, av_op;  // aK, aV transposed (kept while the same rows come back)
@@ -2099,7 +2271,7 @@ struct BackwardBlock {
 
   BackwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t D, bool keys, bool values,
                 bool dropout, int64_t Dv = 0, int64_t BK = 0, int64_t S_max = 0,
-                bool low_gemms = false, bool amx_tiles = false)
+                bool low_gemms = false, TileGemm tile_gemms = kNoTiles)
       : scores(tile), dp(tile), p_dropped(dropout ? tile : 0), qa(keys ? BQ * R : 0),
         doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0),
         dq_acc(BQ * D), delta(BQ) {
@@ -2110,8 +2282,8 @@ struct BackwardBlock {
       dv_acc.resize(S_max * Dv);
       if (low_gemms) {
         gemms16 = true;
-        if (amx_tiles) {
-          amx = true;
+        if (tile_gemms != kNoTiles) {
+          tiles = tile_gemms;
           const int64_t kq = amx_kblocks(BQ), kk = amx_kblocks(BK);
           q_rows.resize(amx_tiles_of(BQ) * amx_kblocks(D) * kTileElems);
           do_rows.resize(amx_tiles_of(BQ) * amx_kblocks(Dv) * kTileElems);
@@ -2124,7 +2296,7 @@ struct BackwardBlock {
           ds_rows.resize(amx_tiles_of(BQ) * kk * kTileElems);
           ds_t.resize(amx_tiles_of(BK) * kq * kTileElems);
         }
-        if (!amx) {
+        if (!tiles) {
           p_low.resize(tile);
           ds_low.resize(tile);
         }
@@ -2141,7 +2313,7 @@ struct BackwardBlock {
 template <typename T, typename I>
 static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64_t D, int64_t Dv,
                                        T scale, const I* q_block, const I* do_block) {
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     w.q_scaled = power_of_two(scale);
     const float q_scale = w.q_scaled ? scale : 1.0f;
@@ -2161,7 +2333,7 @@ static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64
 template <typename T, typename I>
 static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
                                       const T* pd, int64_t r0, int64_t r1) {
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     for (int64_t r = r0; r < r1; ++r) amx_pack_row(w.dp.data() + r * nk, nk, r, w.ds_rows.p);
     if (r1 % 32 == 0 || r1 == nq) {
@@ -2180,7 +2352,7 @@ static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t n
                                                int64_t D, int64_t Dv, T scale, const I* k_tile,
                                                T* dv_tile, T* dk_tile,
                                                const uint16_t* k_packed = nullptr) {
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const int64_t kq = amx_kblocks(nq);
     if (k_packed == nullptr) {
@@ -2191,9 +2363,9 @@ static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t n
       k_packed = w.k_pairs.buf.p;
     }
     amx_pack_row_padding(nq, nk, w.ds_rows.p);
-    amx_gemm_add(nk, Dv, kq, w.p_t.p, w.do_pairs.p, dv_tile);
-    amx_gemm_add(nq, D, amx_kblocks(nk), w.ds_rows.p, k_packed, w.dq_acc.data());
-    amx_gemm_add(nk, D, kq, w.ds_t.p, w.q_pairs.p, dk_tile, w.q_scaled ? 1.0f : scale);
+    tile_gemm_add(w.tiles, nk, Dv, kq, w.p_t.p, w.do_pairs.p, dv_tile);
+    tile_gemm_add(w.tiles, nq, D, amx_kblocks(nk), w.ds_rows.p, k_packed, w.dq_acc.data());
+    tile_gemm_add(w.tiles, nk, D, kq, w.ds_t.p, w.q_pairs.p, dk_tile, w.q_scaled ? 1.0f : scale);
     return;
   }
 #endif
@@ -2366,7 +2538,7 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>&
     // as the forward computed it)
     if constexpr (!std::is_same_v<T, I>) {
       if (hd.ak_low)
-        gemm_scores_low(w.amx, &w.ak_op, nq, R, D, scale, w.q_rows, w.q_scaled, q_block,
+        gemm_scores_low(w.tiles, &w.ak_op, nq, R, D, scale, w.q_rows, w.q_scaled, q_block,
                         hd.ak_low, w.qa.data());
     }
     if (!hd.ak_low) gemm_nt<T>(nq, R, D, scale, q_wide, hd.ak, T(0), w.qa.data());
@@ -2376,7 +2548,7 @@ static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>&
     // dOA_I (nq, R) = dO_I (nq, Dv) @ aV^T
     if constexpr (!std::is_same_v<T, I>) {
       if (hd.av_low)
-        gemm_scores_low(w.amx, &w.av_op, nq, R, Dv, T(1), w.do_rows, false, do_block, hd.av_low,
+        gemm_scores_low(w.tiles, &w.av_op, nq, R, Dv, T(1), w.do_rows, false, do_block, hd.av_low,
                         w.doa.data());
     }
     if (!hd.av_low) gemm_nt<T>(nq, R, Dv, T(1), do_wide, hd.av, T(0), w.doa.data());
@@ -2491,7 +2663,7 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
     // Q_I and dO_I as T
     const auto [q_wide, do_wide] = as_wide2<T, I>(q_block, nq * D, w.q_wide, do_block, nq * Dv,
                                                   w.do_wide);
-    if (w.amx) backward_pack_block(w, nq, D, Dv, scale, q_block, do_block);
+    if (w.tiles) backward_pack_block(w, nq, D, Dv, scale, q_block, do_block);
     backward_prologue<T, I>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv, q_wide,
                             do_wide);
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
@@ -2505,9 +2677,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       const uint16_t* k_packed_t = nullptr;
       const uint16_t* v_packed_t = nullptr;
       const uint16_t* k_packed_pairs = nullptr;
-#ifdef RELPOS_HAVE_AMX
+#ifdef RELPOS_HAVE_BF16_TILES
       if constexpr (std::is_same_v<I, c10::BFloat16>) {
-        if (w.amx) {
+        if (w.tiles) {
           k_packed_t = amx_head_tile_transposed(w.k_head_t, hd.k, S, BK, j0, D);
           v_packed_t = amx_head_tile_transposed(w.v_head_t, hd.v, S, BK, j0, Dv);
           k_packed_pairs = amx_head_tile_pairs(w.k_head_pairs, hd.k, S, BK, j0, nk, D);
@@ -2517,9 +2689,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       if (low_gemms) {
         if constexpr (low) {
           // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T; dP_IJ (nq, nk) = dO_I (nq, Dv) @ V_J^T
-          gemm_scores_low(w.amx, nullptr, nq, nk, D, scale, w.q_rows, w.q_scaled, q_block, k_tile,
+          gemm_scores_low(w.tiles, nullptr, nq, nk, D, scale, w.q_rows, w.q_scaled, q_block, k_tile,
                           w.scores.data(), k_packed_t);
-          gemm_scores_low(w.amx, nullptr, nq, nk, Dv, T(1), w.do_rows, false, do_block, v_tile,
+          gemm_scores_low(w.tiles, nullptr, nq, nk, Dv, T(1), w.do_rows, false, do_block, v_tile,
                           w.dp.data(), v_packed_t);
         }
       } else {
@@ -2535,9 +2707,9 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       for (int64_t r = 0; r < nq; ++r) {
         backward_row<T, I>(g, hd, attn_bias, drop, inv_keep, w, pd, lse_block[r], r, i0 + r, j0,
                            j1);
-        if (w.amx) backward_pack_rows(w, nq, nk, pd, r, r + 1);
+        if (w.tiles) backward_pack_rows(w, nq, nk, pd, r, r + 1);
       }
-      if (w.amx) {
+      if (w.tiles) {
         backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D,
                                     k_packed_pairs);
       } else if (low_gemms) {
@@ -2578,12 +2750,12 @@ static void backward_impl(const Geometry& g, const Inputs<T, I>& in, const I* do
                           T* dak_part, T* dav_part, bool low_gemms = false) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = backward_query_block(L), BK = key_block_size(L, S);
-  const bool amx = amx_tile_gemms<I>(low_gemms, BQ, BK, kAmxBackwardRows);
+  const TileGemm tiles = tile_gemms_of<I>(low_gemms, BQ, BK, kAmxBackwardRows);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     BackwardBlock<T, I> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on, Dv,
-                          BK, S, low_gemms, amx);
+                          BK, S, low_gemms, tiles);
     for (int64_t bh = begin; bh < stop; ++bh) {
       T* dak = in.ak ? dak_part + bh * R * D : nullptr;
       T* dav = in.av ? dav_part + bh * R * Dv : nullptr;
@@ -2648,12 +2820,12 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
   int64_t S_max = 0;  // 16-bit inputs: the float dK and dV of the longest sequence
   if constexpr (!std::is_same_v<T, I>)
     for (const Geometry& g : vc.seqs) S_max = std::max(S_max, g.S);
-  const bool amx = amx_tile_gemms<I>(low_gemms, vc.BQ, vc.BK, kAmxBackwardRows);
+  const TileGemm tiles = tile_gemms_of<I>(low_gemms, vc.BQ, vc.BK, kAmxBackwardRows);
 
   at::parallel_for(0, n_groups * pk.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     BackwardBlock<T, I> w(vc.BQ, vc.tile, R, vc.D, in.ak != nullptr, in.av != nullptr, drop.on,
-                          vc.Dv, vc.BK, S_max, low_gemms, amx);
+                          vc.Dv, vc.BK, S_max, low_gemms, tiles);
     for (int64_t unit = begin; unit < stop; ++unit) {
       const int64_t group = unit / pk.H, h = unit % pk.H;
       T* dak = in.ak ? dak_part + unit * R * vc.D : nullptr;
@@ -3245,7 +3417,18 @@ std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seq
 }
 
 // The BLAS the kernels call and the 16-bit GEMMs libtorch offers them here ("bf16", "fp16",
-// comma-separated, or "none"), e.g. "blas=mkl amx=bf16 half_gemm=bf16,fp16".
+// comma-separated, or "none"), e.g. "blas=mkl amx=bf16 avx512bf16=bf16 half_gemm=bf16,fp16".
+// What a bfloat16 call made now (this environment) runs its GEMMs on: "amx", "avx512bf16",
+// "mkl" or "widened".
+std::string bf16_gemm_name() {
+  switch (bf16_gemm()) {
+    case Bf16Gemm::kAmx: return "amx";
+    case Bf16Gemm::kDot: return "avx512bf16";
+    case Bf16Gemm::kMkl: return "mkl";
+    default: return "widened";
+  }
+}
+
 std::string build_info() {
 #ifdef RELPOS_HAVE_BLAS
   std::string info = "blas=mkl";
@@ -3255,8 +3438,14 @@ std::string build_info() {
   std::string half;
   if (has_low_gemm<c10::BFloat16>()) half = "bf16";
   if (has_low_gemm<c10::Half>()) half += half.empty() ? "fp16" : ",fp16";
-  // the AMX tile GEMMs of bfloat16 calls: built for this CPU and granted by the OS
+  // the packed-tile GEMMs of bfloat16 calls: AMX (built for this CPU and granted by the OS),
+  // VDPBF16PS (built for a CPU with AVX512-BF16)
   info += amx_granted() ? " amx=bf16" : " amx=none";
+#ifdef RELPOS_HAVE_BF16_TILES
+  info += " avx512bf16=bf16";
+#else
+  info += " avx512bf16=none";
+#endif
   return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
 
@@ -3321,4 +3510,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seed"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),
         py::arg("num_heads"), py::arg("dropout_p"), no_gil());
   m.def("build_info", &relpos_native::build_info, "how the kernels were built");
+  m.def("bf16_gemm", &relpos_native::bf16_gemm_name,
+        "what a bfloat16 call runs its GEMMs on now: amx, avx512bf16, mkl or widened");
 }
