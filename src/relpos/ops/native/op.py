@@ -7,11 +7,12 @@ read their inputs in any layout (the kernels make them contiguous once). Half pr
 (``float16``, ``bfloat16``): both directions read query, key and value (the backward also
 ``grad_out`` and ``out``) in their own type, never as full-size float32 copies; the tables and
 masks are passed as float32. bfloat16 runs the GEMMs on 16-bit operands with float32
-accumulation (the kernels' own AMX tile GEMMs where they are built for a CPU with AMX-BF16,
-else libtorch's MKL; ``RELPOS_NATIVE_AMX=0`` chooses MKL; P and dS rounded to bfloat16 for
-theirs, as torch's flash kernel rounds them); float16 widens each tile to float32
-(faster than MKL's float16 GEMM where measured; ``RELPOS_NATIVE_HALF_GEMM`` switches, see
-docs/numerics.md). Every sum and statistic is float32, ``dk`` and ``dv`` accumulate in float32
+accumulation where the CPU has fast ones (the kernels' own AMX tile GEMMs where they are built
+for a CPU with AMX-BF16, VDPBF16PS on the same packed tiles where that beats the float32 FMA,
+MKL's GEMM where only MKL has the AMX tiles; P and dS rounded to bfloat16 for theirs, as
+torch's flash kernel rounds them), else widens each tile to float32, as float16 does (faster
+than MKL's 16-bit GEMMs where measured); ``RELPOS_NATIVE_BF16_GEMM`` and
+``RELPOS_NATIVE_HALF_GEMM`` switch, see docs/numerics.md. Every sum and statistic is float32, ``dk`` and ``dv`` accumulate in float32
 per head, every output is rounded once, and the tables' gradients are summed in float32 and
 rounded to the tables' type.
 
