@@ -12,9 +12,9 @@ for a CPU with AMX-BF16, VDPBF16PS on the same packed tiles where that beats the
 MKL's GEMM where only MKL has the AMX tiles; P and dS rounded to bfloat16 for theirs, as
 torch's flash kernel rounds them), else widens each tile to float32, as float16 does (faster
 than MKL's 16-bit GEMMs where measured); ``RELPOS_NATIVE_BF16_GEMM`` and
-``RELPOS_NATIVE_HALF_GEMM`` switch, see docs/numerics.md. Every sum and statistic is float32, ``dk`` and ``dv`` accumulate in float32
-per head, every output is rounded once, and the tables' gradients are summed in float32 and
-rounded to the tables' type.
+``RELPOS_NATIVE_HALF_GEMM`` switch, see docs/numerics.md. Every sum and statistic is float32,
+``dk`` and ``dv`` accumulate in float32 per head, every output is rounded once, and the tables'
+gradients are summed in float32 and rounded to the tables' type.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 R = left + right + 1 table rows, Hr table heads (1 or H); varlen: N sequences, Tq and Tk the
