@@ -470,3 +470,35 @@ def test_the_build_state_is_a_constant_for_torch_compile() -> None:
     marked = torch.compiler.assume_constant_result(probe)
     assert {k: v for k, v in vars(marked).items()} == {
         k: v for k, v in vars(native._state).items()}
+
+
+@pytest.mark.parametrize(("cpu", "serving", "named"), [
+    ("amx", None, "bfloat16 AMX tiles"),  # this CPU's own build
+    ("amx", "amx", "bfloat16 AMX tiles"),  # the prebuilt amx variant
+    ("amx", "avx512", "bfloat16 cblas_gemm_bf16bf16f32"),  # MKL runs it on the tiles
+    ("zen4", None, "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU runs it "
+                   "faster than float32 FMAs (timed once per process), else tiles widened"),
+    ("zen4", "avx512", "bfloat16 tiles widened to float32"),
+    ("avx512", None, "bfloat16 tiles widened to float32"),
+])
+def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(
+        cpu: str, serving: str | None, named: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``relpos kernels`` predicts for bfloat16 without loading the kernels, on a CPU
+    with AMX, one with AVX512-BF16 only (AMD Zen 4) and one with plain AVX-512, for this CPU's
+    own build and for a prebuilt variant: the rules of the kernels' bf16_gemm()."""
+    from relpos.ops.native import build
+
+    v4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    flags = {"amx": v4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+             "zen4": v4 | {"avx512_bf16"}, "avx512": v4}[cpu]
+    for name in ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(build, "have_blas", lambda: True)
+    monkeypatch.setattr(build, "_exported", lambda symbol: True)
+    monkeypatch.setattr(build, "_amx_granted", lambda: True)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(build.platform, "system", lambda: "Linux")
+    line = build.half_gemms(serving)
+    assert line.startswith(named), line
+    assert line.endswith("; float16 tiles widened to float32"), line

@@ -12,11 +12,12 @@ from relpos.ops.native.variants import runnable, variant, variants
 V3 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3", "avx", "avx2",
                 "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+AMX = V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}
 
 
 def test_x86_variants_are_best_first_and_each_needs_what_the_next_needs() -> None:
     found = variants("x86_64")
-    assert [v.name for v in found] == ["avx512", "avx2", "baseline"]
+    assert [v.name for v in found] == ["amx", "avx512", "avx2", "baseline"]
     for better, worse in itertools.pairwise(found):
         assert worse.requires <= better.requires and better.requires != worse.requires
     assert variants("aarch64")[0].flags == ("-march=armv8-a",)
@@ -24,6 +25,10 @@ def test_x86_variants_are_best_first_and_each_needs_what_the_next_needs() -> Non
 
 
 @pytest.mark.parametrize(("flags", "capability", "best"), [
+    (AMX, "AVX512", "amx"),
+    (AMX - {"amx_bf16"}, "AVX512", "avx512"),  # tiles without their bfloat16 products
+    (V4 | {"avx512_bf16"}, "AVX512", "avx512"),  # AVX512-BF16 without AMX (AMD Zen 4)
+    (AMX, "AVX2", "avx2"),
     (V4, "AVX512", "avx512"),
     (V4, "AVX2", "avx2"),  # ATEN_CPU_CAPABILITY=avx2 keeps the kernels at torch's level
     (V4, "DEFAULT", "baseline"),
@@ -48,7 +53,7 @@ def test_the_best_variant_is_the_first_the_cpu_and_torch_run(
 
 def test_an_unknown_variant_names_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match=r"no kernels variant 'avx9' on x86_64 \(allowed: "
-                                         r"avx512, avx2, baseline\)"):
+                                         r"amx, avx512, avx2, baseline\)"):
         variant("avx9", "x86_64")
 
 

@@ -3,10 +3,12 @@ for exactly this CPU (``-march=native``, the per-user cache), at training shapes
 
 Each variant of a kernels directory, and the user cache's build, is loaded in a process of its
 own (``RELPOS_KERNELS_DIR`` pointed at a directory holding that variant alone); each process
-times native forward + backward (float32, H=8, D=64, K=16, shared tables) at every shape and
+times native forward + backward (float32, or ``--dtype bfloat16``; H=8, D=64, K=16, shared
+tables) at every shape and
 reports the median of its repeats. The processes run in interleaved rounds; a variant's time
 is the median over rounds, its ratio is to the native build's in the same run. A variant runs
-only where the CPU runs it (``avx512`` needs AVX-512 F/BW/CD/DQ/VL).
+only where the CPU runs it (``avx512`` needs AVX-512 F/BW/CD/DQ/VL, ``amx`` also AMX-TILE,
+AMX-BF16 and AVX512-BF16).
 
 Run from the repository root (``python -m relpos.bench.kernel_variants`` takes the same
 options)::
@@ -14,7 +16,8 @@ options)::
     OMP_WAIT_POLICY=PASSIVE python benchmarks/kernel_variants.py --dir DIR --out benchmarks
 
 ``--dir`` defaults to ``build/kernel-variants``, where the variants are built first if absent
-(about a minute each); writes ``kernel_variants.md``.
+(about a minute each); writes ``kernel_variants.md`` (``kernel_variants_bf16.md`` for
+bfloat16).
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ import json, sys, time, torch, relpos
 from relpos.ops.native import build
 torch.set_num_threads(int(sys.argv[1]))
 repeats, shapes, out = int(sys.argv[2]), json.loads(sys.argv[3]), {}
+dtype = getattr(torch, sys.argv[4])
 module = build.load()
 assert module is not None, build.failure()
 for B, n, causal in shapes:
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, 8, n, 64, generator=g, requires_grad=True) for _ in range(3))
-    t = torch.randn(33, 64, generator=g, requires_grad=True)
+    q, k, v = (torch.randn(B, 8, n, 64, generator=g).to(dtype).requires_grad_(True)
+               for _ in range(3))
+    t = torch.randn(33, 64, generator=g).to(dtype).requires_grad_(True)
     def step():
         o = relpos.relative_attention(q, k, v, max_distance=16, rel_keys=t, rel_values=t,
                                       is_causal=causal, implementation="native")
@@ -64,16 +69,17 @@ def _key(shape: Sequence[object]) -> str:
     return f"{B}x{n}{'c' if causal else ''}"
 
 
-def _one(env: dict[str, str], threads: int, repeats: int) -> dict[str, float]:
+def _one(env: dict[str, str], threads: int, repeats: int, dtype: str) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(threads), str(repeats), json.dumps(SHAPES)],
+        [sys.executable, "-c", _CHILD, str(threads), str(repeats), json.dumps(SHAPES), dtype],
         env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"relpos: error: a timing process failed: {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
 
 
-def run(root: Path, rounds: int, repeats: int, threads: int) -> tuple[list[str], dict[str, str]]:
+def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float32"
+        ) -> tuple[list[str], dict[str, str]]:
     from relpos.ops.native import build
 
     entries = [p for p in build.prebuilt(root) if p.problem is None and p.runs]
@@ -88,7 +94,7 @@ def run(root: Path, rounds: int, repeats: int, threads: int) -> tuple[list[str],
         times: dict[str, list[dict[str, float]]] = {name: [] for name in envs}
         for r in range(rounds):
             for name in (list(envs) if r % 2 == 0 else list(envs)[::-1]):
-                times[name].append(_one(envs[name], threads, repeats))
+                times[name].append(_one(envs[name], threads, repeats, dtype))
             print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     median = {name: {_key(s): statistics.median(t[_key(s)] for t in runs) for s in SHAPES}
               for name, runs in times.items()}
@@ -104,8 +110,10 @@ def run(root: Path, rounds: int, repeats: int, threads: int) -> tuple[list[str],
         "date": common.report_date(),
         "command": "OMP_WAIT_POLICY=PASSIVE "
                    f"{common.script_command('relpos.bench.kernel_variants')} "
-                   f"--rounds {rounds} --repeats {repeats} --threads {threads}",
+                   f"--rounds {rounds} --repeats {repeats} --threads {threads}"
+                   + ("" if dtype == "float32" else f" --dtype {dtype}"),
         **common.environment(threads),
+        "dtype": dtype,
         **clock.meta(),
     }
     return common.markdown_table(headers, rows), meta
@@ -117,15 +125,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     from relpos.ops.native import build
 
     build.build_into(args.dir)  # keeps the variants already there
-    table, meta = run(args.dir, args.rounds, args.repeats, args.threads)
+    table, meta = run(args.dir, args.rounds, args.repeats, args.threads, args.dtype)
+    name = "kernel_variants.md" if args.dtype == "float32" else "kernel_variants_bf16.md"
     return common.print_report(
         "Native kernels: portable variants against this CPU's build",
-        __doc__, meta, table, args.out, "kernel_variants.md")
+        __doc__, meta, table, args.out, name)
 
 
 if __name__ == "__main__":

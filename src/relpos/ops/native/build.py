@@ -172,15 +172,16 @@ BF16_ENGINES = ("amx", "avx512bf16", "mkl", "widened")
 _WIDENED = "tiles widened to float32"
 
 
-def half_gemms(prebuilt_serves: bool = False) -> str:
+def half_gemms(serving: str | None = None) -> str:
     """How the kernels run 16-bit inputs' GEMMs here, as ``relpos kernels`` says it (what the
     kernels read per call, predicted without loading them; the loaded kernels' ``bf16_gemm()``
     says it for bfloat16). float16: tiles widened to float32 (faster where measured), MKL's
     16-bit GEMM under ``RELPOS_NATIVE_HALF_GEMM=1``. bfloat16: the engine
     ``RELPOS_NATIVE_BF16_GEMM`` names, else by default AMX tiles where the kernels built for
-    this CPU have them (:func:`amx_tiles`; ``prebuilt_serves``: a portable variant serves,
-    which has neither AMX nor VDPBF16PS), VDPBF16PS on packed tiles where this CPU has
-    AVX512-BF16 and runs it faster than float32 FMAs (the kernels time both once), MKL's
+    this CPU have them (:func:`amx_tiles`; ``serving``: the prebuilt variant that serves, None
+    for this CPU's own build; only the ``amx`` variant has AMX and VDPBF16PS), VDPBF16PS on
+    packed tiles where this CPU has AVX512-BF16 and runs it faster than float32 FMAs (the
+    kernels time both once), MKL's
     bfloat16 GEMM where the CPU has AMX-BF16 (MKL runs it on the tiles), tiles widened to
     float32 otherwise; ``RELPOS_NATIVE_HALF_GEMM=0`` the widened tiles, then
     ``RELPOS_NATIVE_AMX=0`` (older) MKL's GEMM, ``RELPOS_NATIVE_HALF_GEMM=1`` the first 16-bit
@@ -188,10 +189,10 @@ def half_gemms(prebuilt_serves: bool = False) -> str:
     wish = os.environ.get(HALF_GEMM_ENV)
     fp16 = _HALF_GEMMS["float16"]
     fp16_runs = wish == "1" and have_blas() and _exported(fp16)
-    return f"{_bf16_gemms(prebuilt_serves)}; float16 {fp16 if fp16_runs else _WIDENED}"
+    return f"{_bf16_gemms(serving)}; float16 {fp16 if fp16_runs else _WIDENED}"
 
 
-def _bf16_gemms(prebuilt_serves: bool) -> str:
+def _bf16_gemms(serving: str | None) -> str:
     """The bfloat16 part of :func:`half_gemms`."""
     symbol = _HALF_GEMMS["bfloat16"]
     want = os.environ.get(BF16_GEMM_ENV, "")
@@ -201,8 +202,8 @@ def _bf16_gemms(prebuilt_serves: bool) -> str:
     if not (have_blas() and _exported(symbol)):
         return f"bfloat16 {_WIDENED}"
     flags = cpu_flags() or frozenset()
-    amx = amx_tiles(prebuilt_serves, ignore_env=True)
-    dot = (not prebuilt_serves and platform.machine() == "x86_64"
+    amx = amx_tiles(serving, ignore_env=True)
+    dot = (serving in (None, "amx") and platform.machine() == "x86_64"
            and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags)
     names = {"amx": "bfloat16 AMX tiles (every tile GEMM)",
              "avx512bf16": "bfloat16 VDPBF16PS on packed tiles (every tile GEMM)",
@@ -233,13 +234,14 @@ def _bf16_gemms(prebuilt_serves: bool) -> str:
 AMX_ENV = "RELPOS_NATIVE_AMX"
 
 
-def amx_tiles(prebuilt_serves: bool = False, *, ignore_env: bool = False) -> bool:
+def amx_tiles(serving: str | None = None, *, ignore_env: bool = False) -> bool:
     """Whether the bfloat16 tile GEMMs (forward and backward) run on AMX tiles here: a CPU with
-    AMX-BF16 (the kernels built for this CPU use them where Linux grants the tile state; the
-    loaded library's ``build_info()`` says ``amx=bf16`` when it did; a portable prebuilt variant,
-    ``prebuilt_serves``, never does), unless ``RELPOS_NATIVE_AMX=0`` or
-    ``RELPOS_NATIVE_BF16_GEMM`` names another engine (``ignore_env``: whether they could)."""
-    if prebuilt_serves or platform.system() != "Linux":
+    AMX-BF16 (the kernels built for this CPU, or the prebuilt ``amx`` variant, ``serving``, use
+    them where Linux grants the tile state; the loaded library's ``build_info()`` says
+    ``amx=bf16`` when it did; the other prebuilt variants never do), unless
+    ``RELPOS_NATIVE_AMX=0`` or ``RELPOS_NATIVE_BF16_GEMM`` names another engine
+    (``ignore_env``: whether they could)."""
+    if serving not in (None, "amx") or platform.system() != "Linux":
         return False
     if not ignore_env and (os.environ.get(AMX_ENV) == "0"
                            or os.environ.get(BF16_GEMM_ENV, "amx") != "amx"):
@@ -849,5 +851,5 @@ def status() -> KernelStatus:
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
         prebuilt_root=root, prebuilt=found,
-        half=half_gemms(prebuilt_serves=any(p.runs and p.problem is None for p in found)),
+        half=half_gemms(next((p.variant for p in found if p.runs and p.problem is None), None)),
     )
