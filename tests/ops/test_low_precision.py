@@ -467,6 +467,17 @@ def _kernels():  # type: ignore[no-untyped-def]
     return module
 
 
+ENGINE_SWITCHES = ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX")
+
+
+@pytest.fixture
+def no_engine_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None of the engine switches set (the rest of the suite follows them where they are)."""
+    for name in ENGINE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.usefixtures("no_engine_switches")
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
     """bfloat16 runs on the engine the kernels' bf16_gemm() names (AMX tiles, VDPBF16PS where
@@ -497,6 +508,7 @@ def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
         assert not torch.equal(low, wide)  # the switch reaches the kernels
 
 
+@pytest.mark.usefixtures("no_engine_switches")
 def test_the_native_bfloat16_engine_follows_the_environment() -> None:
     """RELPOS_NATIVE_BF16_GEMM names the engine (one the build or CPU lacks gives way to the
     next: amx, avx512bf16, mkl, widened); RELPOS_NATIVE_HALF_GEMM=0 means widened tiles,

@@ -408,6 +408,8 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    for name in ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX"):
+        monkeypatch.delenv(name, raising=False)
     from relpos.cli import main
 
     monkeypatch.setenv("RELPOS_NATIVE_HALF_GEMM", "0")
