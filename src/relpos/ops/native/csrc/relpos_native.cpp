@@ -319,8 +319,8 @@ static inline void low_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, f
 // Tile GEMMs for bfloat16: the forward's four (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
 // acc += P V_J, acc += Pb aV) and the backward's five tile GEMMs (S, dP = dO_I V_J^T,
 // dV_J += P^T dO_I, dq += dS K_J, dK_J += scale · dS^T Q_I) on operands packed by the kernels,
-// where the build targets a CPU with AVX512-BF16 (-march=native on one; the portable variants
-// never do). MKL's bfloat16 GEMM repacks both operands on every call (a tenth of the forward at
+// where the build targets a CPU with AVX512-BF16 (-march=native on one, or the portable amx
+// variant). MKL's bfloat16 GEMM repacks both operands on every call (a tenth of the forward at
 // 8 x 512, perf); here each operand is packed once: Q and dO per query block, a head's K and V
 // tiles once per head (AmxHeadTiles), dS (and P^T, dS^T) row by row as the backward's rows are
 // done, into contiguous 16 x 32 bfloat16 tiles of 1 KiB (A as rows, B in the pair-interleaved
@@ -373,10 +373,11 @@ static bool cpu_has_amx_bf16() {
 #ifdef RELPOS_HAVE_BF16_TILES
 // Whether this core's VDPBF16PS gives more multiply-adds per second than its VFMADD231PS (a dot
 // product does two per lane, an FMA one): both timed once, 12 independent accumulators, the
-// best of 9 runs of each. On Intel's Sapphire Rapids one VDPBF16PS takes 4x an FMA's time and
-// the packed tiles' dot products ran the bfloat16 forward 1.4x slower than tiles widened to
-// float32 for the FMA GEMMs (benchmarks/half_precision.md); AMD's Zen 4 issues them at the
-// FMA's rate.
+// best of 9 runs of each (about 0.2 ms, once per process). On Intel's Sapphire Rapids one
+// VDPBF16PS takes 4x an FMA's time and the packed tiles' dot products ran the bfloat16 forward
+// 1.25-1.45x the time of tiles widened to float32 for the FMA GEMMs
+// (benchmarks/half_precision_engines.md); other cores (AMD's Zen 4 and 5 among them, not
+// measured there) are for this timing to judge.
 static bool dot_products_pay() {
   static const bool pays = [] {
     using clock = std::chrono::steady_clock;
@@ -426,8 +427,8 @@ static std::string env_or_empty(const char* name) {
 // The choice for this call. By default: AMX where this build has it and the OS grants it; else
 // VDPBF16PS where this build has it and it pays (dot_products_pay); else MKL's GEMM where the CPU
 // has AMX-BF16 (a portable build on such a CPU: MKL runs it on the tiles); else widened tiles
-// (MKL's bfloat16 GEMM without AMX measured 1.07-1.4x slower than them with MKL held to AVX2,
-// AVX-512 or AVX512-BF16, benchmarks/half_precision.md). RELPOS_NATIVE_BF16_GEMM=amx,
+// (MKL's bfloat16 GEMM without AMX took 1.06-1.51x their time with MKL held to AVX2, AVX-512 or
+// AVX512-BF16, benchmarks/half_precision_engines.md). RELPOS_NATIVE_BF16_GEMM=amx,
 // avx512bf16, mkl or widened asks for one (one this build or CPU lacks gives way to the next in
 // that order); without it RELPOS_NATIVE_HALF_GEMM=0 asks for widened, then RELPOS_NATIVE_AMX=0
 // (older) for mkl, RELPOS_NATIVE_HALF_GEMM=1 for the first 16-bit GEMM there is (amx,
@@ -919,7 +920,7 @@ static inline void tile_gemm_add(TileGemm engine, int64_t M, int64_t N, int64_t 
   tile_gemm_into(engine, M, N, KB, scale, a, b, acc, true, lda);
 }
 
-// The AMX B operand of key tile J (keys j0 .. of a head's S rows `head`, K wide) transposed,
+// The packed B operand of key tile J (keys j0 .. of a head's S rows `head`, K wide) transposed,
 // as for A @ K_J^T (scores, dP), from the head's cache. A tile the causal mask cuts to fewer
 // keys uses the same packing: its further columns are computed and never stored.
 template <typename I>
@@ -1476,7 +1477,7 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
 #endif  // RELPOS_VEC_FLOAT: end of the vector section
 
 #ifdef RELPOS_HAVE_BF16_TILES
-// The bfloat16 P of a call on AMX tiles, written by the softmax itself (no float32 P to store
+// The bfloat16 P of a call on packed tiles, written by the softmax itself (no float32 P to store
 // and read back): out[j] = x[j] rounded to bfloat16 (nearest even) over n entries.
 static inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
   int64_t j = 0;
@@ -1751,7 +1752,7 @@ struct ForwardBlock {
   AmxBuffer q_pack, pb_pack;  // Q_I (rows; times a power-of-two scale: q_scaled), Pb as it is
   bool q_scaled = false;      // rounded
   AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
-  int64_t p_ld = 0;  // (AMX reads its tiles with that stride): zeros past each row's keys
+  int64_t p_ld = 0;  // (the tile GEMMs read it with that stride): zeros past each row's keys
   AmxOperand v_op, ak_op, av_op;  // V_J cut short and aV (pairs), aK (transposed)
   AmxHeadTiles k_head, v_head;    // a head's K_J (transposed) and V_J (pairs), kept
 
@@ -1826,7 +1827,7 @@ static RELPOS_INLINE void rescale_row(ForwardBlock<T, I>& w, int64_t r, T alpha,
   }
 }
 
-// exp_segments for a call on AMX tiles without dropout: P rounded to bfloat16 into p_row
+// exp_segments for a call on packed tiles without dropout: P rounded to bfloat16 into p_row
 // (nk entries: zeros past the visible keys, up to p_ld), s left as it is; with pb_row (R
 // entries) the row's bucket masses added in the same pass (add_to_buckets's).
 template <typename T>
@@ -1870,7 +1871,7 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
 
 // Online-softmax step of row r over one tile: the new max, the rescale of the row's state, then
 // s = exp(s - m_new) (far constants folded in; the hidden tail [n_visible, nk) set to 0) and
-// l += its sum; with p_row (AMX, no dropout), P goes to p_row in bfloat16 instead, s left as
+// l += its sum; with p_row (packed tiles, no dropout), P goes to p_row in bfloat16 instead, s left as
 // it is (exp_segments_bf16). With buckets (no dropout), the row's bucket masses (R) are added
 // in the same pass. Returns false, with the row's tile (or p_row) zeroed, while the row has
 // seen no key.
@@ -1952,8 +1953,8 @@ static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, i
 }
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
-// a_pack for AMX, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
-// AMX with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n; a_pack
+// a_pack for the packed tiles, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
+// Packed tiles with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n; a_pack
 // null); with b_packed, B too (op null).
 template <typename T, typename I>
 static inline void values_low(ForwardBlock<T, I>& w, AmxOperand* op, int64_t nq, int64_t n,
@@ -2006,7 +2007,7 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
 
 // Row r of one tile: band key term, masks, online-softmax step, then dropout and the bucket
 // update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) for the P @ V GEMM in the row's tile
-// or, on AMX tiles, in bfloat16 in row r of w.p_rows (row stride w.p_ld).
+// or, on packed tiles, in bfloat16 in row r of w.p_rows (row stride w.p_ld).
 template <typename T, typename I>
 static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
                                       const T* attn_bias, const Dropout& drop, T inv_keep,
@@ -2019,7 +2020,7 @@ static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
   const FarConstants<T> qa_far = far_constants(qa_row, R);
   add_band_key_term<T>(s, seg, qa_row);
   add_masks<T>(s, g, j0, seg.end, hd.key_bias, mask_row(g, attn_bias, hd.b, hd.h, i));
-  // the bfloat16 row AMX reads (written by the softmax where there is no dropout)
+  // the bfloat16 row the tile GEMMs read (written by the softmax where there is no dropout)
   uint16_t* p_row = w.tiles ? w.p_rows.p + r * w.p_ld : nullptr;
   T* pb_row = hd.av ? w.pb.data() + r * R : nullptr;
   SegmentSums<T> p_sums;
@@ -2070,7 +2071,7 @@ static RELPOS_INLINE void forward_epilogue(const Geometry& g, const Head<T, I>& 
   }
 }
 
-// With 16-bit GEMMs, Q_I's operand for the block: packed in tiles for AMX (else read in place),
+// With 16-bit GEMMs, Q_I's operand for the block: packed in tiles (else read in place),
 // times the scale where it is a power of two (1/8 for D = 64: exact, and the score tiles are
 // then stored straight from the tile registers, with no pass to scale them).
 template <typename T, typename I>
@@ -2113,7 +2114,7 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   for (int64_t j0 = 0; j0 < g.S; j0 += BK) {
     if (!g.block_visible(i1, j0)) break;
     const int64_t j1 = g.block_end(i1, j0, BK), nk = j1 - j0;
-    // the head's K_J and V_J as AMX operands (V_J cut by the causal mask: nullptr, packed alone)
+    // the head's K_J and V_J as packed operands (V_J cut by the causal mask: nullptr, packed alone)
     const uint16_t* k_packed = nullptr;
     const uint16_t* v_packed = nullptr;
 #ifdef RELPOS_HAVE_BF16_TILES
@@ -2154,10 +2155,10 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
   forward_epilogue(g, hd, w, nq, out_head + i0 * Dv, lse_head + i0);
 }
 
-// The fewest query rows per block for which a direction's GEMMs run on AMX tiles: shorter
-// blocks fill too little of the 32-row tile pairs (bfloat16, 128 sequences, K = 16, one thread:
-// the forward at n = 12 took 1.15x MKL's time on tiles, at n = 20 0.93x; forward + backward
-// 1.1x at n = 12, 1.0x at n = 20 and 28, 0.97x at n = 40).
+// The fewest query rows per block for which a direction's GEMMs run on packed tiles: shorter
+// blocks fill too little of the 32-row tile pairs (bfloat16 on AMX, 128 sequences, K = 16, one
+// thread: the forward at n = 12 took 1.15x MKL's time on tiles, at n = 20 0.93x; forward +
+// backward 1.1x at n = 12, 1.0x at n = 20 and 28, 0.97x at n = 40).
 constexpr int64_t kAmxForwardRows = 16;
 constexpr int64_t kAmxBackwardRows = 32;
 
@@ -2308,7 +2309,7 @@ struct BackwardBlock {
   }
 };
 
-// The AMX tile GEMMs of the bfloat16 backward (see the forward's): Q_I, dO_I as row tiles and as
+// The packed-tile GEMMs of the bfloat16 backward (see the forward's): Q_I, dO_I as row tiles and as
 // pairs, once per query block (Q times the scale where it is a power of two: exact).
 template <typename T, typename I>
 static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64_t D, int64_t Dv,
@@ -2324,10 +2325,10 @@ static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64
     return;
   }
 #endif
-  TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
+  TORCH_CHECK(false, "relpos native: no bfloat16 tile GEMMs in this build");
 }
 
-// Rows [r0, r1) of P (pd) and dS (w.dp), done, rounded to bfloat16 into their AMX operands
+// Rows [r0, r1) of P (pd) and dS (w.dp), done, rounded to bfloat16 into their packed operands
 // while in cache: dS as rows, and where r1 ends a 32-row k-block (or the block), that k-block
 // of P^T and dS^T.
 template <typename T, typename I>
@@ -2344,11 +2345,11 @@ static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_
 #endif
 }
 
-// dV_J += P_IJ^T @ dO_I, dq_acc_I += dS_IJ @ K_J and dK_J += scale · dS_IJ^T @ Q_I on AMX
+// dV_J += P_IJ^T @ dO_I, dq_acc_I += dS_IJ @ K_J and dK_J += scale · dS_IJ^T @ Q_I on packed
 // tiles, P (pd) and dS (w.dp) packed by backward_pack_rows, K_J as pairs (k_packed: the head's
 // cache; else packed unless held).
 template <typename T, typename I>
-static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
+static inline void backward_tile_gradients_packed(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
                                                int64_t D, int64_t Dv, T scale, const I* k_tile,
                                                T* dv_tile, T* dk_tile,
                                                const uint16_t* k_packed = nullptr) {
@@ -2369,7 +2370,7 @@ static inline void backward_tile_gradients_amx(BackwardBlock<T, I>& w, int64_t n
     return;
   }
 #endif
-  TORCH_CHECK(false, "relpos native: no AMX tile GEMMs in this build");
+  TORCH_CHECK(false, "relpos native: no bfloat16 tile GEMMs in this build");
 }
 
 // delta_i = dO_i . out_i for the rows of a query block.
@@ -2673,7 +2674,7 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       const I* v_tile = hd.v + j0 * Dv;
       const T* k_wide = nullptr;  // K_J and V_J as T (float GEMMs)
       // the head's K_J, V_J (transposed) and K_J (pairs; nullptr where the causal mask cuts
-      // the tile) as AMX operands
+      // the tile) as packed operands
       const uint16_t* k_packed_t = nullptr;
       const uint16_t* v_packed_t = nullptr;
       const uint16_t* k_packed_pairs = nullptr;
@@ -2710,7 +2711,7 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
         if (w.tiles) backward_pack_rows(w, nq, nk, pd, r, r + 1);
       }
       if (w.tiles) {
-        backward_tile_gradients_amx(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D,
+        backward_tile_gradients_packed(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D,
                                     k_packed_pairs);
       } else if (low_gemms) {
         if constexpr (low) {
