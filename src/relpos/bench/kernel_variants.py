@@ -4,9 +4,9 @@ for exactly this CPU (``-march=native``, the per-user cache), at training shapes
 Each variant of a kernels directory, and the user cache's build, is loaded in a process of its
 own (``RELPOS_KERNELS_DIR`` pointed at a directory holding that variant alone); each process
 times native forward + backward (float32, or ``--dtype bfloat16``; H=8, D=64, K=16, shared
-tables) at every shape and
-reports the median of its repeats. The processes run in interleaved rounds; a variant's time
-is the median over rounds, its ratio is to the native build's in the same run. A variant runs
+tables) at every shape and reports the median of its repeats. The processes run in interleaved
+rounds; a variant's time is the median over rounds, its ratio is to the native build's in the
+same run. A variant runs
 only where the CPU runs it (``avx512`` needs AVX-512 F/BW/CD/DQ/VL, ``amx`` also AMX-TILE,
 AMX-BF16 and AVX512-BF16).
 

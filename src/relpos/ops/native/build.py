@@ -164,6 +164,7 @@ def _exported(symbol: str) -> bool:
 
 
 BF16_GEMM_ENV = "RELPOS_NATIVE_BF16_GEMM"
+AMX_ENV = "RELPOS_NATIVE_AMX"  # the older switch: =0 asks for MKL's bfloat16 GEMM
 
 #: The engines a bfloat16 call can run its GEMMs on, in the order one the build or CPU lacks
 #: gives way to the next (what ``RELPOS_NATIVE_BF16_GEMM`` names).
@@ -181,11 +182,10 @@ def half_gemms(serving: str | None = None) -> str:
     this CPU have them (:func:`amx_tiles`; ``serving``: the prebuilt variant that serves, None
     for this CPU's own build; only the ``amx`` variant has AMX and VDPBF16PS), VDPBF16PS on
     packed tiles where this CPU has AVX512-BF16 and runs it faster than float32 FMAs (the
-    kernels time both once), MKL's
-    bfloat16 GEMM where the CPU has AMX-BF16 (MKL runs it on the tiles), tiles widened to
-    float32 otherwise; ``RELPOS_NATIVE_HALF_GEMM=0`` the widened tiles, then
-    ``RELPOS_NATIVE_AMX=0`` (older) MKL's GEMM, ``RELPOS_NATIVE_HALF_GEMM=1`` the first 16-bit
-    GEMM there is."""
+    kernels time both once), MKL's bfloat16 GEMM where the CPU has AMX-BF16 (MKL runs it on the
+    tiles), tiles widened to float32 otherwise; ``RELPOS_NATIVE_HALF_GEMM=0`` the widened
+    tiles, then ``RELPOS_NATIVE_AMX=0`` (older) MKL's GEMM, ``RELPOS_NATIVE_HALF_GEMM=1`` the
+    first 16-bit GEMM there is."""
     wish = os.environ.get(HALF_GEMM_ENV)
     fp16 = _HALF_GEMMS["float16"]
     fp16_runs = wish == "1" and have_blas() and _exported(fp16)
@@ -202,7 +202,7 @@ def _bf16_gemms(serving: str | None) -> str:
     if not (have_blas() and _exported(symbol)):
         return f"bfloat16 {_WIDENED}"
     flags = cpu_flags() or frozenset()
-    amx = amx_tiles(serving, ignore_env=True)
+    amx = amx_tiles(serving)
     dot = (serving in (None, "amx") and platform.machine() == "x86_64"
            and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags)
     names = {"amx": "bfloat16 AMX tiles (every tile GEMM)",
@@ -231,20 +231,13 @@ def _bf16_gemms(serving: str | None) -> str:
     return names[fallback]
 
 
-AMX_ENV = "RELPOS_NATIVE_AMX"
-
-
-def amx_tiles(serving: str | None = None, *, ignore_env: bool = False) -> bool:
-    """Whether the bfloat16 tile GEMMs (forward and backward) run on AMX tiles here: a CPU with
-    AMX-BF16 (the kernels built for this CPU, or the prebuilt ``amx`` variant, ``serving``, use
-    them where Linux grants the tile state; the loaded library's ``build_info()`` says
-    ``amx=bf16`` when it did; the other prebuilt variants never do), unless
-    ``RELPOS_NATIVE_AMX=0`` or ``RELPOS_NATIVE_BF16_GEMM`` names another engine
-    (``ignore_env``: whether they could)."""
+def amx_tiles(serving: str | None = None) -> bool:
+    """Whether the bfloat16 tile GEMMs (forward and backward) can run on AMX tiles here: a CPU
+    with AMX-BF16 (the kernels built for this CPU, or the prebuilt ``amx`` variant, ``serving``,
+    use them where Linux grants the tile state; the loaded library's ``build_info()`` says
+    ``amx=bf16`` when it did; the other prebuilt variants never do). Whether a call does is
+    :func:`half_gemms`' question (the switches)."""
     if serving not in (None, "amx") or platform.system() != "Linux":
-        return False
-    if not ignore_env and (os.environ.get(AMX_ENV) == "0"
-                           or os.environ.get(BF16_GEMM_ENV, "amx") != "amx"):
         return False
     flags = cpu_flags() or frozenset()
     if platform.machine() != "x86_64" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
