@@ -466,17 +466,27 @@ static Bf16Gemm bf16_gemm() {
   return cpu_has_amx_bf16() ? Bf16Gemm::kMkl : Bf16Gemm::kWidened;
 }
 
-// Whether a call with 16-bit inputs of type I runs 16-bit GEMMs (else its tiles are widened to
-// float and the float GEMMs serve: the same results to float rounding, P and dS unrounded).
-// bfloat16 as bf16_gemm() says; float16 only under RELPOS_NATIVE_HALF_GEMM=1 (where libtorch
-// has the GEMM): MKL's float16 GEMM measured slower than widened tiles even on a CPU with
-// AVX512-FP16 (benchmarks/half_precision.md), and CPUs without FP16 arithmetic can only convert
-// inside it.
+// A call's 16-bit GEMMs, chosen once per call: whether it runs 16-bit GEMMs (low; else its
+// tiles are widened to float and the float GEMMs serve: the same results to float rounding, P
+// and dS unrounded) and, for bfloat16, the packed-tile engine its large enough blocks run on
+// (tile_gemms_of). bfloat16 as bf16_gemm() says; float16 only under RELPOS_NATIVE_HALF_GEMM=1
+// (where libtorch has the GEMM): MKL's float16 GEMM measured slower than widened tiles even on
+// a CPU with AVX512-FP16 (benchmarks/half_precision.md), and CPUs without FP16 arithmetic can
+// only convert inside it.
+struct HalfGemms {
+  bool low = false;
+  TileGemm tiles = kNoTiles;
+};
+
 template <typename I>
-static bool use_low_gemms() {
-  if (!has_low_gemm<I>()) return false;
-  if constexpr (std::is_same_v<I, c10::BFloat16>) return bf16_gemm() != Bf16Gemm::kWidened;
-  return env_or_empty("RELPOS_NATIVE_HALF_GEMM") == "1";
+static HalfGemms half_gemms_now() {
+  if (!has_low_gemm<I>()) return {};
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    const Bf16Gemm e = bf16_gemm();
+    return {e != Bf16Gemm::kWidened,
+            e == Bf16Gemm::kAmx ? kAmxTiles : e == Bf16Gemm::kDot ? kDotTiles : kNoTiles};
+  }
+  return {env_or_empty("RELPOS_NATIVE_HALF_GEMM") == "1", kNoTiles};
 }
 
 constexpr int64_t kTileElems = 512;  // bfloat16 elements of one 16 x 32 tile (1 KiB)
@@ -1757,7 +1767,8 @@ struct ForwardBlock {
   AmxHeadTiles k_head, v_head;    // a head's K_J (transposed) and V_J (pairs), kept
 
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
-               int64_t D = 0, int64_t BK = 0, bool low_gemms = false, TileGemm tile_gemms = kNoTiles)
+               int64_t D = 0, int64_t BK = 0, bool low_gemms = false,
+               TileGemm tile_gemms = kNoTiles)
       : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ),
         l(BQ) {
     if constexpr (!std::is_same_v<T, I>) {
@@ -1871,10 +1882,10 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
 
 // Online-softmax step of row r over one tile: the new max, the rescale of the row's state, then
 // s = exp(s - m_new) (far constants folded in; the hidden tail [n_visible, nk) set to 0) and
-// l += its sum; with p_row (packed tiles, no dropout), P goes to p_row in bfloat16 instead, s left as
-// it is (exp_segments_bf16). With buckets (no dropout), the row's bucket masses (R) are added
-// in the same pass. Returns false, with the row's tile (or p_row) zeroed, while the row has
-// seen no key.
+// l += its sum; with p_row (packed tiles, no dropout), P goes to p_row in bfloat16 instead, s
+// left as it is (exp_segments_bf16). With buckets (no dropout), the row's bucket masses (R) are
+// added in the same pass. Returns false, with the row's tile (or p_row) zeroed, while the row
+// has seen no key.
 template <typename T, typename I>
 static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, T* s, int64_t nk,
                                               const RowSegments& seg, FarConstants<T> qa_far,
@@ -1944,7 +1955,8 @@ static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, i
         }
         b_packed = op->buf.p;
       }
-      tile_gemm_scaled(tiles, nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed, out);
+      tile_gemm_scaled(tiles, nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed,
+                       out);
       return;
     }
   }
@@ -1953,9 +1965,9 @@ static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, i
 }
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
-// a_pack for the packed tiles, a_low for MKL), B in I (V_J or aV; packed into op unless it holds B already).
-// Packed tiles with a_rows: A is there already, in bfloat16 rows of stride lda (zeros past n; a_pack
-// null); with b_packed, B too (op null).
+// a_pack for the packed tiles, a_low for MKL), B in I (V_J or aV; packed into op unless it
+// holds B already). Packed tiles with a_rows: A is there already, in bfloat16 rows of stride
+// lda (zeros past n; a_pack null); with b_packed, B too (op null).
 template <typename T, typename I>
 static inline void values_low(ForwardBlock<T, I>& w, AmxOperand* op, int64_t nq, int64_t n,
                               int64_t Dv, const T* a, AmxBuffer* a_pack, I* a_low, const I* b,
@@ -2162,30 +2174,27 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
 constexpr int64_t kAmxForwardRows = 16;
 constexpr int64_t kAmxBackwardRows = 32;
 
-// Where a call whose tile GEMMs take 16-bit operands (low_gemms) runs them: on packed tiles
-// (bf16_gemm's) for bfloat16 with query blocks of at least min_rows rows (BQ, a varlen
-// call's longest) and key tiles of at most kKeyBlock, else on MKL's GEMM (kNoTiles).
-template <typename I>
-static TileGemm tile_gemms_of(bool low_gemms, int64_t BQ, int64_t BK, int64_t min_rows) {
-  if (!std::is_same_v<I, c10::BFloat16> || !low_gemms || BQ < min_rows || BK > kKeyBlock)
-    return kNoTiles;
-  const Bf16Gemm e = bf16_gemm();
-  return e == Bf16Gemm::kAmx ? kAmxTiles : e == Bf16Gemm::kDot ? kDotTiles : kNoTiles;
+// Where a call whose tile GEMMs take 16-bit operands runs them: on its packed-tile engine
+// (half_gemms_now's) with query blocks of at least min_rows rows (BQ, a varlen call's longest)
+// and key tiles of at most kKeyBlock, else on MKL's GEMM (kNoTiles).
+static TileGemm tile_gemms_of(const HalfGemms& gemms, int64_t BQ, int64_t BK, int64_t min_rows) {
+  if (!gemms.low || BQ < min_rows || BK > kKeyBlock) return kNoTiles;
+  return gemms.tiles;
 }
 
 // Padded tasks: (batch, head, query block).
 template <typename T, typename I = T>
 static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, const Dropout& drop,
-                         I* out, T* lse, bool low_gemms = false) {
+                         I* out, T* lse, HalfGemms gemms = {}) {
   const int64_t L = g.L;
   const int64_t BQ = forward_query_block(L, g.B * g.H), BK = key_block_size(L, g.S);
   const int64_t n_query_blocks = (L + BQ - 1) / BQ;
-  const TileGemm tiles = tile_gemms_of<I>(low_gemms, BQ, BK, kAmxForwardRows);
+  const TileGemm tiles = tile_gemms_of(gemms, BQ, BK, kAmxForwardRows);
 
   at::parallel_for(0, g.B * g.H * n_query_blocks, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     ForwardBlock<T, I> w(BQ, BQ * BK, g.R, g.Dv, in.ak != nullptr, in.av != nullptr, g.D, BK,
-                         low_gemms, tiles);
+                         gemms.low, tiles);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
       forward_task(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
@@ -2208,19 +2217,19 @@ struct VarlenCall {
 // tasks of sequence s are first_task[s] + h · (its query blocks) + qb.
 template <typename T, typename I = T>
 static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T scale,
-                                const Dropout& drop, I* out, T* lse, bool low_gemms = false) {
+                                const Dropout& drop, I* out, T* lse, HalfGemms gemms = {}) {
   const Packing& pk = vc.pk;
   std::vector<int64_t> first_task(pk.N + 1, 0);
   for (int64_t s = 0; s < pk.N; ++s) {
     const int64_t L = vc.seqs[s].L, BQ = forward_query_block(L, vc.heads);
     first_task[s + 1] = first_task[s] + pk.H * ((L + BQ - 1) / BQ);
   }
-  const TileGemm tiles = tile_gemms_of<I>(low_gemms, vc.BQ, vc.BK, kAmxForwardRows);
+  const TileGemm tiles = tile_gemms_of(gemms, vc.BQ, vc.BK, kAmxForwardRows);
 
   at::parallel_for(0, first_task[pk.N], 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     ForwardBlock<T, I> w(vc.BQ, vc.tile, vc.R, vc.Dv, in.ak != nullptr, in.av != nullptr, vc.D,
-                         vc.BK, low_gemms, tiles);
+                         vc.BK, gemms.low, tiles);
     for (int64_t task = begin; task < stop; ++task) {
       // the last sequence whose tasks start at or before this one (sequences without queries
       // have none)
@@ -2748,15 +2757,15 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
 template <typename T, typename I = T>
 static void backward_impl(const Geometry& g, const Inputs<T, I>& in, const I* dout, const I* out,
                           const T* lse, T scale, const Dropout& drop, I* dq, I* dk, I* dv,
-                          T* dak_part, T* dav_part, bool low_gemms = false) {
+                          T* dak_part, T* dav_part, HalfGemms gemms = {}) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv, R = g.R;
   const int64_t BQ = backward_query_block(L), BK = key_block_size(L, S);
-  const TileGemm tiles = tile_gemms_of<I>(low_gemms, BQ, BK, kAmxBackwardRows);
+  const TileGemm tiles = tile_gemms_of(gemms, BQ, BK, kAmxBackwardRows);
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     BackwardBlock<T, I> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on, Dv,
-                          BK, S, low_gemms, tiles);
+                          BK, S, gemms.low, tiles);
     for (int64_t bh = begin; bh < stop; ++bh) {
       T* dak = in.ak ? dak_part + bh * R * D : nullptr;
       T* dav = in.av ? dav_part + bh * R * Dv : nullptr;
@@ -2815,18 +2824,18 @@ template <typename T, typename I = T>
 static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t>& groups,
                                  const Inputs<T, I>& in, const I* dout, const I* out,
                                  const T* lse, T scale, const Dropout& drop, I* dq, I* dk, I* dv,
-                                 T* dak_part, T* dav_part, bool low_gemms = false) {
+                                 T* dak_part, T* dav_part, HalfGemms gemms = {}) {
   const Packing& pk = vc.pk;
   const int64_t n_groups = static_cast<int64_t>(groups.size()) - 1, R = vc.R;
   int64_t S_max = 0;  // 16-bit inputs: the float dK and dV of the longest sequence
   if constexpr (!std::is_same_v<T, I>)
     for (const Geometry& g : vc.seqs) S_max = std::max(S_max, g.S);
-  const TileGemm tiles = tile_gemms_of<I>(low_gemms, vc.BQ, vc.BK, kAmxBackwardRows);
+  const TileGemm tiles = tile_gemms_of(gemms, vc.BQ, vc.BK, kAmxBackwardRows);
 
   at::parallel_for(0, n_groups * pk.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
     BackwardBlock<T, I> w(vc.BQ, vc.tile, R, vc.D, in.ak != nullptr, in.av != nullptr, drop.on,
-                          vc.Dv, vc.BK, S_max, low_gemms, tiles);
+                          vc.Dv, vc.BK, S_max, gemms.low, tiles);
     for (int64_t unit = begin; unit < stop; ++unit) {
       const int64_t group = unit / pk.H, h = unit % pk.H;
       T* dak = in.ak ? dak_part + unit * R * vc.D : nullptr;
@@ -3051,11 +3060,12 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_half", [&] {
-      const bool low = use_low_gemms<scalar_t>();
+      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
       forward_impl<float, scalar_t>(g, in, static_cast<float>(options.scale), drop,
-                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(), low);
+                                    out.data_ptr<scalar_t>(), lse.data_ptr<float>(), gemms);
     });
     return {out, lse};
   }
@@ -3089,7 +3099,8 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_half", [&] {
-      const bool low = use_low_gemms<scalar_t>();
+      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
       backward_impl<float, scalar_t>(
@@ -3097,7 +3108,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
           static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
           dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
           ak ? dak_part.data_ptr<float>() : nullptr, av ? dav_part.data_ptr<float>() : nullptr,
-          low);
+          gemms);
       if (ak) dak = reduce_table_gradient<float>(dak_part, g.Hr_k);
       if (av) dav = reduce_table_gradient<float>(dav_part, g.Hr_v);
     });
@@ -3294,13 +3305,14 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen_half", [&] {
-      const bool low = use_low_gemms<scalar_t>();
+      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
                                             low_tables);
       forward_varlen_impl<float, scalar_t>(vc, in, static_cast<float>(options.scale), drop,
                                            out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                                           low);
+                                           gemms);
     });
     return {out.transpose(0, 1).contiguous(), lse};
   }
@@ -3360,7 +3372,8 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   };
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen_half", [&] {
-      const bool low = use_low_gemms<scalar_t>();
+      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
                                             low_tables);
@@ -3369,7 +3382,7 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
           static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
           dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
           ak ? dak_part.data_ptr<float>() : nullptr, av ? dav_part.data_ptr<float>() : nullptr,
-          low);
+          gemms);
       if (ak) dak = reduce_table_gradient<float>(dak_part, ak->size(0));
       if (av) dav = reduce_table_gradient<float>(dav_part, av->size(0));
     });
