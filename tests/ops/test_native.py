@@ -480,7 +480,13 @@ def test_the_build_state_is_a_constant_for_torch_compile() -> None:
     ("amx", "avx512", "bfloat16 cblas_gemm_bf16bf16f32"),  # MKL runs it on the tiles
     ("zen4", None, "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU runs it "
                    "faster than float32 FMAs (timed once per process), else tiles widened"),
+    ("zen4", "avx512bf16", "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU "
+                           "runs it faster than float32 FMAs (timed once per process), else "
+                           "tiles widened"),  # the prebuilt avx512bf16 variant
     ("zen4", "avx512", "bfloat16 tiles widened to float32"),
+    ("amx", "avx512bf16", "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU "
+                          "runs it faster than float32 FMAs (timed once per process), else "
+                          "cblas_gemm_bf16bf16f32"),
     ("avx512", None, "bfloat16 tiles widened to float32"),
 ])
 def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(

@@ -610,7 +610,7 @@ def test_relpos_kernels_lists_the_prebuilt_variants(
     (["kernels", "--into", "DIR"], "--into and --variants go with --build"),
     (["kernels", "--build", "--variants", "baseline"], "--variants goes with --into DIR"),
     (["kernels", "--build", "--into", "DIR", "--variants", "avx9"],
-     "unknown variant(s) ['avx9']; allowed: amx, avx512, avx2, baseline"),
+     "unknown variant(s) ['avx9']; allowed: amx, avx512bf16, avx512, avx2, baseline"),
     (["kernels", "--build", "--into", "FILE"], "that is a file, not a directory"),
 ])
 def test_relpos_kernels_refuses_bad_options_in_one_line(

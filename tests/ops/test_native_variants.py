@@ -17,7 +17,7 @@ AMX = V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}
 
 def test_x86_variants_are_best_first_and_each_needs_what_the_next_needs() -> None:
     found = variants("x86_64")
-    assert [v.name for v in found] == ["amx", "avx512", "avx2", "baseline"]
+    assert [v.name for v in found] == ["amx", "avx512bf16", "avx512", "avx2", "baseline"]
     for better, worse in itertools.pairwise(found):
         assert worse.requires <= better.requires and better.requires != worse.requires
     assert variants("aarch64")[0].flags == ("-march=armv8-a",)
@@ -26,8 +26,10 @@ def test_x86_variants_are_best_first_and_each_needs_what_the_next_needs() -> Non
 
 @pytest.mark.parametrize(("flags", "capability", "best"), [
     (AMX, "AVX512", "amx"),
-    (AMX - {"amx_bf16"}, "AVX512", "avx512"),  # tiles without their bfloat16 products
-    (V4 | {"avx512_bf16"}, "AVX512", "avx512"),  # AVX512-BF16 without AMX (AMD Zen 4)
+    (AMX - {"amx_bf16"}, "AVX512", "avx512bf16"),  # tiles without their bfloat16 products
+    (AMX - {"avx512_bf16"}, "AVX512", "avx512"),  # AMX without AVX512-BF16
+    (V4 | {"avx512_bf16"}, "AVX512", "avx512bf16"),  # AVX512-BF16 without AMX (AMD Zen 4)
+    (V4 | {"avx512_bf16"}, "AVX2", "avx2"),
     (AMX, "AVX2", "avx2"),
     (V4, "AVX512", "avx512"),
     (V4, "AVX2", "avx2"),  # ATEN_CPU_CAPABILITY=avx2 keeps the kernels at torch's level
@@ -53,7 +55,7 @@ def test_the_best_variant_is_the_first_the_cpu_and_torch_run(
 
 def test_an_unknown_variant_names_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match=r"no kernels variant 'avx9' on x86_64 \(allowed: "
-                                         r"amx, avx512, avx2, baseline\)"):
+                                         r"amx, avx512bf16, avx512, avx2, baseline\)"):
         variant("avx9", "x86_64")
 
 

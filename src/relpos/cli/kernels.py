@@ -21,9 +21,9 @@ rebuilt (where the cache is writable). RELPOS_NATIVE=0 turns them off;
 RELPOS_CACHE_DIR moves the cache.
 
 For machines that cannot compile (a container image without a compiler, a read-only
-software tree), --build --into DIR compiles portable variants (amx, avx512, avx2, baseline
-on x86-64) into DIR; with RELPOS_KERNELS_DIR=DIR every process loads the best variant its CPU
-runs from there (checksum first) and never writes there.
+software tree), --build --into DIR compiles portable variants (amx, avx512bf16, avx512, avx2,
+baseline on x86-64) into DIR; with RELPOS_KERNELS_DIR=DIR every process loads the best variant
+its CPU runs from there (checksum first) and never writes there.
 """
 
 
@@ -37,12 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", metavar="NAMES",
                    type=name_list(VARIANTS, "variant(s)", distinct=True),
                    help="with --into: the variants to build, comma-separated (default: all "
-                        "of this architecture's: amx,avx512,avx2,baseline on x86-64, "
+                        "of this architecture's: amx,avx512bf16,avx512,avx2,baseline on x86-64, "
                         "baseline elsewhere)")
 
 
 #: Every variant name of every architecture (relpos.ops.native.variants: which exist here).
-VARIANTS = ("amx", "avx512", "avx2", "baseline")
+VARIANTS = ("amx", "avx512bf16", "avx512", "avx2", "baseline")
 
 
 def run(args: argparse.Namespace) -> int:

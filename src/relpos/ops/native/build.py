@@ -27,7 +27,8 @@ What keeps a cache sound:
 
 Prebuilt kernels, for machines that cannot compile (no compiler in a container image, a
 read-only software tree): ``relpos kernels --build --into DIR`` (:func:`build_into`) compiles
-portable variants (``avx512``, ``avx2``, ``baseline``: :mod:`.variants`) into ``DIR``, and
+portable variants (``amx``, ``avx512bf16``, ``avx512``, ``avx2``, ``baseline``:
+:mod:`.variants`) into ``DIR``, and
 ``RELPOS_KERNELS_DIR=DIR`` makes every process load the best variant this CPU runs from there,
 checksum first, before looking at the per-user cache. That directory is never written to: a
 damaged or missing variant is skipped with one warning, and the per-user cache serves (built
@@ -180,7 +181,8 @@ def half_gemms(serving: str | None = None) -> str:
     16-bit GEMM under ``RELPOS_NATIVE_HALF_GEMM=1``. bfloat16: the engine
     ``RELPOS_NATIVE_BF16_GEMM`` names, else by default AMX tiles where the kernels built for
     this CPU have them (:func:`amx_tiles`; ``serving``: the prebuilt variant that serves, None
-    for this CPU's own build; only the ``amx`` variant has AMX and VDPBF16PS), VDPBF16PS on
+    for this CPU's own build; of the prebuilt variants only ``amx`` has AMX, only ``amx`` and
+    ``avx512bf16`` VDPBF16PS), VDPBF16PS on
     packed tiles where this CPU has AVX512-BF16 and runs it faster than float32 FMAs (the
     kernels time both once), MKL's bfloat16 GEMM where the CPU has AMX-BF16 (MKL runs it on the
     tiles), tiles widened to float32 otherwise; ``RELPOS_NATIVE_HALF_GEMM=0`` the widened
@@ -203,7 +205,7 @@ def _bf16_gemms(serving: str | None) -> str:
         return f"bfloat16 {_WIDENED}"
     flags = cpu_flags() or frozenset()
     amx = amx_tiles(serving)
-    dot = (serving in (None, "amx") and platform.machine() == "x86_64"
+    dot = (serving in (None, "amx", "avx512bf16") and platform.machine() == "x86_64"
            and {"avx512_bf16", "avx512bw", "avx512vl"} <= flags)
     names = {"amx": "bfloat16 AMX tiles (every tile GEMM)",
              "avx512bf16": "bfloat16 VDPBF16PS on packed tiles (every tile GEMM)",
@@ -271,7 +273,8 @@ def _isa_flags(variant: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Target:
     """What one build compiles for: this CPU (``variant`` :data:`NATIVE`, the per-user cache)
-    or a portable variant (``avx512``, ``avx2``, ``baseline``: a kernels directory)."""
+    or a portable variant (``amx``, ``avx512bf16``, ``avx512``, ``avx2``, ``baseline``: a
+    kernels directory)."""
 
     variant: str = "native"
 

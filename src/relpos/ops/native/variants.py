@@ -13,6 +13,8 @@ amx         ``-march=x86-64-v4``    AMX-TILE, AMX-BF16, AVX512-BF16 (and all of
             ``-mavx512bf16``        ``avx512``): Intel Xeon from Sapphire Rapids on
             ``-mamx-tile``
             ``-mamx-bf16``
+avx512bf16  ``-march=x86-64-v4``    AVX512-BF16 (and all of ``avx512``): AMD EPYC from
+            ``-mavx512bf16``        Zen 4 on, Intel Xeon Cooper Lake
 avx512      ``-march=x86-64-v4``    AVX-512 F, BW, CD, DQ, VL (and all of ``avx2``)
 avx2        ``-march=x86-64-v3``    AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE (x86-64-v3)
 baseline    ``-march=x86-64``       any x86-64 CPU (on ARM: ``-march=armv8-a``)
@@ -20,8 +22,9 @@ baseline    ``-march=x86-64``       any x86-64 CPU (on ARM: ``-march=armv8-a``)
 
 A variant also needs torch to run at that level (``torch.backends.cpu.get_cpu_capability()``),
 so ``ATEN_CPU_CAPABILITY=avx2`` (torch's own switch) keeps the kernels on ``avx2`` or below.
-``amx`` carries the kernels' own AMX tile GEMMs for bfloat16 (the other variants run bfloat16
-on MKL's GEMM or on widened tiles), as a build for such a CPU does.
+``amx`` carries the kernels' own AMX tile GEMMs for bfloat16, ``amx`` and ``avx512bf16`` their
+VDPBF16PS tile GEMMs (chosen where the CPU runs them faster than float32 FMAs), as a build for
+such a CPU does; the other variants run bfloat16 on MKL's GEMM or on widened tiles.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ _X86_64_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", 
 _X86_64_V3 = _X86_64_V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe",
                            "xsave"}
 _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-_AMX = _X86_64_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}
+_AVX512_BF16 = _X86_64_V4 | {"avx512_bf16"}
+_AMX = _AVX512_BF16 | {"amx_tile", "amx_bf16"}
 
 # torch's capability levels, lowest first (ATEN_CPU_CAPABILITY lowers the one it reports).
 _CAPABILITY_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
@@ -59,6 +63,7 @@ class Variant:
 _X86 = (
     Variant("amx", ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"), _AMX,
             "AVX512"),
+    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), _AVX512_BF16, "AVX512"),
     Variant("avx512", ("-march=x86-64-v4",), _X86_64_V4, "AVX512"),
     Variant("avx2", ("-march=x86-64-v3",), _X86_64_V3, "AVX2"),
     Variant("baseline", ("-march=x86-64",)),
