@@ -298,19 +298,58 @@ def test_fast_linear_layouts_match_f_linear_in_float32(batch: int) -> None:
         torch.testing.assert_close(outs[0], model(ids)[:, 4:], rtol=1e-5, atol=1e-5)
 
 
-def test_fast_layouts_follow_in_place_weight_changes() -> None:
+@pytest.mark.parametrize("packing", ["onednn", "mkl", "none"])
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5)])
+def test_fast_layouts_follow_in_place_weight_changes(
+        packing: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layout (wide and tall weights at batch 1, each library's packing above it) equals
+    F.linear, and is rebuilt after the weight changes in place or the packing changes."""
     from relpos.models.decoding import decode_linear
 
-    w, b = torch.randn(6, 4), torch.randn(6)
-    x = torch.randn(2, 4)
-    for batch in (1, 2):
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", packing)
+    w, b = torch.randn(*shape), torch.randn(shape[0])
+    x = torch.randn(2, shape[1])
+    for batch in (1, 2, 8):
         x = torch.randn(batch, 4)
+        x = torch.randn(batch, shape[1])
         torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
+        torch.testing.assert_close(decode_linear(w, None, batch)(x), F.linear(x, w))
         with torch.no_grad():
             w.mul_(-2.0)  # an optimizer step, say: the cached layout is stale
         torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
+    other = "mkl" if packing == "onednn" else "onednn"
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", other)  # the cached packing is the other's
+    torch.testing.assert_close(decode_linear(w, b, 8)(x), F.linear(x, w, b))
     wd = w.double()
-    assert decode_linear(wd, None, 2)(x.double()).dtype == torch.float64
+    assert decode_linear(wd, None, 2)(x[:2].double()).dtype == torch.float64
+
+
+def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relpos.models import decoding
+
+    monkeypatch.delenv("RELPOS_DECODE_PACKING", raising=False)
+    monkeypatch.setattr(decoding, "_mkl_packing", lambda: True)
+    monkeypatch.setattr(decoding, "_onednn_packing", lambda: True)
+    for vendor, packing in (("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("", "onednn")):
+        monkeypatch.setattr(decoding, "cpuinfo", lambda v=vendor: {"vendor_id": v})
+        assert decoding.decode_packing() == packing
+    monkeypatch.setattr(decoding, "_onednn_packing", lambda: False)  # a torch without oneDNN
+    assert decoding.decode_packing() == "mkl"
+    monkeypatch.setattr(decoding, "_mkl_packing", lambda: False)
+    assert decoding.decode_packing() == "none"
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", "mkl")  # asked for, not there: the plain layout
+    assert decoding.decode_packing() == "none"
+
+
+def test_decode_packing_refuses_an_unknown_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from relpos.models.decoding import decode_linear, decode_packing
+
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", "blis")
+    with pytest.raises(ValueError, match=r"RELPOS_DECODE_PACKING must be one of onednn, mkl, "
+                                         r"none \(or unset\), got 'blis'"):
+        decode_packing()
+    with pytest.raises(ValueError, match="RELPOS_DECODE_PACKING"):
+        decode_linear(torch.randn(3, 2), None, 4)
 
 
 # ----------------------------------------------------------------------------- C++ layers
@@ -342,10 +381,15 @@ def test_native_layers_equal_the_python_step_bit_for_bit(kw: dict) -> None:
         assert torch.equal(lp.keys, lc.keys) and torch.equal(lp.values, lc.values)
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize(("fast", "packing"), [(True, "onednn"), (True, "mkl"), (True, "none"),
+                                               (False, "onednn")])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_native_layers_take_every_float32_linear_layout(batch: int, fast: bool) -> None:
-    """float32: the transposed weight (batch 1), MKL's packed one (batch > 1) and F.linear."""
+def test_native_layers_take_every_float32_linear_layout(
+        batch: int, fast: bool, packing: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: the transposed weight or the weight as it is (batch 1: the FF block's two
+    linears take one each), oneDNN's or MKL's packed one or the transposed one (batch > 1),
+    and F.linear: the C++ layers equal the Python step's bits in each."""
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", packing)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=2, max_distance=3)
     model = RelativeTransformerLM(cfg).eval()

@@ -30,6 +30,7 @@ bits, without the interpreter between about 40 calls a layer.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relpos._sysinfo import cpuinfo
 from relpos.cache import KVCache
 
-__all__ = ["StepDecoder", "decode_linear", "sinusoidal_positions"]
+__all__ = ["StepDecoder", "decode_linear", "decode_packing", "sinusoidal_positions"]
 
 
 def sinusoidal_positions(
@@ -61,10 +63,15 @@ def sinusoidal_positions(
 
 Linear = Callable[[Tensor], Tensor]
 
-# id(weight) -> (a weak reference to it, (version, data pointer, batch size), its decode
-# layout): one copy per weight, dropped with the weight; a stale entry (the weight changed
+# id(weight) -> (a weak reference to it, (version, data pointer, batch size, layout kind), its
+# decode layout): one copy per weight, dropped with the weight; a stale entry (the weight changed
 # in place, or another batch size) is rebuilt. Keyed by identity: tensors compare by value.
-_LAYOUTS: dict[int, tuple[weakref.ref[Tensor], tuple[int, int, int], Tensor]] = {}
+_LAYOUTS: dict[int, tuple[weakref.ref[Tensor], tuple[int, int, int, int], Tensor]] = {}
+
+
+#: Which library packs a float32 decode linear's weight at batch > 1 (decode_linear).
+PACKING_ENV = "RELPOS_DECODE_PACKING"
+PACKINGS = ("onednn", "mkl", "none")
 
 
 def _mkl_packing() -> bool:
@@ -75,8 +82,44 @@ def _mkl_packing() -> bool:
     )
 
 
-def _layout(weight: Tensor, batch: int, make: Callable[[Tensor], Tensor]) -> Tensor:
-    key = (weight._version, weight.data_ptr(), batch)
+def _onednn_packing() -> bool:
+    return bool(
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def decode_packing() -> str:
+    """Which library packs float32 decode weights for batches of more than one row:
+    ``"mkl"`` (``torch.ops.mkl._mkl_linear``), ``"onednn"``
+    (``torch.ops.mkldnn._linear_pointwise``) or ``"none"`` (the transposed weight).
+
+    ``RELPOS_DECODE_PACKING=onednn|mkl|none`` asks for one (one this torch lacks gives
+    ``"none"``); by default MKL on Intel CPUs and oneDNN on others, each where torch has it,
+    else the other. MKL's fast GEMM code is Intel's: on an AMD EPYC (Zen 4) its packed GEMM at
+    8 rows ran at ``F.linear``'s speed and oneDNN's 1.4-1.8x faster; on an Intel Xeon MKL's
+    was measured 1.7x faster than ``F.linear`` (``benchmarks/ct2_decode*.md``).
+
+    Raises:
+        ValueError: ``RELPOS_DECODE_PACKING`` is set to none of ``onednn``, ``mkl``,
+            ``none``.
+    """
+    have = {"onednn": _onednn_packing(), "mkl": _mkl_packing(), "none": True}
+    want = os.environ.get(PACKING_ENV, "")
+    if want:
+        if want not in PACKINGS:
+            raise ValueError(
+                f"{PACKING_ENV} must be one of {', '.join(PACKINGS)} (or unset), got {want!r}"
+            )
+        return want if have[want] else "none"
+    order = ("mkl", "onednn") if cpuinfo().get("vendor_id") == "GenuineIntel" else (
+        "onednn", "mkl")
+    return next((name for name in order if have[name]), "none")
+
+
+def _layout(weight: Tensor, batch: int, kind: int, make: Callable[[Tensor], Tensor]) -> Tensor:
+    key = (weight._version, weight.data_ptr(), batch, kind)
     hit = _LAYOUTS.get(id(weight))
     if hit is not None and hit[0]() is weight and hit[1] == key:
         return hit[2]
@@ -91,12 +134,15 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     """``x -> F.linear(x, weight, bias)`` for ``(batch, in)`` inputs, in the weight layout
     that reads fastest at that batch size on a CPU (float32):
 
-    * ``batch > 1`` with MKL: the weight packed once for MKL's GEMM
-      (``torch.ops.mkl._mkl_linear``, what ``torch.compile`` uses for frozen CPU linears);
-      at batch 8 this is about 1.7x faster than ``F.linear``, which repacks the weight on
-      every call;
-    * ``batch == 1``: the weight transposed once (``x @ W.T`` then reads it row-contiguous,
-      about 10% faster on one thread).
+    * ``batch > 1``: the weight packed once for the GEMM of the library
+      :func:`decode_packing` names (oneDNN's ``torch.ops.mkldnn._linear_pointwise`` or MKL's
+      ``torch.ops.mkl._mkl_linear``, what ``torch.compile`` uses for frozen CPU linears); at
+      batch 8 this is 1.4-1.8x faster than ``F.linear``, which repacks the weight on every
+      call (MKL on an Intel Xeon, oneDNN on an AMD EPYC);
+    * ``batch == 1``: the weight stored with its longer side contiguous, so that the
+      matrix-vector product streams long rows: transposed once (``x @ W.T``) where it has
+      more outputs than inputs, as it is (``F.linear``) otherwise (on an AMD EPYC the rows
+      of 2048 read 1.5-1.9x faster than rows of 512, either way round).
 
     The layouts are cached per weight (one extra copy of it) and rebuilt when the weight
     changes in place; other dtypes and devices, and ``fast=False``, use ``F.linear``. The
@@ -107,24 +153,36 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
         return lambda x: F.linear(x, weight, bias)
     if kind == _MKL_PACKED:
         return lambda x: torch.ops.mkl._mkl_linear(x, laid, weight, bias, batch)
+    if kind == _ONEDNN_PACKED:
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, laid, bias, "none", [], "")
     if bias is None:
         return lambda x: torch.mm(x, laid)
     return lambda x: torch.addmm(bias, x, laid)
 
 
 # How a decode linear reads its weight (the kinds the native DecodeLayers takes too).
-_PLAIN, _TRANSPOSED, _MKL_PACKED = 0, 1, 2
+_PLAIN, _TRANSPOSED, _MKL_PACKED, _ONEDNN_PACKED = 0, 1, 2, 3
 
 
 def _linear_layout(weight: Tensor, batch: int, fast: bool) -> tuple[int, Tensor | None]:
     """decode_linear's choice for ``weight`` at ``batch``: (kind, the weight's layout)."""
     if not fast or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return _PLAIN, None
-    if batch > 1 and _mkl_packing():
-        return _MKL_PACKED, _layout(
-            weight, batch, lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, batch)
-        )
-    return _TRANSPOSED, _layout(weight, 1, lambda w: w.t().contiguous())  # (in, out)
+    if batch > 1:
+        packing = decode_packing()
+        if packing == "onednn":
+            return _ONEDNN_PACKED, _layout(
+                weight, batch, _ONEDNN_PACKED,
+                lambda w: torch.ops.mkldnn._reorder_linear_weight(w, batch),
+            )
+        if packing == "mkl":
+            return _MKL_PACKED, _layout(
+                weight, batch, _MKL_PACKED,
+                lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, batch),
+            )
+    elif weight.shape[1] > weight.shape[0]:  # more inputs than outputs: rows as they are
+        return _PLAIN, None
+    return _TRANSPOSED, _layout(weight, 1, _TRANSPOSED, lambda w: w.t().contiguous())  # (in, out)
 
 
 def _grown(x: Tensor, length: int, capacity: int) -> Tensor:

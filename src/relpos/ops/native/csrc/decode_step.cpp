@@ -24,13 +24,14 @@ enum class LinearKind : int64_t {
   kLinear = 0,     // at::linear(x, weight, bias)
   kTransposed = 1, // at::addmm(bias, x, weight^T) / at::mm(x, weight^T) with weight^T stored
   kMklPacked = 2,  // mkl::_mkl_linear(x, packed, weight, bias, batch)
+  kOneDnnPacked = 3,  // mkldnn::_linear_pointwise(x, packed, bias, "none", [], "")
 };
 
 struct Linear {
   LinearKind kind;
   Tensor weight;               // (out, in)
   std::optional<Tensor> bias;  // (out)
-  Tensor layout;               // weight^T (in, out), MKL's packed weight, or undefined
+  Tensor layout;               // weight^T (in, out), MKL's or oneDNN's packed weight, or empty
   int64_t batch;
 
   Tensor operator()(const Tensor& x) const {
@@ -43,6 +44,15 @@ struct Linear {
                              .typed<Tensor(const Tensor&, const Tensor&, const Tensor&,
                                            const std::optional<Tensor>&, int64_t)>();
         return op.call(x, layout, weight, bias, batch);
+      }
+      case LinearKind::kOneDnnPacked: {
+        static auto op =
+            c10::Dispatcher::singleton()
+                .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                              c10::string_view, c10::List<std::optional<at::Scalar>>,
+                              std::optional<c10::string_view>)>();
+        return op.call(x, layout, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
       }
       case LinearKind::kLinear:
       default:
@@ -66,7 +76,7 @@ struct Layer {
 
 static Linear make_linear(int64_t kind, Tensor weight, std::optional<Tensor> bias, Tensor layout,
                           int64_t batch) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0, 1 or 2, got ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0, 1, 2 or 3, got ", kind);
   return Linear{static_cast<LinearKind>(kind), std::move(weight), std::move(bias),
                 std::move(layout), batch};
 }
