@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import relpos
+from relpos._sysinfo import cpu_flags
 from relpos.functional import AttentionCall
 from relpos.ops import fused
 from relpos.ops.reference import masked_softmax
@@ -536,6 +537,51 @@ def test_the_native_bfloat16_engine_follows_the_environment() -> None:
         assert module.bf16_gemm() == ("amx" if has_amx else "avx512bf16" if has_dot else "mkl")
     if has_amx:  # AMX tiles first wherever the build and the OS have them
         assert module.bf16_gemm() == "amx"
+
+
+@pytest.mark.usefixtures("no_engine_switches")
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_native_short_bfloat16_query_blocks_leave_the_dot_products_for_the_next_best(
+        varlen: bool) -> None:
+    """Query blocks under 16 rows are too short for the VDPBF16PS tiles: such a call runs on
+    widened tiles where the CPU has no AMX-BF16 (MKL's bfloat16 GEMM is slower there) and on
+    MKL's GEMM where it has (MKL uses the tiles), both directions, bit for bit; longer
+    blocks stay on the dot products (P rounded to bfloat16: their bits differ from the widened
+    tiles')."""
+    module = _kernels()
+    info = module.build_info()
+    if "half_gemm=bf16" not in info.replace(",fp16", ""):
+        pytest.skip("libtorch exports no bfloat16 GEMM here: every engine is widened")
+    has_dot = "avx512bf16=bf16" in info
+    amx_cpu = "amx_bf16" in (cpu_flags() or frozenset())
+
+    def grads(engine: str, L: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(L)  # the same inputs for every engine
+        q, k, v = (torch.randn(3, 2, L, 32, generator=g).bfloat16().requires_grad_()
+                   for _ in range(3))
+        rk, rv = ((0.5 * torch.randn(9, 32, generator=g)).bfloat16().requires_grad_()
+                  for _ in range(2))
+        with _bf16_gemm(engine):
+            if varlen:
+                cu = torch.arange(0, 3 * L + 1, L)
+                flat = [t.transpose(1, 2).reshape(3 * L, 2, 32) for t in (q, k, v)]
+                out = relpos.relative_attention_varlen(
+                    *flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_distance=4, rel_keys=rk,
+                    rel_values=rv, implementation="native")
+            else:
+                out = relpos.relative_attention(q, k, v, max_distance=4, rel_keys=rk,
+                                                rel_values=rv, implementation="native")
+            out.float().square().sum().backward()
+        return [out.detach(), *(t.grad for t in (q, k, v, rk, rv))]
+
+    short = {e: grads(e, 9) for e in ("avx512bf16", "widened", "mkl")}
+    expected = "widened" if has_dot and not amx_cpu else "mkl"
+    for a, b in zip(short["avx512bf16"], short[expected], strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(short["widened"], short["mkl"], strict=True))
+    if has_dot:  # 40 rows: on the dot products
+        dot, wide = grads("avx512bf16", 40), grads("widened", 40)
+        assert not any(torch.equal(a, b) for a, b in zip(dot, wide, strict=True))
 
 
 def test_a_bad_native_bfloat16_engine_name_is_refused() -> None:

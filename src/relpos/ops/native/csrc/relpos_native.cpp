@@ -761,6 +761,32 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
   }
 }
 
+// acc[i][c] += rows i = 0..7 of the A tile rows at ag (row stride a_row, k-block x at
+// ag + x · a_next) times column tile c of B (b0, b1; KB k-blocks), by VDPBF16PS: each A pair
+// broadcast to every lane, each B tile row a pair per column. kTwo false: column tile 0 only.
+template <bool kTwo>
+static inline void dot_rows(const uint16_t* ag, int64_t a_row, int64_t a_next, const uint16_t* b0,
+                            const uint16_t* b1, int64_t KB, __m512 (&acc)[8][2]) {
+  for (int64_t x = 0; x < KB; ++x) {
+    const uint16_t* ax = ag + x * a_next;
+    const uint16_t* bx0 = b0 + x * kTileElems;
+    const uint16_t* bx1 = b1 + x * kTileElems;
+#pragma GCC unroll 2
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bx0 + p * 32);
+      const __m512bh w1 = kTwo ? (__m512bh)_mm512_loadu_si512(bx1 + p * 32) : w0;
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        int32_t pair;  // (A[row, 2p], A[row, 2p + 1]), broadcast to every lane
+        std::memcpy(&pair, ax + i * a_row + 2 * p, sizeof pair);
+        const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], s, w0);
+        if (kTwo) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], s, w1);
+      }
+    }
+  }
+}
+
 // C (M, N) = A @ B on packed operands (amx_pack_rows, amx_pack_transposed / amx_pack_pairs,
 // KB k-blocks each), by 2 x 2 blocks of 16 x 16 float tiles; emit(row0, col0, tile) receives
 // each tile inside C (row0, col0 its first row and column; tile 16 x 16, row stride 16).
@@ -833,8 +859,12 @@ static void tile_gemm(TileGemm engine, int64_t M, int64_t N, int64_t KB, const u
       } else
 #endif
       {
-        // the block's 32 rows in four groups of 8, each row's 32 columns in two accumulators
+        // the block's 32 rows in four groups of 8, each row's 32 columns in two accumulators;
+        // groups past M and a second column tile past N are not computed (those rows and
+        // columns are never emitted)
+        const bool two = (nt + 1) * 16 < N;
         for (int64_t grp = 0; grp < 4; ++grp) {
+          if ((mt + grp / 2) * 16 + (grp % 2) * 8 >= M) continue;
           const uint16_t* ag = (grp < 2 ? a0 : a1) + (grp % 2) * 8 * a_row;
           float* out = whole != nullptr ? whole + grp * 8 * N : nullptr;
           __m512 acc[8][2];
@@ -844,24 +874,10 @@ static void tile_gemm(TileGemm engine, int64_t M, int64_t N, int64_t KB, const u
             acc[i][0] = load ? _mm512_loadu_ps(out + i * N) : _mm512_setzero_ps();
             acc[i][1] = load ? _mm512_loadu_ps(out + i * N + 16) : _mm512_setzero_ps();
           }
-          for (int64_t x = 0; x < KB; ++x) {
-            const uint16_t* ax = ag + x * a_next;
-            const uint16_t* bx0 = b0 + x * kTileElems;
-            const uint16_t* bx1 = b1 + x * kTileElems;
-#pragma GCC unroll 2
-            for (int p = 0; p < 16; ++p) {
-              const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bx0 + p * 32);
-              const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bx1 + p * 32);
-#pragma GCC unroll 8
-              for (int i = 0; i < 8; ++i) {
-                int32_t pair;  // (A[row, 2p], A[row, 2p + 1]), broadcast to every lane
-                std::memcpy(&pair, ax + i * a_row + 2 * p, sizeof pair);
-                const __m512bh s = (__m512bh)_mm512_set1_epi32(pair);
-                acc[i][0] = _mm512_dpbf16_ps(acc[i][0], s, w0);
-                acc[i][1] = _mm512_dpbf16_ps(acc[i][1], s, w1);
-              }
-            }
-          }
+          if (two)
+            dot_rows<true>(ag, a_row, a_next, b0, b1, KB, acc);
+          else
+            dot_rows<false>(ag, a_row, a_next, b0, b1, KB, acc);
 #pragma GCC unroll 8
           for (int i = 0; i < 8; ++i) {
             if (out != nullptr) {
@@ -2173,13 +2189,30 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
 // backward 1.1x at n = 12, 1.0x at n = 20 and 28, 0.97x at n = 40).
 constexpr int64_t kAmxForwardRows = 16;
 constexpr int64_t kAmxBackwardRows = 32;
+// VDPBF16PS computes only the 8-row groups a block has, but packs K and V tiles alike for any
+// (AMD EPYC Zen 4, one thread, B x n = 2048 tokens, K = 16: on tiles against widened tiles the
+// forward took 1.30x at n = 8, 1.05x at 12, 0.83x at 16, 0.86x at 24; forward + backward
+// 1.33x, 1.16x, 0.85x, 0.93x).
+constexpr int64_t kDotRows = 16;
 
 // Where a call whose tile GEMMs take 16-bit operands runs them: on its packed-tile engine
-// (half_gemms_now's) with query blocks of at least min_rows rows (BQ, a varlen call's longest)
-// and key tiles of at most kKeyBlock, else on MKL's GEMM (kNoTiles).
-static TileGemm tile_gemms_of(const HalfGemms& gemms, int64_t BQ, int64_t BK, int64_t min_rows) {
+// (half_gemms_now's) with query blocks of at least amx_rows rows on AMX, kDotRows by VDPBF16PS
+// (BQ, a varlen call's longest), and key tiles of at most kKeyBlock, else on MKL's GEMM
+// (kNoTiles).
+static TileGemm tile_gemms_of(const HalfGemms& gemms, int64_t BQ, int64_t BK, int64_t amx_rows) {
+  const int64_t min_rows = gemms.tiles == kDotTiles ? kDotRows : amx_rows;
   if (!gemms.low || BQ < min_rows || BK > kKeyBlock) return kNoTiles;
   return gemms.tiles;
+}
+
+// A call's 16-bit GEMMs for query blocks of BQ rows: where VDPBF16PS was chosen and the blocks
+// are too short for its tiles, the call runs as a CPU without AMX runs bfloat16 best, on
+// widened tiles (MKL's bfloat16 GEMM, which tile_gemms_of would give it, took 1.5-1.8x their
+// time there at n = 8), unless the CPU has AMX for MKL (RELPOS_NATIVE_BF16_GEMM=avx512bf16 on
+// such a CPU). Decided before the call's inputs are prepared (its tables' 16-bit copies).
+static HalfGemms for_query_blocks(HalfGemms gemms, int64_t BQ) {
+  if (gemms.tiles == kDotTiles && BQ < kDotRows && !cpu_has_amx_bf16()) return {};
+  return gemms;
 }
 
 // Padded tasks: (batch, head, query block).
@@ -3060,7 +3093,8 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_half", [&] {
-      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const HalfGemms gemms =
+          for_query_blocks(half_gemms_now<scalar_t>(), forward_query_block(g.L, g.B * g.H));
       const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
@@ -3099,7 +3133,8 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_half", [&] {
-      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const HalfGemms gemms =
+          for_query_blocks(half_gemms_now<scalar_t>(), backward_query_block(g.L));
       const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
@@ -3305,7 +3340,7 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen_half", [&] {
-      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const HalfGemms gemms = for_query_blocks(half_gemms_now<scalar_t>(), vc.BQ);
       const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
@@ -3372,7 +3407,7 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   };
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen_half", [&] {
-      const HalfGemms gemms = half_gemms_now<scalar_t>();
+      const HalfGemms gemms = for_query_blocks(half_gemms_now<scalar_t>(), vc.BQ);
       const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
