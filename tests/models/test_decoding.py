@@ -298,8 +298,8 @@ def test_fast_linear_layouts_match_f_linear_in_float32(batch: int) -> None:
         torch.testing.assert_close(outs[0], model(ids)[:, 4:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("packing", ["onednn", "mkl", "none"])
-@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5)])
+@pytest.mark.parametrize("packing", ["relpos", "onednn", "mkl", "none"])
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5), (40, 24)])
 def test_fast_layouts_follow_in_place_weight_changes(
         packing: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every layout (wide and tall weights at batch 1, each library's packing above it) equals
@@ -317,7 +317,7 @@ def test_fast_layouts_follow_in_place_weight_changes(
         with torch.no_grad():
             w.mul_(-2.0)  # an optimizer step, say: the cached layout is stale
         torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
-    other = "mkl" if packing == "onednn" else "onednn"
+    other = "relpos" if packing == "onednn" else "onednn"
     monkeypatch.setenv("RELPOS_DECODE_PACKING", other)  # the cached packing is the other's
     torch.testing.assert_close(decode_linear(w, b, 8)(x), F.linear(x, w, b))
     wd = w.double()
@@ -330,9 +330,18 @@ def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.Monke
     monkeypatch.delenv("RELPOS_DECODE_PACKING", raising=False)
     monkeypatch.setattr(decoding, "_mkl_packing", lambda: True)
     monkeypatch.setattr(decoding, "_onednn_packing", lambda: True)
-    for vendor, packing in (("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("", "onednn")):
+    monkeypatch.setattr(decoding, "_native_panels", lambda: object())
+    for vendor, packing in (("GenuineIntel", "mkl"), ("AuthenticAMD", "relpos"), ("", "relpos")):
         monkeypatch.setattr(decoding, "cpuinfo", lambda v=vendor: {"vendor_id": v})
         assert decoding.decode_packing() == packing
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")  # asked for on any CPU
+    assert decoding.decode_packing() == "relpos"
+    monkeypatch.delenv("RELPOS_DECODE_PACKING")
+    monkeypatch.setattr(decoding, "_native_panels", lambda: None)  # no native kernels
+    assert decoding.decode_packing() == "onednn"
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")
+    assert decoding.decode_packing() == "none"
+    monkeypatch.delenv("RELPOS_DECODE_PACKING")
     monkeypatch.setattr(decoding, "_onednn_packing", lambda: False)  # a torch without oneDNN
     assert decoding.decode_packing() == "mkl"
     monkeypatch.setattr(decoding, "_mkl_packing", lambda: False)
@@ -345,8 +354,8 @@ def test_decode_packing_refuses_an_unknown_name(monkeypatch: pytest.MonkeyPatch)
     from relpos.models.decoding import decode_linear, decode_packing
 
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "blis")
-    with pytest.raises(ValueError, match=r"RELPOS_DECODE_PACKING must be one of onednn, mkl, "
-                                         r"none \(or unset\), got 'blis'"):
+    with pytest.raises(ValueError, match=r"RELPOS_DECODE_PACKING must be one of relpos, onednn, "
+                                         r"mkl, none \(or unset\), got 'blis'"):
         decode_packing()
     with pytest.raises(ValueError, match="RELPOS_DECODE_PACKING"):
         decode_linear(torch.randn(3, 2), None, 4)
@@ -381,15 +390,18 @@ def test_native_layers_equal_the_python_step_bit_for_bit(kw: dict) -> None:
         assert torch.equal(lp.keys, lc.keys) and torch.equal(lp.values, lc.values)
 
 
-@pytest.mark.parametrize(("fast", "packing"), [(True, "onednn"), (True, "mkl"), (True, "none"),
-                                               (False, "onednn")])
+@pytest.mark.parametrize(("fast", "packing"), [(True, "relpos"), (True, "onednn"), (True, "mkl"),
+                                               (True, "none"), (False, "relpos")])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_native_layers_take_every_float32_linear_layout(
         batch: int, fast: bool, packing: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: the transposed weight or the weight as it is (batch 1: the FF block's two
-    linears take one each), oneDNN's or MKL's packed one or the transposed one (batch > 1),
-    and F.linear: the C++ layers equal the Python step's bits in each."""
+    linears take one each), the native panels, oneDNN's or MKL's packed one or the transposed
+    one (batch > 1), and F.linear: the C++ layers equal the Python step's bits in each."""
+    from relpos.models.decoding import decode_packing
+
     monkeypatch.setenv("RELPOS_DECODE_PACKING", packing)
+    assert decode_packing() == packing  # the kernels are built, torch has MKL and oneDNN
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=2, max_distance=3)
     model = RelativeTransformerLM(cfg).eval()
@@ -406,6 +418,119 @@ def test_native_layers_take_every_float32_linear_layout(
     with torch.no_grad():
         torch.testing.assert_close(got[1].transpose(0, 1), model(ids)[:, 4:], rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(max_distance=4), dict(max_distance=(0, 5)),
+                                dict(max_distance=3, share_heads=False),
+                                dict(max_distance=4, relative_keys=False)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_float32_steps_run_the_native_decode_attention_in_both_layers(kw: dict) -> None:
+    """float32 on the CPU: the step's attention is the native kernels' decode attention, in the
+    Python layers and the C++ ones alike (the same bits, a left-padded row's key mask too), and
+    the logits are the full forward's to float32 rounding."""
+    model = _lm(**kw).float()
+    py, _ = _steps(model, False, 3, capacity=4)
+    cc, _ = _steps(model, True, 3, capacity=4)
+    for a, b in zip(py, cc, strict=True):
+        assert torch.equal(a, b)
+    step = StepDecoder(model)
+    cache = model.new_cache(capacity=4)
+    with torch.no_grad():
+        model(torch.zeros(3, 2, dtype=torch.long), cache=cache)
+    step.start(cache)
+    assert step._attend is not None  # not SDPA
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, V, (3, 15), generator=gen)
+    mask = torch.ones(3, 15, dtype=torch.bool)
+    mask[1, :1] = False
+    with torch.no_grad():
+        full = model(ids, key_mask=mask)[:, 3:]
+    torch.testing.assert_close(torch.stack(cc, 1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("S", "D", "Dv"), [(1, 64, 64), (7, 5, 9), (40, 17, 17), (300, 64, 32)])
+def test_native_decode_attention_equals_sdpa(S: int, D: int, Dv: int) -> None:
+    """One query per (batch, head) over S keys of a cache's storage (rows of a longer
+    capacity), a strided query, a key mask hiding a row's first keys: SDPA's in float64 to
+    float32 rounding; a head with every key hidden gets zeros."""
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    g = torch.Generator().manual_seed(S + D)
+    B, H = 3, 2
+    keys = torch.randn(B, H, S + 5, D, generator=g)[:, :, :S]
+    values = torch.randn(B, H, S + 5, Dv, generator=g)[:, :, :S]
+    q = torch.randn(B, 3, H, D, generator=g)[:, 0]  # as a step's fused QKV holds it
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, : S // 2] = False
+    for key_mask in (None, mask):
+        got = module.decode_attention(q, keys, values, key_mask)
+        m = None if key_mask is None else key_mask[:, None, None, :]
+        truth = F.scaled_dot_product_attention(q.double().unsqueeze(2), keys.double(),
+                                               values.double(), attn_mask=m).squeeze(2)
+        assert got.shape == (B, H, Dv) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), truth, rtol=1e-5, atol=1e-5)
+    hidden = mask.clone()
+    hidden[2] = False
+    got = module.decode_attention(q, keys, values, hidden)
+    assert torch.equal(got[2], torch.zeros(H, Dv))
+
+
+def test_native_decode_attention_refuses_what_does_not_fit() -> None:
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    q, k, v = torch.randn(2, 3, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 4)
+    with pytest.raises(RuntimeError, match=r"do not fit query \[2, 3, 8\]"):
+        module.decode_attention(q, k[:, :2], v, None)
+    with pytest.raises(RuntimeError, match="takes float32 CPU tensors, got Double"):
+        module.decode_attention(q.double(), k, v, None)
+    with pytest.raises(RuntimeError, match=r"key_mask must be bool \(2, 5\), got Float"):
+        module.decode_attention(q, k, v, torch.ones(2, 5))
+    with pytest.raises(RuntimeError, match=r"takes query \(B, H, D\)"):
+        module.decode_attention(q[0], k, v, None)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 8, 13, 24])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (16, 7), (37, 64), (530, 96)])
+def test_native_panel_linear_equals_f_linear(rows: int, n: int, k: int) -> None:
+    """The panels (16 outputs each, the last one partial) at row counts around their blocks of
+    8, with and without a bias, against F.linear in float64 (the panels' float32 rounding)."""
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    g = torch.Generator().manual_seed(n * 100 + k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    panels = module.pack_panels(w)
+    assert panels.shape == ((n + 15) // 16, k, 16)
+    for bias in (b, None):
+        got = module.panel_linear(x, panels, bias, n)
+        truth = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        torch.testing.assert_close(got.double(), truth, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    xt = torch.randn(k, rows, generator=g).t()  # a non-contiguous view
+    torch.testing.assert_close(module.panel_linear(xt, panels, b, n), F.linear(xt, w, b),
+                               rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+def test_native_panel_linear_refuses_what_does_not_fit() -> None:
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    panels = module.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match=r"float32 CPU rows \(M, 8\), got Float \[3, 9\]"):
+        module.panel_linear(torch.randn(3, 9), panels, None, 20)
+    with pytest.raises(RuntimeError, match="N = 33 does not fit 2 panels of 16"):
+        module.panel_linear(torch.randn(3, 8), panels, None, 33)
+    with pytest.raises(RuntimeError, match=r"bias must be float32 \(20\)"):
+        module.panel_linear(torch.randn(3, 8), panels, torch.randn(19), 20)
+    with pytest.raises(RuntimeError, match="pack_panels takes a float32 CPU weight"):
+        module.pack_panels(torch.randn(4, 4, dtype=torch.float64))
 
 
 def test_generate_runs_the_native_layers_where_built() -> None:

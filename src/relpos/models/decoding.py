@@ -71,7 +71,7 @@ _LAYOUTS: dict[int, tuple[weakref.ref[Tensor], tuple[int, int, int, int], Tensor
 
 #: Which library packs a float32 decode linear's weight at batch > 1 (decode_linear).
 PACKING_ENV = "RELPOS_DECODE_PACKING"
-PACKINGS = ("onednn", "mkl", "none")
+PACKINGS = ("relpos", "onednn", "mkl", "none")
 
 
 def _mkl_packing() -> bool:
@@ -90,31 +90,46 @@ def _onednn_packing() -> bool:
     )
 
 
+def _native_panels() -> Any:
+    """The native kernels' module where it has the panel linears and the decode attention,
+    else None."""
+    from relpos.ops.native.build import load
+
+    module = load()
+    ops = ("panel_linear", "pack_panels", "decode_attention")
+    return module if module is not None and all(hasattr(module, o) for o in ops) else None
+
+
 def decode_packing() -> str:
-    """Which library packs float32 decode weights for batches of more than one row:
-    ``"mkl"`` (``torch.ops.mkl._mkl_linear``), ``"onednn"``
+    """How float32 decode weights are packed for batches of more than one row: ``"relpos"``
+    (the native kernels' panels, ``panel_linear``: each 16 outputs' weights one contiguous
+    stream), ``"mkl"`` (``torch.ops.mkl._mkl_linear``), ``"onednn"``
     (``torch.ops.mkldnn._linear_pointwise``) or ``"none"`` (the transposed weight).
 
-    ``RELPOS_DECODE_PACKING=onednn|mkl|none`` asks for one (one this torch lacks gives
-    ``"none"``); by default MKL on Intel CPUs and oneDNN on others, each where torch has it,
-    else the other. MKL's fast GEMM code is Intel's: on an AMD EPYC (Zen 4) its packed GEMM at
-    8 rows ran at ``F.linear``'s speed and oneDNN's 1.4-1.8x faster; on an Intel Xeon MKL's
-    was measured 1.7x faster than ``F.linear`` (``benchmarks/ct2_decode*.md``).
+    ``RELPOS_DECODE_PACKING=relpos|onednn|mkl|none`` asks for one (one not there gives
+    ``"none"``); by default MKL on Intel CPUs (measured there: 1.7x faster than
+    ``F.linear`` at batch 8), the panels on others where the native kernels are built, else
+    oneDNN, else MKL. On an AMD EPYC (Zen 4), 8 rows against 512-2048 x 512 weights, MKL's
+    packed GEMM ran at ``F.linear``'s speed, oneDNN's 1.4-1.8x faster and the panels another
+    1.35-1.7x (16-23 GB/s of weights; ``benchmarks/ct2_decode_amd.md``). The panels are not
+    measured on an Intel CPU.
 
     Raises:
-        ValueError: ``RELPOS_DECODE_PACKING`` is set to none of ``onednn``, ``mkl``,
-            ``none``.
+        ValueError: ``RELPOS_DECODE_PACKING`` is set to none of ``relpos``, ``onednn``,
+            ``mkl``, ``none``.
     """
-    have = {"onednn": _onednn_packing(), "mkl": _mkl_packing(), "none": True}
     want = os.environ.get(PACKING_ENV, "")
+    if want and want not in PACKINGS:
+        raise ValueError(
+            f"{PACKING_ENV} must be one of {', '.join(PACKINGS)} (or unset), got {want!r}"
+        )
+    intel = cpuinfo().get("vendor_id") == "GenuineIntel"
+    if (want or ("mkl" if intel else "relpos")) == "relpos" and _native_panels() is not None:
+        return "relpos"
+    have = {"relpos": False, "onednn": _onednn_packing(), "mkl": _mkl_packing(), "none": True}
     if want:
-        if want not in PACKINGS:
-            raise ValueError(
-                f"{PACKING_ENV} must be one of {', '.join(PACKINGS)} (or unset), got {want!r}"
-            )
         return want if have[want] else "none"
-    order = ("mkl", "onednn") if cpuinfo().get("vendor_id") == "GenuineIntel" else (
-        "onednn", "mkl")
+    order = ("mkl", "onednn") if intel else ("onednn", "mkl")
     return next((name for name in order if have[name]), "none")
 
 
@@ -134,11 +149,11 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     """``x -> F.linear(x, weight, bias)`` for ``(batch, in)`` inputs, in the weight layout
     that reads fastest at that batch size on a CPU (float32):
 
-    * ``batch > 1``: the weight packed once for the GEMM of the library
-      :func:`decode_packing` names (oneDNN's ``torch.ops.mkldnn._linear_pointwise`` or MKL's
+    * ``batch > 1``: the weight packed once as :func:`decode_packing` says (the native
+      kernels' panels, oneDNN's ``torch.ops.mkldnn._linear_pointwise`` or MKL's
       ``torch.ops.mkl._mkl_linear``, what ``torch.compile`` uses for frozen CPU linears); at
-      batch 8 this is 1.4-1.8x faster than ``F.linear``, which repacks the weight on every
-      call (MKL on an Intel Xeon, oneDNN on an AMD EPYC);
+      batch 8 MKL's is 1.7x faster than ``F.linear`` (which repacks the weight on every
+      call) on an Intel Xeon, the panels 2-2.6x on an AMD EPYC;
     * ``batch == 1``: the weight stored with its longer side contiguous, so that the
       matrix-vector product streams long rows: transposed once (``x @ W.T``) where it has
       more outputs than inputs, as it is (``F.linear``) otherwise (on an AMD EPYC the rows
@@ -155,13 +170,16 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
         return lambda x: torch.ops.mkl._mkl_linear(x, laid, weight, bias, batch)
     if kind == _ONEDNN_PACKED:
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, laid, bias, "none", [], "")
+    if kind == _PANELS:
+        panel_linear, n = _native_panels().panel_linear, weight.shape[0]
+        return lambda x: panel_linear(x, laid, bias, n)
     if bias is None:
         return lambda x: torch.mm(x, laid)
     return lambda x: torch.addmm(bias, x, laid)
 
 
 # How a decode linear reads its weight (the kinds the native DecodeLayers takes too).
-_PLAIN, _TRANSPOSED, _MKL_PACKED, _ONEDNN_PACKED = 0, 1, 2, 3
+_PLAIN, _TRANSPOSED, _MKL_PACKED, _ONEDNN_PACKED, _PANELS = 0, 1, 2, 3, 4
 
 
 def _linear_layout(weight: Tensor, batch: int, fast: bool) -> tuple[int, Tensor | None]:
@@ -170,6 +188,10 @@ def _linear_layout(weight: Tensor, batch: int, fast: bool) -> tuple[int, Tensor 
         return _PLAIN, None
     if batch > 1:
         packing = decode_packing()
+        if packing == "relpos":  # the same panels for every batch size
+            return _PANELS, _layout(
+                weight, 0, _PANELS, lambda w: _native_panels().pack_panels(w.contiguous())
+            )
         if packing == "onednn":
             return _ONEDNN_PACKED, _layout(
                 weight, batch, _ONEDNN_PACKED,
@@ -301,6 +323,12 @@ class StepDecoder:
         self._linears: list[tuple[Linear, Linear, Linear, Linear]] = []
         B = cache.batch_size or 1
         fast = self.fast_linears
+        # float32 on the CPU: the native kernels' decode attention (one query per head over
+        # the cache, each head's keys and values streamed once; 2x faster than SDPA's kernel
+        # at batch 8 here) where they are built, in the Python layers and the C++ ones alike
+        cpu32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+        ops = _native_panels() if cpu32 else None
+        self._attend = None if ops is None else ops.decode_attention
         self._native_layers = self._native_stack(B)
         for layer in self.layers if self._native_layers is None else ():  # Python layers only
             self._linears.append((
@@ -345,7 +373,7 @@ class StepDecoder:
                     f"{'not available' if module is None else 'without DecodeLayers'})"
                 )
             return None
-        stack = module.DecodeLayers(self.E, self.H)
+        stack = module.DecodeLayers(self.E, self.H, self._attend is not None)
         for layer in self.layers:
             weights = (layer.qkv_weight, layer.out_weight, layer.ff1_weight, layer.ff2_weight)
             biases = [layer.qkv_bias, layer.out_bias, layer.ff1_bias, layer.ff2_bias]
@@ -420,10 +448,14 @@ class StepDecoder:
                 torch.add(values[:, :, band], layer.rel_values[..., band_rows, :],
                           out=pv[:, :, band])
                 values = pv[:, :, :S]
-            mask = None if key_mask is None else key_mask[:, None, None, :]
-            out = F.scaled_dot_product_attention(
-                qkv[:, 0].unsqueeze(2), keys, values, attn_mask=mask
-            )  # (B, H, 1, D): q.(k_j + a_j) and sum_j p_j (v_j + b_j) with one scale
+            # q.(k_j + a_j) and sum_j p_j (v_j + b_j) with one scale: (B, H, D)
+            if self._attend is not None:
+                out = self._attend(qkv[:, 0], keys, values, key_mask)
+            else:
+                mask = None if key_mask is None else key_mask[:, None, None, :]
+                out = F.scaled_dot_product_attention(
+                    qkv[:, 0].unsqueeze(2), keys, values, attn_mask=mask
+                )
             x = x + out_proj(out.view(B, E))
             h = F.layer_norm(x, (E,), *layer.norm2)
             h = F.gelu(ff1(h))

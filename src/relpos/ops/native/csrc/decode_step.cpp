@@ -9,15 +9,188 @@
 // C cache capacity, R table rows.
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+namespace relpos_native {  // relpos_native.cpp
+void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
+                          const int64_t k_s[3], const float* v, const int64_t v_s[3],
+                          const bool* key_mask, int64_t B, int64_t H, int64_t S, int64_t D,
+                          int64_t Dv, float scale, float* out, const int64_t o_s[2]);
+}  // namespace relpos_native
+
 namespace relpos_decode {
 
 using at::Tensor;
+
+// A decode step's attention, float32: query (B, H, D), key (B, H, S, D), value (B, H, S, Dv)
+// (rows contiguous: a cache's first S positions), key_mask (B, S) bool or None; softmax at
+// scale 1 / sqrt(D). Returns (B, H, Dv).
+Tensor decode_attention(const Tensor& query, const Tensor& key, const Tensor& value,
+                        const std::optional<Tensor>& key_mask) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.dim() == 4,
+              "decode_attention takes query (B, H, D), key (B, H, S, D), value (B, H, S, Dv), "
+              "got ", query.sizes(), ", ", key.sizes(), ", ", value.sizes());
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2), S = key.size(2);
+  const int64_t Dv = value.size(3);
+  TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D && value.size(0) == B &&
+                  value.size(1) == H && value.size(2) == S,
+              "decode_attention: key ", key.sizes(), " and value ", value.sizes(),
+              " do not fit query ", query.sizes());
+  for (const Tensor* t : {&query, &key, &value})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(),
+                "decode_attention takes float32 CPU tensors, got ", t->scalar_type(), " on ",
+                t->device());
+  const Tensor q = query.stride(2) == 1 ? query : query.contiguous();
+  const Tensor k = key.stride(3) == 1 ? key : key.contiguous();
+  const Tensor v = value.stride(3) == 1 ? value : value.contiguous();
+  Tensor mask;
+  if (key_mask) {
+    TORCH_CHECK(key_mask->scalar_type() == at::kBool && key_mask->dim() == 2 &&
+                    key_mask->size(0) == B && key_mask->size(1) == S,
+                "decode_attention's key_mask must be bool (", B, ", ", S, "), got ",
+                key_mask->scalar_type(), " ", key_mask->sizes());
+    mask = key_mask->contiguous();
+  }
+  Tensor out = at::empty({B, H, Dv}, q.options());
+  const int64_t q_s[2] = {q.stride(0), q.stride(1)};
+  const int64_t k_s[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t v_s[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  const int64_t o_s[2] = {out.stride(0), out.stride(1)};
+  relpos_native::decode_attention_f32(
+      q.data_ptr<float>(), q_s, k.data_ptr<float>(), k_s, v.data_ptr<float>(), v_s,
+      mask.defined() ? mask.data_ptr<bool>() : nullptr, B, H, S, D, Dv,
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(D))), out.data_ptr<float>(), o_s);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linears for a few rows (a decode step's batch): the weight read once, as a stream.
+//
+// At 8 rows a float32 linear is a stream of its weight: each weight takes part in 8
+// multiply-adds, about what a core's FMA units do while the memory delivers it. The packed
+// GEMMs of MKL and oneDNN read 512-2048 x 512 weights at about 12 GB/s on an AMD EPYC (Zen 4),
+// where a plain sum streams 25 GB/s; these panels read them at 16-23 GB/s
+// (benchmarks/ct2_decode_amd.md). A weight (N, K) is stored as panels of 16 outputs: panel t
+// holds, for k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k] (zeros past N), so a panel is
+// one contiguous stream; each row of x broadcasts x[r, k] against it into 16 accumulators.
+
+constexpr int64_t kPanel = 16;
+
+// (ceil(N / 16), K, 16) panels of a float32 weight (N, K).
+Tensor pack_panels(const Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
+              "pack_panels takes a float32 CPU weight (N, K), got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  const int64_t N = weight.size(0), K = weight.size(1), NP = (N + kPanel - 1) / kPanel;
+  Tensor padded = at::zeros({NP * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({NP, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+// acc_out[r, 0..15] = x[r, :] @ panel (K, 16) for the R rows of x (row stride K).
+template <int R>
+static inline void panel_rows(const float* x, int64_t K, const float* panel, float* acc_out) {
+#if defined(__AVX512F__)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 32) * kPanel), _MM_HINT_T0);
+    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out + r * kPanel, acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 32) * kPanel), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * K + k]);
+      lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc_out + r * kPanel, lo[r]);
+    _mm256_storeu_ps(acc_out + r * kPanel + 8, hi[r]);
+  }
+#else
+  float acc[R][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += x[r * K + k] * panel[k * kPanel + c];
+  for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + kPanel, acc_out + r * kPanel);
+#endif
+}
+
+// y (M, N) = x (M, K) @ weight^T + bias from pack_panels(weight) (N its rows): each panel's
+// outputs for 8 rows at a time, the panels split over the threads.
+Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
+                    int64_t N) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel &&
+                  panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+              "panel_linear takes pack_panels' (N / 16, K, 16) float32 panels, got ",
+              panels.sizes());
+  const int64_t NP = panels.size(0), K = panels.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat &&
+                  x.device().is_cpu(),
+              "panel_linear takes float32 CPU rows (M, ", K, "), got ", x.scalar_type(), " ",
+              x.sizes());
+  TORCH_CHECK(N > (NP - 1) * kPanel && N <= NP * kPanel, "N = ", N, " does not fit ", NP,
+              " panels of ", kPanel);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N &&
+                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "panel_linear's bias must be float32 (", N, ")");
+  const Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NP, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[8 * kPanel];
+    for (int64_t t = begin; t < end; ++t) {
+      const float* panel = pp + t * K * kPanel;
+      const int64_t c0 = t * kPanel, nc = std::min(kPanel, N - c0);
+      for (int64_t r0 = 0; r0 < M; r0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, M - r0);
+        const float* xr = xp + r0 * K;
+        switch (rows) {
+          case 1: panel_rows<1>(xr, K, panel, acc); break;
+          case 2: panel_rows<2>(xr, K, panel, acc); break;
+          case 3: panel_rows<3>(xr, K, panel, acc); break;
+          case 4: panel_rows<4>(xr, K, panel, acc); break;
+          case 5: panel_rows<5>(xr, K, panel, acc); break;
+          case 6: panel_rows<6>(xr, K, panel, acc); break;
+          case 7: panel_rows<7>(xr, K, panel, acc); break;
+          default: panel_rows<8>(xr, K, panel, acc); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = yp + (r0 + r) * N + c0;
+          for (int64_t c = 0; c < nc; ++c)
+            dst[c] = bp != nullptr ? acc[r * kPanel + c] + bp[c0 + c] : acc[r * kPanel + c];
+        }
+      }
+    }
+  });
+  return y;
+}
 
 // How a linear reads its weight (relpos.models.decoding.decode_linear's choice, made once).
 enum class LinearKind : int64_t {
@@ -25,13 +198,14 @@ enum class LinearKind : int64_t {
   kTransposed = 1, // at::addmm(bias, x, weight^T) / at::mm(x, weight^T) with weight^T stored
   kMklPacked = 2,  // mkl::_mkl_linear(x, packed, weight, bias, batch)
   kOneDnnPacked = 3,  // mkldnn::_linear_pointwise(x, packed, bias, "none", [], "")
+  kPanels = 4,     // panel_linear(x, pack_panels(weight), bias, out)
 };
 
 struct Linear {
   LinearKind kind;
   Tensor weight;               // (out, in)
   std::optional<Tensor> bias;  // (out)
-  Tensor layout;               // weight^T (in, out), MKL's or oneDNN's packed weight, or empty
+  Tensor layout;  // weight^T (in, out), MKL's, oneDNN's or pack_panels' weight, or empty
   int64_t batch;
 
   Tensor operator()(const Tensor& x) const {
@@ -54,6 +228,8 @@ struct Linear {
                               std::optional<c10::string_view>)>();
         return op.call(x, layout, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
       }
+      case LinearKind::kPanels:
+        return panel_linear(x, layout, bias, weight.size(0));
       case LinearKind::kLinear:
       default:
         return at::linear(x, weight, bias);
@@ -76,7 +252,7 @@ struct Layer {
 
 static Linear make_linear(int64_t kind, Tensor weight, std::optional<Tensor> bias, Tensor layout,
                           int64_t batch) {
-  TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0, 1, 2 or 3, got ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 4, "linear kind must be 0 to 4, got ", kind);
   return Linear{static_cast<LinearKind>(kind), std::move(weight), std::move(bias),
                 std::move(layout), batch};
 }
@@ -85,7 +261,9 @@ static Linear make_linear(int64_t kind, Tensor weight, std::optional<Tensor> bia
 // tables); built once per decoder and cache batch size.
 class LayerStack {
  public:
-  LayerStack(int64_t E, int64_t H) : E_(E), H_(H) {
+  // native_attention: the attention call is decode_attention (float32), else SDPA.
+  LayerStack(int64_t E, int64_t H, bool native_attention)
+      : E_(E), H_(H), native_attention_(native_attention) {
     TORCH_CHECK(E > 0 && H > 0 && E % H == 0, "d_model ", E, " must be a multiple of heads ",
                 H);
   }
@@ -152,9 +330,14 @@ class LayerStack {
         at::add_out(band, v.narrow(2, band0, m), layer.rel_values->narrow(-2, row0, m));
         v = pv.narrow(2, 0, S);
       }
-      std::optional<Tensor> mask;
-      if (masks[i]) mask = masks[i]->unsqueeze(1).unsqueeze(1);  // (B, 1, 1, S)
-      Tensor out = at::scaled_dot_product_attention(qkv.select(1, 0).unsqueeze(2), k, v, mask);
+      Tensor out;
+      if (native_attention_) {
+        out = decode_attention(qkv.select(1, 0), k, v, masks[i]);  // (B, H, D)
+      } else {
+        std::optional<Tensor> mask;
+        if (masks[i]) mask = masks[i]->unsqueeze(1).unsqueeze(1);  // (B, 1, 1, S)
+        out = at::scaled_dot_product_attention(qkv.select(1, 0).unsqueeze(2), k, v, mask);
+      }
       x = x + layer.out(out.view({B, E_}));
       h = at::layer_norm(x, {E_}, layer.norm2.weight, layer.norm2.bias, layer.norm2.eps);
       h = at::gelu(layer.ff1(h));
@@ -165,6 +348,7 @@ class LayerStack {
 
  private:
   int64_t E_, H_;
+  bool native_attention_;
   std::vector<Layer> layers_;
 };
 
@@ -172,10 +356,21 @@ void bind(pybind11::module& m) {
   // module_local, as the kernels' other types: two builds may be loaded in one process
   pybind11::class_<LayerStack>(m, "DecodeLayers", pybind11::module_local(),
                                "The layers of a decode step in C++ (relpos.models.decoding)")
-      .def(pybind11::init<int64_t, int64_t>(), pybind11::arg("d_model"), pybind11::arg("heads"))
+      .def(pybind11::init<int64_t, int64_t, bool>(), pybind11::arg("d_model"),
+           pybind11::arg("heads"), pybind11::arg("native_attention") = false)
       .def("add_layer", &LayerStack::add_layer)
       .def("__len__", &LayerStack::size)
       .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention,
+        "a decode step's attention, float32: one query per (batch, head) over S keys",
+        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"),
+        pybind11::arg("key_mask") = std::nullopt,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack_panels", &pack_panels, "a float32 weight (N, K) as (N / 16, K, 16) panels",
+        pybind11::arg("weight"));
+  m.def("panel_linear", &panel_linear, "x @ weight^T + bias from pack_panels(weight)",
+        pybind11::arg("x"), pybind11::arg("panels"), pybind11::arg("bias"), pybind11::arg("n"),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 
 }  // namespace relpos_decode

@@ -3498,6 +3498,76 @@ std::string build_info() {
   return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
 
+// One query per (batch, head) over S cached keys, float32: out[b, h] = softmax(scale · q ·
+// k_j^T, the keys key_mask hides at -inf) @ v (a decode step's attention over keys and values
+// that already hold their relative rows). q (B, H, D) and out (B, H, Dv) any strides of whole
+// rows; k (B, H, S, D) and v (B, H, S, Dv) with contiguous rows (a cache's first S positions);
+// key_mask (B, S) bool or null. Each head streams its keys once for the scores and its values
+// once for the sum (SDPA's CPU kernel, blocking for many queries, read them at about half the
+// memory's rate at one query). A head whose keys are all hidden gets zeros.
+void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
+                          const int64_t k_s[3], const float* v, const int64_t v_s[3],
+                          const bool* key_mask, int64_t B, int64_t H, int64_t S, int64_t D,
+                          int64_t Dv, float scale, float* out, const int64_t o_s[2]) {
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(static_cast<size_t>(std::max<int64_t>(S, 1)));
+    std::vector<float> acc(static_cast<size_t>(Dv));
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const float* qr = q + b * q_s[0] + h * q_s[1];
+      const float* kh = k + b * k_s[0] + h * k_s[1];
+      const float* vh = v + b * v_s[0] + h * v_s[1];
+      const bool* mk = key_mask != nullptr ? key_mask + b * S : nullptr;
+      float mx = ninf;
+      for (int64_t j = 0; j < S; ++j) {
+        const float* kr = kh + j * k_s[2];
+        float dot = 0.0f;
+#if defined(RELPOS_VEC_FLOAT)
+        VecF::V a = VecF::set1(0.0f);
+        int64_t d = 0;
+        for (; d + VecF::W <= D; d += VecF::W)
+          a = VecF::fmadd(VecF::load(qr + d), VecF::load(kr + d), a);
+        if (d < D) {
+          const auto m = VecF::tail(D - d);
+          a = VecF::fmadd(VecF::load_tail(qr + d, m, VecF::set1(0.0f)),
+                          VecF::load_tail(kr + d, m, VecF::set1(0.0f)), a);
+        }
+        dot = VecF::reduce_add(a);
+#else
+        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+#endif
+        s[j] = mk != nullptr && !mk[j] ? ninf : dot * scale;
+        mx = std::max(mx, s[j]);
+      }
+      float* o = out + b * o_s[0] + h * o_s[1];
+      if (mx == ninf) {
+        std::fill(o, o + Dv, 0.0f);
+        continue;
+      }
+      const float sum = exp_sum<float>(s.data(), S, mx);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < S; ++j) {
+        const float pj = s[j];
+        if (pj == 0.0f) continue;
+        const float* vr = vh + j * v_s[2];
+#if defined(RELPOS_VEC_FLOAT)
+        const VecF::V pv = VecF::set1(pj);
+        int64_t d = 0;
+        for (; d + VecF::W <= Dv; d += VecF::W)
+          VecF::store(acc.data() + d,
+                      VecF::fmadd(pv, VecF::load(vr + d), VecF::load(acc.data() + d)));
+        for (; d < Dv; ++d) acc[d] = std::fma(pj, vr[d], acc[d]);
+#else
+        for (int64_t d = 0; d < Dv; ++d) acc[d] = std::fma(pj, vr[d], acc[d]);
+#endif
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t d = 0; d < Dv; ++d) o[d] = acc[d] * inv;
+    }
+  });
+}
+
 }  // namespace relpos_native
 
 namespace relpos_decode {
