@@ -330,14 +330,14 @@ def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.Monke
     monkeypatch.delenv("RELPOS_DECODE_PACKING", raising=False)
     monkeypatch.setattr(decoding, "_mkl_packing", lambda: True)
     monkeypatch.setattr(decoding, "_onednn_packing", lambda: True)
-    monkeypatch.setattr(decoding, "_native_panels", lambda: object())
+    monkeypatch.setattr(decoding, "_native_decode_ops", lambda: object())
     for vendor, packing in (("GenuineIntel", "mkl"), ("AuthenticAMD", "relpos"), ("", "relpos")):
         monkeypatch.setattr(decoding, "cpuinfo", lambda v=vendor: {"vendor_id": v})
         assert decoding.decode_packing() == packing
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")  # asked for on any CPU
     assert decoding.decode_packing() == "relpos"
     monkeypatch.delenv("RELPOS_DECODE_PACKING")
-    monkeypatch.setattr(decoding, "_native_panels", lambda: None)  # no native kernels
+    monkeypatch.setattr(decoding, "_native_decode_ops", lambda: None)  # no native kernels
     assert decoding.decode_packing() == "onednn"
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")
     assert decoding.decode_packing() == "none"

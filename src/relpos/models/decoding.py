@@ -66,13 +66,14 @@ def sinusoidal_positions(
 
 Linear = Callable[[Tensor], Tensor]
 
-# id(weight) -> (a weak reference to it, (version, data pointer, batch size, layout kind), its
-# decode layout): one copy per weight, dropped with the weight; a stale entry (the weight changed
-# in place, or another batch size) is rebuilt. Keyed by identity: tensors compare by value.
+# id(weight) -> (a weak reference to it, (version, data pointer, batch size, layout kind),
+# its decode layout): one copy per weight, dropped with the weight; a stale entry (the weight
+# changed in place, another batch size or layout) is rebuilt. Keyed by identity: tensors
+# compare by value.
 _LAYOUTS: dict[int, tuple[weakref.ref[Tensor], tuple[int, int, int, int], Tensor]] = {}
 
 
-#: Which library packs a float32 decode linear's weight at batch > 1 (decode_linear).
+#: How a float32 decode linear's weight is packed at batch > 1 (decode_packing).
 PACKING_ENV = "RELPOS_DECODE_PACKING"
 PACKINGS = ("relpos", "onednn", "mkl", "none")
 
@@ -93,7 +94,7 @@ def _onednn_packing() -> bool:
     )
 
 
-def _native_panels() -> Any:
+def _native_decode_ops() -> Any:
     """The native kernels' module where it has the panel linears and the decode attention,
     else None."""
     from relpos.ops.native.build import load
@@ -127,7 +128,7 @@ def decode_packing() -> str:
             f"{PACKING_ENV} must be one of {', '.join(PACKINGS)} (or unset), got {want!r}"
         )
     intel = cpuinfo().get("vendor_id") == "GenuineIntel"
-    if (want or ("mkl" if intel else "relpos")) == "relpos" and _native_panels() is not None:
+    if (want or ("mkl" if intel else "relpos")) == "relpos" and _native_decode_ops() is not None:
         return "relpos"
     have = {"relpos": False, "onednn": _onednn_packing(), "mkl": _mkl_packing(), "none": True}
     if want:
@@ -156,7 +157,7 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
       kernels' panels, oneDNN's ``torch.ops.mkldnn._linear_pointwise`` or MKL's
       ``torch.ops.mkl._mkl_linear``, what ``torch.compile`` uses for frozen CPU linears); at
       batch 8 MKL's is 1.7x faster than ``F.linear`` (which repacks the weight on every
-      call) on an Intel Xeon, the panels 2-2.6x on an AMD EPYC;
+      call) on an Intel Xeon, the panels 2.0-3.0x on an AMD EPYC;
     * ``batch == 1``: the weight stored with its longer side contiguous, so that the
       matrix-vector product streams long rows: transposed once (``x @ W.T``) where it has
       more outputs than inputs, as it is (``F.linear``) otherwise (on an AMD EPYC the rows
@@ -174,7 +175,7 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     if kind == _ONEDNN_PACKED:
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, laid, bias, "none", [], "")
     if kind == _PANELS:
-        panel_linear, n = _native_panels().panel_linear, weight.shape[0]
+        panel_linear, n = _native_decode_ops().panel_linear, weight.shape[0]
         return lambda x: panel_linear(x, laid, bias, n)
     if bias is None:
         return lambda x: torch.mm(x, laid)
@@ -193,7 +194,7 @@ def _linear_layout(weight: Tensor, batch: int, fast: bool) -> tuple[int, Tensor 
         packing = decode_packing()
         if packing == "relpos":  # the same panels for every batch size
             return _PANELS, _layout(
-                weight, 0, _PANELS, lambda w: _native_panels().pack_panels(w.contiguous())
+                weight, 0, _PANELS, lambda w: _native_decode_ops().pack_panels(w.contiguous())
             )
         if packing == "onednn":
             return _ONEDNN_PACKED, _layout(
@@ -330,7 +331,7 @@ class StepDecoder:
         # the cache, each head's keys and values streamed once; 2x faster than SDPA's kernel
         # at batch 8 here) where they are built, in the Python layers and the C++ ones alike
         cpu32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
-        ops = _native_panels() if cpu32 else None
+        ops = _native_decode_ops() if cpu32 else None
         self._attend = None if ops is None else ops.decode_attention
         self._native_layers = self._native_stack(B)
         for layer in self.layers if self._native_layers is None else ():  # Python layers only
