@@ -9,12 +9,7 @@
 // C cache capacity, R table rows.
 
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +22,8 @@ void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
                           const int64_t k_s[3], const float* v, const int64_t v_s[3],
                           const bool* key_mask, int64_t B, int64_t H, int64_t S, int64_t D,
                           int64_t Dv, float scale, float* out, const int64_t o_s[2]);
+void panel_linear_f32(const float* x, int64_t M, int64_t K, const float* panels, int64_t NP,
+                      const float* bias, int64_t N, float* y);
 }  // namespace relpos_native
 
 namespace relpos_decode {
@@ -85,7 +82,7 @@ Tensor decode_attention(const Tensor& query, const Tensor& key, const Tensor& va
 // holds, for k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k] (zeros past N), so a panel is
 // one contiguous stream; each row of x broadcasts x[r, k] against it into 16 accumulators.
 
-constexpr int64_t kPanel = 16;
+constexpr int64_t kPanel = 16;  // relpos_native.cpp's kPanel
 
 // (ceil(N / 16), K, 16) panels of a float32 weight (N, K).
 Tensor pack_panels(const Tensor& weight) {
@@ -98,48 +95,7 @@ Tensor pack_panels(const Tensor& weight) {
   return padded.view({NP, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// acc_out[r, 0..15] = x[r, :] @ panel (K, 16) for the R rows of x (row stride K).
-template <int R>
-static inline void panel_rows(const float* x, int64_t K, const float* panel, float* acc_out) {
-#if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 32) * kPanel), _MM_HINT_T0);
-    const __m512 w = _mm512_loadu_ps(panel + k * kPanel);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc_out + r * kPanel, acc[r]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 32) * kPanel), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_set1_ps(x[r * K + k]);
-      lo[r] = _mm256_fmadd_ps(xv, w0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xv, w1, hi[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc_out + r * kPanel, lo[r]);
-    _mm256_storeu_ps(acc_out + r * kPanel + 8, hi[r]);
-  }
-#else
-  float acc[R][kPanel] = {};
-  for (int64_t k = 0; k < K; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < kPanel; ++c) acc[r][c] += x[r * K + k] * panel[k * kPanel + c];
-  for (int r = 0; r < R; ++r) std::copy(acc[r], acc[r] + kPanel, acc_out + r * kPanel);
-#endif
-}
-
-// y (M, N) = x (M, K) @ weight^T + bias from pack_panels(weight) (N its rows): each panel's
-// outputs for 8 rows at a time, the panels split over the threads.
+// y (M, N) = x (M, K) @ weight^T + bias from pack_panels(weight) (N its rows).
 Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
                     int64_t N) {
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel &&
@@ -159,36 +115,9 @@ Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<T
   const Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   Tensor y = at::empty({M, N}, xc.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NP, 4, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[8 * kPanel];
-    for (int64_t t = begin; t < end; ++t) {
-      const float* panel = pp + t * K * kPanel;
-      const int64_t c0 = t * kPanel, nc = std::min(kPanel, N - c0);
-      for (int64_t r0 = 0; r0 < M; r0 += 8) {
-        const int64_t rows = std::min<int64_t>(8, M - r0);
-        const float* xr = xp + r0 * K;
-        switch (rows) {
-          case 1: panel_rows<1>(xr, K, panel, acc); break;
-          case 2: panel_rows<2>(xr, K, panel, acc); break;
-          case 3: panel_rows<3>(xr, K, panel, acc); break;
-          case 4: panel_rows<4>(xr, K, panel, acc); break;
-          case 5: panel_rows<5>(xr, K, panel, acc); break;
-          case 6: panel_rows<6>(xr, K, panel, acc); break;
-          case 7: panel_rows<7>(xr, K, panel, acc); break;
-          default: panel_rows<8>(xr, K, panel, acc); break;
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* dst = yp + (r0 + r) * N + c0;
-          for (int64_t c = 0; c < nc; ++c)
-            dst[c] = bp != nullptr ? acc[r * kPanel + c] + bp[c0 + c] : acc[r * kPanel + c];
-        }
-      }
-    }
-  });
+  relpos_native::panel_linear_f32(xc.data_ptr<float>(), M, K, panels.data_ptr<float>(), NP,
+                                  bias ? bias->data_ptr<float>() : nullptr, N,
+                                  y.data_ptr<float>());
   return y;
 }
 

@@ -3568,6 +3568,72 @@ void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
   });
 }
 
+// The panel linears of a decode step (decode_step.cpp's pack_panels: panel t holds, for
+// k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k]). acc[r, 0..15] = x[r, :] @ panel for
+// the R rows of x (row stride K): each x[r, k] broadcast against the panel's row k, the
+// panel read once as a stream.
+constexpr int64_t kPanel = 16;
+
+template <int R>
+static inline void panel_rows(const float* x, int64_t K, const float* panel, float* acc) {
+#if defined(RELPOS_VEC_FLOAT)
+  constexpr int64_t kV = kPanel / VecF::W;
+  VecF::V a[R][kV];
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kV; ++c) a[r][c] = VecF::set1(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(panel + (k + 32) * kPanel);
+    VecF::V w[kV];
+    for (int64_t c = 0; c < kV; ++c) w[c] = VecF::load(panel + k * kPanel + c * VecF::W);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const VecF::V xv = VecF::set1(x[r * K + k]);
+      for (int64_t c = 0; c < kV; ++c) a[r][c] = VecF::fmadd(xv, w[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kV; ++c) VecF::store(acc + r * kPanel + c * VecF::W, a[r][c]);
+#else
+  float a[R][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int64_t c = 0; c < kPanel; ++c) a[r][c] += x[r * K + k] * panel[k * kPanel + c];
+  for (int r = 0; r < R; ++r) std::copy(a[r], a[r] + kPanel, acc + r * kPanel);
+#endif
+}
+
+// y (M, N; row stride N) = x (M, K) @ weight^T + bias (or none) from NP panels: each panel's
+// outputs for 8 rows at a time, the panels split over the threads.
+void panel_linear_f32(const float* x, int64_t M, int64_t K, const float* panels, int64_t NP,
+                      const float* bias, int64_t N, float* y) {
+  at::parallel_for(0, NP, 4, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[8 * kPanel];
+    for (int64_t t = begin; t < end; ++t) {
+      const float* panel = panels + t * K * kPanel;
+      const int64_t c0 = t * kPanel, nc = std::min(kPanel, N - c0);
+      for (int64_t r0 = 0; r0 < M; r0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, M - r0);
+        const float* xr = x + r0 * K;
+        switch (rows) {
+          case 1: panel_rows<1>(xr, K, panel, acc); break;
+          case 2: panel_rows<2>(xr, K, panel, acc); break;
+          case 3: panel_rows<3>(xr, K, panel, acc); break;
+          case 4: panel_rows<4>(xr, K, panel, acc); break;
+          case 5: panel_rows<5>(xr, K, panel, acc); break;
+          case 6: panel_rows<6>(xr, K, panel, acc); break;
+          case 7: panel_rows<7>(xr, K, panel, acc); break;
+          default: panel_rows<8>(xr, K, panel, acc); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = y + (r0 + r) * N + c0;
+          for (int64_t c = 0; c < nc; ++c)
+            dst[c] = bias != nullptr ? acc[r * kPanel + c] + bias[c0 + c] : acc[r * kPanel + c];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace relpos_native
 
 namespace relpos_decode {
