@@ -518,6 +518,39 @@ def test_build_into_leaves_a_verified_variant_and_keeps_it(
     assert "baseline:" in out and f"RELPOS_KERNELS_DIR={PREBUILT}" in out, out
 
 
+# The decode ops' plain loops (the baseline variant has no vector code): against float64.
+DECODE_OPS = textwrap.dedent("""
+    import json, torch, torch.nn.functional as F
+    from relpos.ops.native.build import load
+    m = load()
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(37, 21, generator=g), torch.randn(37, generator=g)
+    x = torch.randn(11, 21, generator=g)
+    panels = m.panel_linear(x, m.pack_panels(w), b, 37).double()
+    q, k = torch.randn(2, 3, 17, generator=g), torch.randn(2, 3, 9, 17, generator=g)
+    v = torch.randn(2, 3, 9, 5, generator=g)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :4] = False
+    truth = F.scaled_dot_product_attention(q.double().unsqueeze(2), k.double(), v.double(),
+                                           attn_mask=mask[:, None, None, :]).squeeze(2)
+    errs = {"panels": float((panels - F.linear(x.double(), w.double(), b.double())).abs().max()),
+            "attention": float((m.decode_attention(q, k, v, mask).double() - truth).abs().max())}
+    print(json.dumps({"library": m.__file__, "errs": errs}))
+""")
+
+
+def test_the_baseline_variant_runs_the_decode_ops_on_plain_loops(shipped: Path) -> None:
+    """The panel linears and the decode attention without vector code (the baseline variant,
+    every x86-64 CPU): float64's results to float32 rounding."""
+    done = subprocess.run([sys.executable, "-c", DECODE_OPS], capture_output=True, text=True,
+                          env={**os.environ, "RELPOS_KERNELS_DIR": str(shipped)}, cwd=ROOT,
+                          timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "-baseline-" in result["library"], result
+    assert result["errs"]["panels"] < 1e-5 and result["errs"]["attention"] < 1e-6, result
+
+
 def test_a_read_only_prebuilt_directory_serves_a_machine_without_compiler_or_cache(
         shipped: Path) -> None:
     # What a container image without a compiler does: RELPOS_KERNELS_DIR read-only, the user
