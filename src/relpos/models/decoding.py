@@ -127,14 +127,13 @@ def decode_packing() -> str:
         raise ValueError(
             f"{PACKING_ENV} must be one of {', '.join(PACKINGS)} (or unset), got {want!r}"
         )
-    intel = cpuinfo().get("vendor_id") == "GenuineIntel"
-    if (want or ("mkl" if intel else "relpos")) == "relpos" and _native_decode_ops() is not None:
-        return "relpos"
-    have = {"relpos": False, "onednn": _onednn_packing(), "mkl": _mkl_packing(), "none": True}
+    have = {"relpos": lambda: _native_decode_ops() is not None, "onednn": _onednn_packing,
+            "mkl": _mkl_packing, "none": lambda: True}
     if want:
-        return want if have[want] else "none"
-    order = ("mkl", "onednn") if intel else ("onednn", "mkl")
-    return next((name for name in order if have[name]), "none")
+        return want if have[want]() else "none"
+    intel = cpuinfo().get("vendor_id") == "GenuineIntel"
+    order = ("mkl", "onednn") if intel else ("relpos", "onednn", "mkl")
+    return next((name for name in order if have[name]()), "none")
 
 
 def _layout(weight: Tensor, batch: int, kind: int, make: Callable[[Tensor], Tensor]) -> Tensor:
