@@ -510,3 +510,73 @@ def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(
     line = build.half_gemms(serving)
     assert line.startswith(named), line
     assert line.endswith("; float16 tiles widened to float32"), line
+
+
+@pytest.mark.parametrize(("cpu", "serving", "want", "named"), [
+    ("avx512", None, "", "float32 on the kernels' AVX-512 vectors"),  # this CPU's own build
+    ("avx2", None, "", "float32 on the kernels' AVX2 vectors"),
+    ("avx512", "avx2", "", "float32 on the kernels' AVX2 vectors"),  # a prebuilt variant
+    ("avx512", "baseline", "", "float32 MKL's sgemm_;"),  # no vectors in that build
+    ("sse", None, "", "float32 MKL's sgemm_;"),
+    ("avx512", None, "blas", "float32 MKL's sgemm_;"),
+    ("avx512", None, "vec", "float32 on the kernels' AVX-512 vectors"),
+    ("avx512", None, "mkl", "float32 calls refused: RELPOS_NATIVE_SGEMM='mkl'"),
+])
+def test_the_gemm_line_names_where_the_native_float32_gemms_run(
+        cpu: str, serving: str | None, want: str, named: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``relpos kernels`` predicts for the float32 GEMMs without loading the kernels: the
+    kernels' own vectors where the build serving this CPU has them, MKL's sgemm_ under
+    RELPOS_NATIVE_SGEMM=blas or without them; float64 always on MKL's dgemm_."""
+    v3 = {"avx", "avx2", "fma"}
+    flags = {"avx512": v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+             "avx2": v3, "sse": {"sse4_2"}}[cpu]
+    monkeypatch.setenv("RELPOS_NATIVE_SGEMM", want)
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(build, "have_blas", lambda: True)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    line = build.float_gemms(serving)
+    assert line.startswith(named), line
+    if not line.startswith("float32 calls refused"):
+        assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
+
+
+def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_asked() -> None:
+    """The loaded kernels' build_info names the float32 GEMMs ``relpos kernels`` predicts;
+    under RELPOS_NATIVE_SGEMM=blas they run on MKL (build_info says so) and the float32 call
+    stays within float32's error of the float64 reference, both directions; a name that is
+    neither is refused with the names allowed."""
+    code = """
+        import torch, relpos
+        from relpos.ops.native import build
+        info = build.load().build_info()
+        print(info)
+        print("predicted:", build.status().blas)
+        g = torch.Generator().manual_seed(3)
+        args = [torch.randn(2, 3, 37, 24, generator=g, dtype=torch.float64) for _ in range(3)]
+        tabs = [torch.randn(11, 24, generator=g, dtype=torch.float64) for _ in range(2)]
+        def run(dtype, impl):
+            x = [a.to(dtype).requires_grad_() for a in args + tabs]
+            out = relpos.relative_attention(*x[:3], max_distance=5, rel_keys=x[3],
+                                            rel_values=x[4], implementation=impl)
+            out.square().sum().backward()
+            return [out.double()] + [a.grad.double() for a in x]
+        for a, b in zip(run(torch.float32, "native"), run(torch.float64, "reference")):
+            assert (a - b).abs().max() <= 2e-5 * max(b.abs().max(), 1.0), (a - b).abs().max()
+        print("close")
+    """
+    default = _python(code, RELPOS_NATIVE_SGEMM="")
+    assert default.returncode == 0, default.stderr
+    info = default.stdout.splitlines()[0]
+    predicted = default.stdout.splitlines()[1]
+    assert ("sgemm=vec" in info) == ("vectors" in predicted), (info, predicted)
+    if build.isa().endswith(("AVX512", "AVX2")):
+        assert "sgemm=vec" in info, info
+    blas = _python(code, RELPOS_NATIVE_SGEMM="blas")
+    assert blas.returncode == 0, blas.stderr
+    assert "sgemm=blas" in blas.stdout and "close" in blas.stdout, blas.stdout
+    refused = _python(code.replace("print(info)", "").replace("info = build", "build"),
+                      RELPOS_NATIVE_SGEMM="mkl")
+    assert refused.returncode != 0
+    assert "RELPOS_NATIVE_SGEMM must be vec or blas" in refused.stderr, refused.stderr[-2000:]
+    assert "'mkl'" in refused.stderr, refused.stderr[-2000:]

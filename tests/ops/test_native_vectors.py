@@ -3,7 +3,8 @@
 AVX2 with ``-march=x86-64-v3``) and checked against the scalar loops they replace, at every length
 from 0 to 100 (so every masked tail): max, exp and sum (and the cheaper exp of 16-bit calls
 against exp within its error), far-segment dS and the band's add,
-with NaN, +-inf and extreme values among the entries. The
+with NaN, +-inf and extreme values among the entries; and the float32 GEMMs on those vectors
+against the scalar chain of fused multiply-adds they compute, bit for bit. The
 whole kernels run the vectors of the machine's build; the other build's vectors are checked here.
 """
 
@@ -166,6 +167,46 @@ int main() {
       }
     }
   }
+  // vec_sgemm_run: C (M, N) = alpha op(A) @ op(B) + beta C, each element one chain of fused
+  // multiply-adds in k order, times alpha fused with the add of C (the same bits as that in
+  // scalars), A and B with row strides
+  // past their widths, op transposed or not, every row and column tail; C's padding untouched
+  long gemms = 0;
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb)
+      for (int64_t M : {1, 2, 5, 6, 7, 13})
+        for (int64_t N : {1, 7, 8, 15, 16, 17, 33, 64, 65, 70, 129})
+          for (int64_t K : {1, 3, 64})
+            for (float beta : {0.0f, 1.0f}) {
+              const float alpha = 0.125f * (1 + ta + 2 * tb);
+              const int64_t lda = (ta ? M : K) + 3, ldb = (tb ? K : N) + 5, ldc = N + 2;
+              std::vector<float> A((ta ? K : M) * lda), B((tb ? N : K) * ldb);
+              std::vector<float> C(M * ldc), want(M * ldc);
+              for (auto& a : A) a = unit(gen);
+              for (auto& b : B) b = unit(gen);
+              for (auto& c : C) c = unit(gen);
+              want = C;
+              for (int64_t i = 0; i < M; ++i)
+                for (int64_t j = 0; j < N; ++j) {
+                  float acc = 0.0f;
+                  for (int64_t k = 0; k < K; ++k)
+                    acc = std::fma(ta ? A[k * lda + i] : A[i * lda + k],
+                                   tb ? B[j * ldb + k] : B[k * ldb + j], acc);
+                  want[i * ldc + j] = beta == 0.0f ? acc * alpha
+                                                   : std::fma(acc, alpha, C[i * ldc + j]);
+                }
+              vec_sgemm_run(ta, tb, M, N, K, alpha, A.data(), lda, B.data(), ldb, beta, C.data(),
+                            ldc);
+              ++gemms;
+              for (int64_t x = 0; x < M * ldc; ++x)
+                if (!(C[x] == want[x])) {
+                  FAIL("gemm ta=%d tb=%d M=%ld N=%ld K=%ld beta=%g at %ld: %a != %a", ta, tb,
+                       (long)M, (long)N, (long)K, beta, (long)x, C[x], want[x]);
+                  break;
+                }
+            }
+  std::printf("gemms %ld\n", gemms);
   std::printf("checked %ld\n", checked);
   return bad == 0 ? 0 : 1;
 }
@@ -173,17 +214,20 @@ int main() {
 
 
 def _source() -> str:
-    """The standard headers of the kernels' source, its inline macro, exp_float and the vector
-    section, then the main above."""
+    """The standard headers of the kernels' source, its inline macro, exp_float, the 16 x 16
+    transpose (AVX-512) and the vector section, then the main above."""
     text = _CSRC.read_text()
     headers = [line for line in text.splitlines()
                if line.startswith("#include <") and "/" not in line and ".h>" not in line]
     macro = "#define RELPOS_INLINE inline __attribute__((always_inline))\n"
     exp_start = text.index("static inline float exp_float(float x) {")
     exp_end = text.index("\n}\n", exp_start) + 3
+    transpose_start = text.index("// r[i] = row i of a 16 x 16 matrix of 32-bit elements")
+    transpose_end = text.index("\n}\n", transpose_start) + 3
     vec_start = text.index("#if defined(__AVX512F__)\n#define RELPOS_VEC_FLOAT")
     vec_end = text.index("#endif  // RELPOS_VEC_FLOAT: end of the vector section")
     return ("\n".join(headers) + "\n#include <immintrin.h>\n" + macro + text[exp_start:exp_end]
+            + "#if defined(__AVX512F__)\n" + text[transpose_start:transpose_end] + "#endif\n"
             + text[vec_start:vec_end] + "#endif\n" + _MAIN)
 
 
@@ -207,3 +251,4 @@ def test_the_vector_row_passes_equal_the_scalar_loops(name: str, flags: str,
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]
     assert run.stdout.strip().endswith("checked " + str(40 * 101 * 17)), run.stdout[-500:]
+    assert f"gemms {2 * 2 * 6 * 11 * 3 * 2}\n" in run.stdout, run.stdout[-500:]

@@ -146,6 +146,35 @@ def have_blas() -> bool:
     return all(_exported(s) for s in ("sgemm_", "dgemm_"))
 
 
+SGEMM_ENV = "RELPOS_NATIVE_SGEMM"  # =blas: float32 GEMMs on the BLAS (read once per process)
+
+
+def float_gemms(serving: str | None = None) -> str:
+    """How the kernels run their float32 and float64 block GEMMs, as ``relpos kernels`` says
+    it (predicted without loading them): float32 on the kernels' own AVX-512 or AVX2 vectors
+    where the build has them (a build for this CPU, or the prebuilt variant ``serving``: all
+    but ``baseline``), unless ``RELPOS_NATIVE_SGEMM=blas``; float64, and float32 otherwise, on
+    libtorch's MKL (plain C++ loops without it)."""
+    from relpos.ops.native.variants import variant
+
+    blas = "MKL's sgemm_" if have_blas() else "plain C++ loops"
+    dgemm = "MKL's dgemm_ (libtorch's)" if have_blas() else "plain C++ loops"
+    want = os.environ.get(SGEMM_ENV, "")
+    if want not in ("", "vec", "blas"):
+        return f"float32 calls refused: {SGEMM_ENV}={want!r} is neither vec nor blas"
+    if serving is not None:
+        vectors = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(variant(serving).capability)
+    else:
+        flags = cpu_flags() or frozenset()
+        vectors = ("AVX-512" if "avx512f" in flags else
+                   "AVX2" if {"avx2", "fma"} <= flags else None)
+        if platform.machine() != "x86_64":
+            vectors = None
+    if vectors is None or want == "blas":
+        return f"float32 {blas}; float64 {dgemm}"
+    return f"float32 on the kernels' {vectors} vectors ({SGEMM_ENV}=blas: {blas}); float64 {dgemm}"
+
+
 HALF_GEMM_ENV = "RELPOS_NATIVE_HALF_GEMM"
 
 #: The 16-bit GEMMs (float32 accumulation) the kernels look for in libtorch, by dtype.
@@ -816,7 +845,7 @@ class KernelStatus:
     built: bool
     directory: Path
     isa: str
-    blas: str
+    blas: str  # how the float32 and float64 GEMMs run (float_gemms())
     torch_version: str
     failure: str | None
     damaged: str | None = None
@@ -841,11 +870,12 @@ def status() -> KernelStatus:
     problem = _problem(library_path(directory))
     root = prebuilt_root()
     found = tuple(prebuilt(root)) if root is not None else ()  # reads each library once
+    serving = next((p.variant for p in found if p.runs and p.problem is None), None)
     return KernelStatus(
         enabled=not disabled(), built=problem is None, directory=directory, isa=isa(),
-        blas="mkl (libtorch's sgemm_/dgemm_)" if have_blas() else "plain C++ loops",
+        blas=float_gemms(serving),
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
         prebuilt_root=root, prebuilt=found,
-        half=half_gemms(next((p.variant for p in found if p.runs and p.problem is None), None)),
+        half=half_gemms(serving),
     )

@@ -206,6 +206,12 @@ static void gemm_fallback(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T a
   }
 }
 
+// float32 GEMMs on the kernels' own vectors where the build has them (vec_sgemm, below):
+// false where it leaves the call to the BLAS.
+static bool vec_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                      const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc);
+
 template <typename T>
 static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
                         int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
@@ -214,6 +220,9 @@ static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alp
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
     return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (vec_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
   }
 #ifdef RELPOS_HAVE_BLAS
   // Column-major BLAS on row-major data: C^T = op(B)^T op(A)^T.
@@ -337,6 +346,32 @@ static inline void low_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, f
 // one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest even), as MKL's
 // path rounds them. bf16_gemm() below says which engine (or MKL's GEMM, or widened tiles) a
 // call runs.
+#if defined(__AVX512F__)
+// r[i] = row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] = its column i.
+static inline void transpose16(__m512i r[16]) {
+  __m512i s[16];
+  for (int i = 0; i < 8; ++i) {
+    s[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    s[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(s[4 * i], s[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(s[4 * i], s[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(s[4 * i + 1], s[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(s[4 * i + 1], s[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      s[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      s[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0xdd);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RELPOS_HAVE_BF16_TILES 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -645,29 +680,6 @@ static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint
   amx_pack_row_padding(M, K, out);
 }
 
-// r[i] = row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] = its column i.
-static inline void amx_transpose16(__m512i r[16]) {
-  __m512i s[16];
-  for (int i = 0; i < 8; ++i) {
-    s[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    s[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(s[4 * i], s[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(s[4 * i], s[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(s[4 * i + 1], s[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(s[4 * i + 1], s[4 * i + 3]);
-  }
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      s[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-      s[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(s[j], s[8 + j], 0xdd);
-  }
-}
 
 // A operand of x^T for float rows x (M, K; row stride K), rounded to bfloat16: row tile t of
 // x^T (columns 16t.. of x), k-block b (rows 32b.. of x); zeros past K and M. (P^T and dS^T.)
@@ -687,7 +699,7 @@ static void amx_pack_rows_t(const float* x, int64_t M, int64_t K, uint16_t* out,
                            ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, x + row * K + c0))
                            : _mm512_setzero_si512();
         }
-        amx_transpose16(half[h]);
+        transpose16(half[h]);
       }
       uint16_t* tile = out + (t * KB + b) * kTileElems;
       for (int r = 0; r < 16; ++r)
@@ -711,7 +723,7 @@ static void amx_pack_transposed(const uint16_t* b, int64_t N, int64_t K, uint16_
         __m512i r[16];
         const auto* src = reinterpret_cast<const uint32_t*>(b + n0 * K + k0);
         for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * (K / 2));
-        amx_transpose16(r);
+        transpose16(r);
         for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 32, r[i]);
         continue;
       }
@@ -1500,7 +1512,207 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
                                            VecF::load_tail(src + j, m, zero)));
   }
 }
+
+// ------------------------------------------------------------------------------------------
+// float32 GEMMs on the kernels' vectors (vec_sgemm): C (M, N) = alpha · op(A) @ op(B) + beta · C
+// with beta 0 or 1, row-major, nothing packed. An MR x (NV vectors) block of C stays in
+// registers while k runs: each step loads NV vectors of B's row k and broadcasts MR elements of
+// A's column k (A or A^T alike, by its two strides), so A is never copied and B only where it is
+// read transposed (op(B) = B^T: B^T into a thread's buffer, one pass). Each element is one chain
+// of fused multiply-adds in k order, then times alpha (fused with the add of C where beta is 1):
+// the same bits at every thread count, equal to MKL's in the measurements. MKL's
+// sgemm packs both operands on every call: at the kernels' tile sizes (128 x 128 x 64, one
+// thread, AMD EPYC Zen 4) its packing took a third of its GEMM time; these took 0.72-0.85x its
+// time for P @ V and Pb @ aV.
+#if defined(__AVX512F__)
+constexpr int kGemmRows = 6, kGemmVecs = 4;  // 24 accumulators of the 32 registers
+#else
+constexpr int kGemmRows = 6, kGemmVecs = 2;  // 12 of AVX2's 16
+#endif
+
+#define RELPOS_PRAGMA(x) _Pragma(#x)
+#define RELPOS_UNROLL RELPOS_PRAGMA(GCC unroll 8)
+
+// C[0 .. MR) x [0 .. NV · W) (the last vector's lanes cut to `last` where Tail) over k < K.
+template <int MR, int NV, bool Tail>
+static RELPOS_INLINE void vec_gemm_block(int64_t K, const float* A, int64_t a_rs, int64_t a_ks,
+                                        const float* B, int64_t ldb, float* C, int64_t ldc,
+                                        float alpha, bool add, VecF::M last) {
+  using V = VecF::V;
+  constexpr int64_t W = VecF::W;
+  const V zero = VecF::set1(0.0f);
+  V acc[MR][NV];
+  RELPOS_UNROLL for (int r = 0; r < MR; ++r) {
+    RELPOS_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = zero;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* b = B + k * ldb;
+    const float* a = A + k * a_ks;
+    V bv[NV];
+    RELPOS_UNROLL for (int v = 0; v < NV; ++v) {
+      bv[v] = Tail && v == NV - 1 ? VecF::load_tail(b + v * W, last, zero) : VecF::load(b + v * W);
+    }
+    RELPOS_UNROLL for (int r = 0; r < MR; ++r) {
+      const V ar = VecF::set1(a[r * a_rs]);
+      RELPOS_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = VecF::fmadd(ar, bv[v], acc[r][v]);
+    }
+  }
+  const V al = VecF::set1(alpha);
+  RELPOS_UNROLL for (int r = 0; r < MR; ++r) {
+    float* c = C + r * ldc;
+    RELPOS_UNROLL for (int v = 0; v < NV; ++v) {
+      // alpha · acc (+ C: one fused multiply-add, whatever the compiler contracts)
+      if (Tail && v == NV - 1) {
+        const V x = add ? VecF::fmadd(acc[r][v], al, VecF::load_tail(c + v * W, last, zero))
+                        : VecF::mul(acc[r][v], al);
+        VecF::store_tail(c + v * W, last, x);
+      } else {
+        const V x = add ? VecF::fmadd(acc[r][v], al, VecF::load(c + v * W))
+                        : VecF::mul(acc[r][v], al);
+        VecF::store(c + v * W, x);
+      }
+    }
+  }
+}
+
+// The last `rows` (< MR) rows of a panel: one block of that many.
+template <int MR, int NV, bool Tail>
+static RELPOS_INLINE void vec_gemm_rest(int64_t rows, int64_t K, const float* A, int64_t a_rs,
+                                        int64_t a_ks, const float* B, int64_t ldb, float* C,
+                                        int64_t ldc, float alpha, bool add, VecF::M last) {
+  if constexpr (MR > 1) {
+    if (rows == MR - 1)
+      vec_gemm_block<MR - 1, NV, Tail>(K, A, a_rs, a_ks, B, ldb, C, ldc, alpha, add, last);
+    else
+      vec_gemm_rest<MR - 1, NV, Tail>(rows, K, A, a_rs, a_ks, B, ldb, C, ldc, alpha, add, last);
+  }
+}
+
+// All M rows of one panel of NV vectors, in blocks of as many rows as leave the accumulators
+// in registers: kGemmRows for a whole panel, 8 for narrower ones (a table's R columns).
+template <int NV, bool Tail>
+static void vec_gemm_panel(int64_t M, int64_t K, const float* A, int64_t a_rs, int64_t a_ks,
+                           const float* B, int64_t ldb, float* C, int64_t ldc, float alpha,
+                           bool add, VecF::M last) {
+  constexpr int MR = NV == kGemmVecs ? kGemmRows : 8;
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR)
+    vec_gemm_block<MR, NV, Tail>(K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc, alpha,
+                                 add, last);
+  vec_gemm_rest<MR, NV, Tail>(M - i, K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc,
+                              alpha, add, last);
+}
+
+// out (K, N; row stride ldo) = B^T for B (N, K) with row stride ldb, by blocks of W x W in
+// vector registers (16 x 16 with AVX-512, 8 x 8 with AVX2), edge blocks through masked loads and
+// stores.
+static void transpose_into(const float* B, int64_t N, int64_t K, int64_t ldb, float* out,
+                           int64_t ldo) {
+  constexpr int64_t W = VecF::W;
+  const VecF::V zero = VecF::set1(0.0f);
+  for (int64_t n0 = 0; n0 < N; n0 += W) {
+    const int64_t nn = std::min<int64_t>(W, N - n0);
+    const VecF::M mn = VecF::tail(nn);
+    for (int64_t k0 = 0; k0 < K; k0 += W) {
+      const int64_t kk = std::min<int64_t>(W, K - k0);
+      const VecF::M mk = VecF::tail(kk);
+      VecF::V r[W];
+      for (int64_t i = 0; i < W; ++i)
+        r[i] = i < nn ? VecF::load_tail(B + (n0 + i) * ldb + k0, mk, zero) : zero;
+#if defined(__AVX512F__)
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_castps_si512(r[i]);
+      transpose16(x);
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(x[i]);
+#else
+      __m256 t[8], u[8];
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      for (int i = 0; i < 2; ++i) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+        r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+      }
+#endif
+      for (int64_t i = 0; i < kk; ++i) VecF::store_tail(out + (k0 + i) * ldo + n0, mn, r[i]);
+    }
+  }
+}
+
+static void vec_sgemm_run(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                          const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                          float* C, int64_t ldc) {
+  constexpr int64_t W = VecF::W, P = kGemmVecs * W;
+  const int64_t a_rs = ta ? 1 : lda, a_ks = ta ? lda : 1;
+  if (tb) {  // B^T's rows padded to whole vectors on 64-byte lines (no load splits a line)
+    thread_local std::vector<float> bt;
+    const int64_t ld = (N + W - 1) / W * W;
+    if (static_cast<int64_t>(bt.size()) < K * ld + 16) bt.resize(K * ld + 16);
+    float* out = bt.data() + (16 - reinterpret_cast<uintptr_t>(bt.data()) / 4 % 16) % 16;
+    transpose_into(B, N, K, ldb, out, ld);
+    B = out;
+    ldb = ld;
+  }
+  const bool add = beta != 0.0f;
+  int64_t n0 = 0;
+  for (; n0 + P <= N; n0 += P)
+    vec_gemm_panel<kGemmVecs, false>(M, K, A, a_rs, a_ks, B + n0, ldb, C + n0, ldc, alpha, add,
+                                     VecF::tail(W));
+  const int64_t rest = N - n0;
+  if (rest == 0) return;
+  const int nv = static_cast<int>((rest + W - 1) / W);
+  const VecF::M last = VecF::tail(rest - (nv - 1) * W);
+  const float* b = B + n0;
+  float* c = C + n0;
+  switch (nv) {
+    case 1: vec_gemm_panel<1, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last); break;
+#if defined(__AVX512F__)
+    case 2: vec_gemm_panel<2, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last); break;
+    case 3: vec_gemm_panel<3, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last); break;
+#endif
+    default:
+      vec_gemm_panel<kGemmVecs, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last);
+  }
+}
 #endif  // RELPOS_VEC_FLOAT: end of the vector section
+
+// Whether float32 GEMMs run on vec_sgemm_run: where the build has the kernels' vectors, unless
+// RELPOS_NATIVE_SGEMM=blas (read once) gives them to the BLAS; beta is 0 or 1 in every call.
+static bool vec_sgemm_on() {
+#if defined(RELPOS_VEC_FLOAT)
+  static const bool on = [] {
+    const std::string want = env_or_empty("RELPOS_NATIVE_SGEMM");
+    TORCH_CHECK(want.empty() || want == "vec" || want == "blas",
+                "relpos native: RELPOS_NATIVE_SGEMM must be vec or blas (or unset), got '", want,
+                "'");
+    return want != "blas";
+  }();
+  return on;
+#else
+  return false;
+#endif
+}
+
+static bool vec_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                      const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
+                      float* C, int64_t ldc) {
+#if defined(RELPOS_VEC_FLOAT)
+  if (!vec_sgemm_on() || (beta != 0.0f && beta != 1.0f)) return false;
+  vec_sgemm_run(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  return true;
+#else
+  (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)B;
+  (void)ldb, (void)beta, (void)C, (void)ldc;
+  return false;
+#endif
+}
 
 #ifdef RELPOS_HAVE_BF16_TILES
 // The bfloat16 P of a call on packed tiles, written by the softmax itself (no float32 P to store
@@ -3495,6 +3707,7 @@ std::string build_info() {
 #else
   info += " avx512bf16=none";
 #endif
+  info += vec_sgemm_on() ? " sgemm=vec" : " sgemm=blas";
   return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
 
