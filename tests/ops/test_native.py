@@ -514,8 +514,10 @@ def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(
 
 @pytest.mark.parametrize(("cpu", "serving", "want", "named"), [
     ("avx512", None, "", "float32 on the kernels' AVX-512 vectors"),  # this CPU's own build
-    ("avx2", None, "", "float32 on the kernels' AVX2 vectors"),
-    ("avx512", "avx2", "", "float32 on the kernels' AVX2 vectors"),  # a prebuilt variant
+    ("avx2", None, "", "float32 MKL's sgemm_ (RELPOS_NATIVE_SGEMM=vec: the kernels' AVX2"),
+    ("avx2", None, "vec", "float32 on the kernels' AVX2 vectors"),
+    ("avx512", "avx2", "", "float32 MKL's sgemm_ (RELPOS_NATIVE_SGEMM=vec"),  # a prebuilt variant
+    ("avx512", "avx2", "vec", "float32 on the kernels' AVX2 vectors"),
     ("avx512", "baseline", "", "float32 MKL's sgemm_;"),  # no vectors in that build
     ("sse", None, "", "float32 MKL's sgemm_;"),
     ("avx512", None, "blas", "float32 MKL's sgemm_;"),
@@ -526,8 +528,9 @@ def test_the_gemm_line_names_where_the_native_float32_gemms_run(
         cpu: str, serving: str | None, want: str, named: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``relpos kernels`` predicts for the float32 GEMMs without loading the kernels: the
-    kernels' own vectors where the build serving this CPU has them, MKL's sgemm_ under
-    RELPOS_NATIVE_SGEMM=blas or without them; float64 always on MKL's dgemm_."""
+    kernels' own vectors where the build serving this CPU has AVX-512 (AVX2's only under
+    RELPOS_NATIVE_SGEMM=vec), MKL's sgemm_ under RELPOS_NATIVE_SGEMM=blas or without them;
+    float64 always on MKL's dgemm_."""
     v3 = {"avx", "avx2", "fma"}
     flags = {"avx512": v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
              "avx2": v3, "sse": {"sse4_2"}}[cpu]
@@ -568,9 +571,10 @@ def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_ask
     default = _python(code, RELPOS_NATIVE_SGEMM="")
     assert default.returncode == 0, default.stderr
     info = default.stdout.splitlines()[0]
-    predicted = default.stdout.splitlines()[1]
-    assert ("sgemm=vec" in info) == ("vectors" in predicted), (info, predicted)
-    if build.isa().endswith(("AVX512", "AVX2")):
+    predicted = default.stdout.splitlines()[1].removeprefix("predicted: ")
+    on_vectors = predicted.startswith("float32 on the kernels'")
+    assert ("sgemm=vec" in info) == on_vectors, (info, predicted)
+    if build.isa().endswith("AVX512") and build.status().serving is None:
         assert "sgemm=vec" in info, info
     blas = _python(code, RELPOS_NATIVE_SGEMM="blas")
     assert blas.returncode == 0, blas.stderr

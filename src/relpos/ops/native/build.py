@@ -151,10 +151,11 @@ SGEMM_ENV = "RELPOS_NATIVE_SGEMM"  # =blas: float32 GEMMs on the BLAS (read once
 
 def float_gemms(serving: str | None = None) -> str:
     """How the kernels run their float32 and float64 block GEMMs, as ``relpos kernels`` says
-    it (predicted without loading them): float32 on the kernels' own AVX-512 or AVX2 vectors
-    where the build has them (a build for this CPU, or the prebuilt variant ``serving``: all
-    but ``baseline``), unless ``RELPOS_NATIVE_SGEMM=blas``; float64, and float32 otherwise, on
-    libtorch's MKL (plain C++ loops without it)."""
+    it (predicted without loading them): float32 on the kernels' own vectors where the build
+    (for this CPU, or the prebuilt variant ``serving``) has AVX-512, unless
+    ``RELPOS_NATIVE_SGEMM=blas``; on its AVX2 vectors only under ``RELPOS_NATIVE_SGEMM=vec``
+    (they ran at MKL's speed); float64, and float32 otherwise, on libtorch's MKL (plain C++
+    loops without it)."""
     from relpos.ops.native.variants import variant
 
     blas = "MKL's sgemm_" if have_blas() else "plain C++ loops"
@@ -170,8 +171,9 @@ def float_gemms(serving: str | None = None) -> str:
                    "AVX2" if {"avx2", "fma"} <= flags else None)
         if platform.machine() != "x86_64":
             vectors = None
-    if vectors is None or want == "blas":
-        return f"float32 {blas}; float64 {dgemm}"
+    if vectors is None or want == "blas" or (vectors == "AVX2" and want != "vec"):
+        other = f" ({SGEMM_ENV}=vec: the kernels' AVX2 vectors)" if vectors == "AVX2" else ""
+        return f"float32 {blas}{other}; float64 {dgemm}"
     return f"float32 on the kernels' {vectors} vectors ({SGEMM_ENV}=blas: {blas}); float64 {dgemm}"
 
 

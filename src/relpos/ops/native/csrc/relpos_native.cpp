@@ -1523,11 +1523,17 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
 // the same bits at every thread count, equal to MKL's in the measurements. MKL's
 // sgemm packs both operands on every call: at the kernels' tile sizes (128 x 128 x 64, one
 // thread, AMD EPYC Zen 4) its packing took a third of its GEMM time; these took 0.72-0.85x its
-// time for P @ V and Pb @ aV.
+// time for P @ V and Pb @ aV, the forward 0.85-0.98x and forward + backward 0.82-0.96x the
+// time on MKL (AVX-512; vec_sgemm_on says where they run).
+// Rows of C per block for panels of NV vectors: as many accumulators as the registers hold
+// beside B's row and a broadcast (AVX-512: 24 of 32 for whole panels; AVX2: 12 of 16 (with 6
+// rows x 2 vectors GCC spilled a B vector: 1.4x MKL's time, AMD EPYC Zen 4)).
 #if defined(__AVX512F__)
-constexpr int kGemmRows = 6, kGemmVecs = 4;  // 24 accumulators of the 32 registers
+constexpr int kGemmVecs = 4;
+constexpr int gemm_rows(int nv) { return nv == 4 ? 6 : 8; }
 #else
-constexpr int kGemmRows = 6, kGemmVecs = 2;  // 12 of AVX2's 16
+constexpr int kGemmVecs = 3;
+constexpr int gemm_rows(int nv) { return nv == 3 ? 4 : nv == 2 ? 5 : 8; }
 #endif
 
 #define RELPOS_PRAGMA(x) _Pragma(#x)
@@ -1588,13 +1594,12 @@ static RELPOS_INLINE void vec_gemm_rest(int64_t rows, int64_t K, const float* A,
   }
 }
 
-// All M rows of one panel of NV vectors, in blocks of as many rows as leave the accumulators
-// in registers: kGemmRows for a whole panel, 8 for narrower ones (a table's R columns).
+// All M rows of one panel of NV vectors, in blocks of gemm_rows(NV) rows.
 template <int NV, bool Tail>
 static void vec_gemm_panel(int64_t M, int64_t K, const float* A, int64_t a_rs, int64_t a_ks,
                            const float* B, int64_t ldb, float* C, int64_t ldc, float alpha,
                            bool add, VecF::M last) {
-  constexpr int MR = NV == kGemmVecs ? kGemmRows : 8;
+  constexpr int MR = gemm_rows(NV);
   int64_t i = 0;
   for (; i + MR <= M; i += MR)
     vec_gemm_block<MR, NV, Tail>(K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc, alpha,
@@ -1646,6 +1651,17 @@ static void transpose_into(const float* B, int64_t N, int64_t K, int64_t ldb, fl
   }
 }
 
+// The last panel, of nv <= NV vectors (its last one cut to `last`).
+template <int NV>
+static void vec_gemm_tail_panel(int nv, int64_t M, int64_t K, const float* A, int64_t a_rs,
+                                int64_t a_ks, const float* B, int64_t ldb, float* C, int64_t ldc,
+                                float alpha, bool add, VecF::M last) {
+  if (nv == NV)
+    vec_gemm_panel<NV, true>(M, K, A, a_rs, a_ks, B, ldb, C, ldc, alpha, add, last);
+  else if constexpr (NV > 1)
+    vec_gemm_tail_panel<NV - 1>(nv, M, K, A, a_rs, a_ks, B, ldb, C, ldc, alpha, add, last);
+}
+
 static void vec_sgemm_run(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
                           const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
                           float* C, int64_t ldc) {
@@ -1671,20 +1687,14 @@ static void vec_sgemm_run(bool ta, bool tb, int64_t M, int64_t N, int64_t K, flo
   const VecF::M last = VecF::tail(rest - (nv - 1) * W);
   const float* b = B + n0;
   float* c = C + n0;
-  switch (nv) {
-    case 1: vec_gemm_panel<1, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last); break;
-#if defined(__AVX512F__)
-    case 2: vec_gemm_panel<2, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last); break;
-    case 3: vec_gemm_panel<3, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last); break;
-#endif
-    default:
-      vec_gemm_panel<kGemmVecs, true>(M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last);
-  }
+  vec_gemm_tail_panel<kGemmVecs>(nv, M, K, A, a_rs, a_ks, b, ldb, c, ldc, alpha, add, last);
 }
 #endif  // RELPOS_VEC_FLOAT: end of the vector section
 
-// Whether float32 GEMMs run on vec_sgemm_run: where the build has the kernels' vectors, unless
-// RELPOS_NATIVE_SGEMM=blas (read once) gives them to the BLAS; beta is 0 or 1 in every call.
+// Whether float32 GEMMs run on vec_sgemm_run: by default where the build has AVX-512 (AVX2's
+// ran at MKL's speed, 0.97-1.17x its time in the forward on an AMD EPYC Zen 4, so AVX2 builds
+// keep the BLAS); RELPOS_NATIVE_SGEMM=vec or blas (read once per process) asks for one. beta
+// is 0 or 1 in every call.
 static bool vec_sgemm_on() {
 #if defined(RELPOS_VEC_FLOAT)
   static const bool on = [] {
@@ -1692,7 +1702,11 @@ static bool vec_sgemm_on() {
     TORCH_CHECK(want.empty() || want == "vec" || want == "blas",
                 "relpos native: RELPOS_NATIVE_SGEMM must be vec or blas (or unset), got '", want,
                 "'");
+#if defined(__AVX512F__)
     return want != "blas";
+#else
+    return want == "vec";
+#endif
   }();
   return on;
 #else
