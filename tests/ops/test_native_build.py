@@ -518,6 +518,16 @@ def test_build_into_leaves_a_verified_variant_and_keeps_it(
     assert "baseline:" in out and f"RELPOS_KERNELS_DIR={PREBUILT}" in out, out
 
 
+def test_a_relative_kernels_directory_reaches_the_builder_as_an_absolute_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder runs inside the variant's directory: ``relpos kernels --build --into
+    kernels`` (a relative directory) must name it absolute, or the builder looks for
+    kernels/<variant>/ inside itself and the build fails."""
+    monkeypatch.chdir(tmp_path)
+    spec = build._spec(Path("kernels") / "v", build.Target("baseline"))
+    assert spec["directory"] == str(tmp_path / "kernels" / "v")
+
+
 # The decode ops' plain loops (the baseline variant has no vector code): against float64.
 DECODE_OPS = textwrap.dedent("""
     import json, torch, torch.nn.functional as F

@@ -579,9 +579,12 @@ def _preflight() -> None:
 
 
 def _spec(directory: Path, target: Target) -> dict[str, object]:
-    # A variant this CPU cannot run is compiled, never loaded here ("load": false).
+    # A variant this CPU cannot run is compiled, never loaded here ("load": false). The
+    # builder runs in `directory`: a relative one (relpos kernels --build --into kernels)
+    # would be read from there, so it goes absolute.
     return {"name": target.module_name, "sources": [str(s) for s in SOURCES],
-            "directory": str(directory), "cflags": target.cflags, "ldflags": target.ldflags,
+            "directory": str(directory.absolute()), "cflags": target.cflags,
+            "ldflags": target.ldflags,
             "parent": os.getpid(), "load": _runs_here(target)}
 
 
