@@ -324,30 +324,9 @@ static inline void low_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, f
 #endif
 }
 
-// ------------------------------------------------------------------------------------------
-// Tile GEMMs for bfloat16: the forward's four (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
-// acc += P V_J, acc += Pb aV) and the backward's five tile GEMMs (S, dP = dO_I V_J^T,
-// dV_J += P^T dO_I, dq += dS K_J, dK_J += scale · dS^T Q_I) on operands packed by the kernels,
-// where the build targets a CPU with AVX512-BF16 (-march=native on one, or the portable amx
-// variant). MKL's bfloat16 GEMM repacks both operands on every call (a tenth of the forward at
-// 8 x 512, perf); here each operand is packed once: Q and dO per query block, a head's K and V
-// tiles once per head (AmxHeadTiles), dS (and P^T, dS^T) row by row as the backward's rows are
-// done, into contiguous 16 x 32 bfloat16 tiles of 1 KiB (A as rows, B in the pair-interleaved
-// layout TDPBF16PS and VDPBF16PS read), edges zero-filled, so any n, D and Dv run; the
-// forward's P is written in bfloat16 by the softmax itself and its tiles read from those rows
-// by stride. The products run on AMX tiles where the CPU has AMX-BF16 and Linux grants this
-// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once), else on the same packed tiles
-// by VDPBF16PS (AMD Zen 4 and later, Intel Cooper Lake: each row of a 16 x 16 float tile a
-// 16-lane accumulator, one dot product per pair of k with the row's pair broadcast). Both sum
-// each pair of bfloat16 products into float32 accumulators (input denormals count as zero, as
-// in MKL's kernels). Whole 2 x 2 blocks of 16 x 16 float tiles go straight to their float
-// destination (stored, or loaded, accumulated and stored); edge tiles through a 1 KiB buffer,
-// masked. A power-of-two scale (D = 64's 1/8) is applied exactly to Q as it is packed; another
-// one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest even), as MKL's
-// path rounds them. bf16_gemm() below says which engine (or MKL's GEMM, or widened tiles) a
-// call runs.
 #if defined(__AVX512F__)
-// r[i] = row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] = its column i.
+// r[i] = row i of a 16 x 16 matrix of 32-bit elements; afterwards r[i] = its column i (the
+// bfloat16 tiles' packing and the float32 GEMMs' B^T).
 static inline void transpose16(__m512i r[16]) {
   __m512i s[16];
   for (int i = 0; i < 8; ++i) {
@@ -372,6 +351,28 @@ static inline void transpose16(__m512i r[16]) {
 }
 #endif
 
+// ------------------------------------------------------------------------------------------
+// Tile GEMMs for bfloat16: the forward's four (S = scale · Q_I K_J^T, QA = scale · Q_I aK^T,
+// acc += P V_J, acc += Pb aV) and the backward's five tile GEMMs (S, dP = dO_I V_J^T,
+// dV_J += P^T dO_I, dq += dS K_J, dK_J += scale · dS^T Q_I) on operands packed by the kernels,
+// where the build targets a CPU with AVX512-BF16 (-march=native on one, or the portable amx
+// variant). MKL's bfloat16 GEMM repacks both operands on every call (a tenth of the forward at
+// 8 x 512, perf); here each operand is packed once: Q and dO per query block, a head's K and V
+// tiles once per head (AmxHeadTiles), dS (and P^T, dS^T) row by row as the backward's rows are
+// done, into contiguous 16 x 32 bfloat16 tiles of 1 KiB (A as rows, B in the pair-interleaved
+// layout TDPBF16PS and VDPBF16PS read), edges zero-filled, so any n, D and Dv run; the
+// forward's P is written in bfloat16 by the softmax itself and its tiles read from those rows
+// by stride. The products run on AMX tiles where the CPU has AMX-BF16 and Linux grants this
+// process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, once), else on the same packed tiles
+// by VDPBF16PS (AMD Zen 4 and later, Intel Cooper Lake: each row of a 16 x 16 float tile a
+// 16-lane accumulator, one dot product per pair of k with the row's pair broadcast). Both sum
+// each pair of bfloat16 products into float32 accumulators (input denormals count as zero, as
+// in MKL's kernels). Whole 2 x 2 blocks of 16 x 16 float tiles go straight to their float
+// destination (stored, or loaded, accumulated and stored); edge tiles through a 1 KiB buffer,
+// masked. A power-of-two scale (D = 64's 1/8) is applied exactly to Q as it is packed; another
+// one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest even), as MKL's
+// path rounds them. bf16_gemm() below says which engine (or MKL's GEMM, or widened tiles) a
+// call runs.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RELPOS_HAVE_BF16_TILES 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -679,7 +680,6 @@ static void amx_pack_rows(const float* a, int64_t M, int64_t K, int64_t ld, uint
   for (int64_t r = 0; r < M; ++r) amx_pack_row(a + r * ld, K, r, out);
   amx_pack_row_padding(M, K, out);
 }
-
 
 // A operand of x^T for float rows x (M, K; row stride K), rounded to bfloat16: row tile t of
 // x^T (columns 16t.. of x), k-block b (rows 32b.. of x); zeros past K and M. (P^T and dS^T.)
@@ -1519,13 +1519,14 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
 // registers while k runs: each step loads NV vectors of B's row k and broadcasts MR elements of
 // A's column k (A or A^T alike, by its two strides), so A is never copied and B only where it is
 // read transposed (op(B) = B^T: B^T into a thread's buffer, one pass; for C of at least
-// kTransposedRows rows). Each element is one chain
-// of fused multiply-adds in k order, then times alpha (fused with the add of C where beta is 1):
-// the same bits at every thread count, equal to MKL's in the measurements. MKL's
-// sgemm packs both operands on every call: at the kernels' tile sizes (128 x 128 x 64, one
-// thread, AMD EPYC Zen 4) its packing took a third of its GEMM time; these took 0.72-0.85x its
-// time for P @ V and Pb @ aV, the forward 0.85-0.98x and forward + backward 0.82-0.96x the
-// time on MKL (AVX-512; vec_sgemm_on says where they run).
+// kTransposedRows rows). Each element is one chain of fused multiply-adds in k order, then
+// times alpha (fused with the add of C where beta is 1): the same bits at every thread count
+// (and MKL's bits where compared, AMD EPYC Zen 4). MKL's sgemm packs both operands on every
+// call: at the kernels' tile sizes (128 x 128 x 64, one thread, that CPU) its packing took a
+// third of its GEMM time; these took 0.72-0.85x its time for P @ V and Pb @ aV, the forward
+// 0.85-0.98x and forward + backward 0.82-0.96x the time on MKL (AVX-512; vec_sgemm_on says
+// where they run).
+//
 // Rows of C per block for panels of NV vectors: as many accumulators as the registers hold
 // beside B's row and a broadcast (AVX-512: 24 of 32 for whole panels; AVX2: 12 of 16 (with 6
 // rows x 2 vectors GCC spilled a B vector: 1.4x MKL's time, AMD EPYC Zen 4)).
@@ -1669,7 +1670,8 @@ static void vec_sgemm_run(bool ta, bool tb, int64_t M, int64_t N, int64_t K, flo
   constexpr int64_t W = VecF::W, P = kGemmVecs * W;
   const int64_t a_rs = ta ? 1 : lda, a_ks = ta ? lda : 1;
   if (tb) {  // B^T's rows padded to whole vectors on 64-byte lines (no load splits a line)
-    thread_local std::vector<float> bt;
+    thread_local std::vector<float> bt;  // each thread keeps its largest (K_J^T: 128 KiB at
+                                         // 512 keys and D = 64)
     const int64_t ld = (N + W - 1) / W * W;
     if (static_cast<int64_t>(bt.size()) < K * ld + 16) bt.resize(K * ld + 16);
     float* out = bt.data() + (16 - reinterpret_cast<uintptr_t>(bt.data()) / 4 % 16) % 16;
@@ -1717,8 +1719,8 @@ static bool vec_sgemm_on() {
 
 // The fewest rows of C for which a GEMM reading B transposed pays for B^T's copy: a decode-like
 // call (one to a few queries over thousands of keys) transposed all of K_J for one row of
-// scores (one thread, AMD EPYC Zen 4, 8192 keys, D = 64: 1.8x MKL's time at one query, 1.1x at
-// four, 0.75x at eight and sixteen).
+// scores (one thread, AMD EPYC Zen 4, 8192 keys, D = 64: the call took 1.8x its time on MKL
+// at one query, 1.1x at four, 0.75x at eight and sixteen).
 constexpr int64_t kTransposedRows = 8;
 
 static bool vec_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
