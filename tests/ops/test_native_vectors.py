@@ -169,8 +169,8 @@ int main() {
   }
   // vec_sgemm_run: C (M, N) = alpha op(A) @ op(B) + beta C, each element one chain of fused
   // multiply-adds in k order, times alpha fused with the add of C (the same bits as that in
-  // scalars), A and B with row strides
-  // past their widths, op transposed or not, every row and column tail; C's padding untouched
+  // scalars); A and B with row strides past their widths, op transposed or not, every row and
+  // column tail; C's padding untouched
   long gemms = 0;
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   for (int ta = 0; ta < 2; ++ta)
