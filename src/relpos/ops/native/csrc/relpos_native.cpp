@@ -1548,7 +1548,9 @@ constexpr int gemm_rows(int nv) { return nv == 3 ? 4 : nv == 2 ? 5 : 8; }
 #endif
 
 // C[0 .. MR) x [0 .. NV · W) (the last vector's lanes cut to `last` where Tail) over k < K.
-template <int MR, int NV, bool Tail>
+// Stream: B is read once from memory (a decode step's weight panels): its rows 32 ahead are
+// prefetched.
+template <int MR, int NV, bool Tail, bool Stream = false>
 static RELPOS_INLINE void vec_gemm_block(int64_t K, const float* A, int64_t a_rs, int64_t a_ks,
                                         const float* B, int64_t ldb, float* C, int64_t ldc,
                                         float alpha, bool add, VecF::M last) {
@@ -1562,6 +1564,7 @@ static RELPOS_INLINE void vec_gemm_block(int64_t K, const float* A, int64_t a_rs
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
     const float* a = A + k * a_ks;
+    if constexpr (Stream) __builtin_prefetch(b + 32 * ldb);
     V bv[NV];
     RELPOS_UNROLL for (int v = 0; v < NV; ++v) {
       bv[v] = Tail && v == NV - 1 ? VecF::load_tail(b + v * W, last, zero) : VecF::load(b + v * W);
@@ -3822,22 +3825,9 @@ constexpr int64_t kPanel = 16;
 template <int R>
 static inline void panel_rows(const float* x, int64_t K, const float* panel, float* acc) {
 #if defined(RELPOS_VEC_FLOAT)
-  constexpr int64_t kV = kPanel / VecF::W;
-  VecF::V a[R][kV];
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kV; ++c) a[r][c] = VecF::set1(0.0f);
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(panel + (k + 32) * kPanel);
-    VecF::V w[kV];
-    for (int64_t c = 0; c < kV; ++c) w[c] = VecF::load(panel + k * kPanel + c * VecF::W);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const VecF::V xv = VecF::set1(x[r * K + k]);
-      for (int64_t c = 0; c < kV; ++c) a[r][c] = VecF::fmadd(xv, w[c], a[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kV; ++c) VecF::store(acc + r * kPanel + c * VecF::W, a[r][c]);
+  // the float32 GEMMs' register block: acc (R, 16) = x (R, K) @ panel (K, 16), streamed
+  vec_gemm_block<R, kPanel / VecF::W, false, true>(K, x, K, 1, panel, kPanel, acc, kPanel, 1.0f,
+                                                   false, VecF::tail(VecF::W));
 #else
   float a[R][kPanel] = {};
   for (int64_t k = 0; k < K; ++k)
