@@ -350,6 +350,30 @@ def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.Monke
     assert decoding.decode_packing() == "none"
 
 
+@pytest.mark.parametrize(("packing", "kinds"), [
+    ("relpos", ("panels", "panels", "panels")),
+    ("onednn", ("transposed", "plain", "onednn")),
+    ("mkl", ("transposed", "plain", "mkl")),
+    ("none", ("transposed", "plain", "transposed")),
+])
+def test_native_panels_and_float32_layouts_follow_the_packing_and_the_batch(
+        packing: str, kinds: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The panels serve every batch size, batch 1 too; the other packings serve batches of
+    more than one row, and batch 1 reads the weight with its longer side contiguous."""
+    from relpos.models import decoding
+
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", packing)
+    names = {decoding._PLAIN: "plain", decoding._TRANSPOSED: "transposed",
+             decoding._MKL_PACKED: "mkl", decoding._ONEDNN_PACKED: "onednn",
+             decoding._PANELS: "panels"}
+    tall, wide = torch.randn(48, 16), torch.randn(16, 48)  # more outputs / more inputs
+    got = (decoding._linear_layout(tall, 1, True)[0], decoding._linear_layout(wide, 1, True)[0],
+           decoding._linear_layout(tall, 8, True)[0])
+    assert tuple(names[k] for k in got) == kinds
+    assert decoding._linear_layout(tall, 1, False) == (decoding._PLAIN, None)
+    assert decoding._linear_layout(tall.double(), 1, True) == (decoding._PLAIN, None)
+
+
 def test_decode_packing_refuses_an_unknown_name(monkeypatch: pytest.MonkeyPatch) -> None:
     from relpos.models.decoding import decode_linear, decode_packing
 
@@ -395,9 +419,10 @@ def test_native_layers_equal_the_python_step_bit_for_bit(kw: dict) -> None:
 @pytest.mark.parametrize("batch", [1, 4])
 def test_native_layers_take_every_float32_linear_layout(
         batch: int, fast: bool, packing: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32: the transposed weight or the weight as it is (batch 1: the FF block's two
-    linears take one each), the native panels, oneDNN's or MKL's packed one or the transposed
-    one (batch > 1), and F.linear: the C++ layers equal the Python step's bits in each."""
+    """float32: the native panels (every batch size), the transposed weight or the weight as
+    it is (batch 1 under the other packings: the FF block's two linears take one each),
+    oneDNN's or MKL's packed one or the transposed one (batch > 1), and F.linear: the C++
+    layers equal the Python step's bits in each."""
     from relpos.models.decoding import decode_packing
 
     monkeypatch.setenv("RELPOS_DECODE_PACKING", packing)

@@ -105,18 +105,22 @@ def _native_decode_ops() -> Any:
 
 
 def decode_packing() -> str:
-    """How float32 decode weights are packed for batches of more than one row: ``"relpos"``
-    (the native kernels' panels, ``panel_linear``: each 16 outputs' weights one contiguous
-    stream), ``"mkl"`` (``torch.ops.mkl._mkl_linear``), ``"onednn"``
-    (``torch.ops.mkldnn._linear_pointwise``) or ``"none"`` (the transposed weight).
+    """How float32 decode weights are packed: ``"relpos"`` (the native kernels' panels,
+    ``panel_linear``: each 16 outputs' weights one contiguous stream; every batch size,
+    batch 1 included), ``"mkl"`` (``torch.ops.mkl._mkl_linear``), ``"onednn"``
+    (``torch.ops.mkldnn._linear_pointwise``) or ``"none"`` (the transposed weight); the last
+    three for batches of more than one row (at batch 1 they read the weight with its longer
+    side contiguous, :func:`decode_linear`).
 
     ``RELPOS_DECODE_PACKING=relpos|onednn|mkl|none`` asks for one (one not there gives
     ``"none"``); by default MKL on Intel CPUs (measured there: 1.7x faster than
     ``F.linear`` at batch 8), the panels on others where the native kernels are built, else
     oneDNN, else MKL. On an AMD EPYC (Zen 4), 8 rows against 512-2048 x 512 weights, MKL's
     packed GEMM ran at ``F.linear``'s speed, oneDNN's 1.4-1.8x faster and the panels another
-    1.35-1.7x (16-23 GB/s of weights; ``benchmarks/ct2_decode_amd.md``). The panels are not
-    measured on an Intel CPU.
+    1.35-1.7x (16-23 GB/s of weights; ``benchmarks/ct2_decode_amd.md``); at batch 1 the
+    panels read 512-2048 x 512 weights at 22-26 GB/s there, 1.2-2.2x the rate of MKL's
+    matrix-vector product in the better of its two layouts. The panels are not measured on
+    an Intel CPU.
 
     Raises:
         ValueError: ``RELPOS_DECODE_PACKING`` is set to none of ``relpos``, ``onednn``,
@@ -152,12 +156,16 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     """``x -> F.linear(x, weight, bias)`` for ``(batch, in)`` inputs, in the weight layout
     that reads fastest at that batch size on a CPU (float32):
 
-    * ``batch > 1``: the weight packed once as :func:`decode_packing` says (the native
-      kernels' panels, oneDNN's ``torch.ops.mkldnn._linear_pointwise`` or MKL's
-      ``torch.ops.mkl._mkl_linear``, what ``torch.compile`` uses for frozen CPU linears); at
-      batch 8 MKL's is 1.7x faster than ``F.linear`` (which repacks the weight on every
-      call) on an Intel Xeon, the panels 2.0-3.0x on an AMD EPYC;
-    * ``batch == 1``: the weight stored with its longer side contiguous, so that the
+    * where :func:`decode_packing` is ``"relpos"`` (by default on CPUs other than Intel's,
+      where the native kernels are built), at every batch size: the native kernels'
+      panels, each 16 outputs' weights one contiguous stream; at batch 8 2.0-3.0x faster
+      than ``F.linear`` on an AMD EPYC, at batch 1 1.2-2.2x faster than MKL's
+      matrix-vector product in the better of the two layouts below;
+    * else at ``batch > 1``: the weight packed once as :func:`decode_packing` says (oneDNN's
+      ``torch.ops.mkldnn._linear_pointwise`` or MKL's ``torch.ops.mkl._mkl_linear``, what
+      ``torch.compile`` uses for frozen CPU linears); at batch 8 MKL's is 1.7x faster than
+      ``F.linear`` (which repacks the weight on every call) on an Intel Xeon;
+    * else at ``batch == 1``: the weight stored with its longer side contiguous, so that the
       matrix-vector product streams long rows: transposed once (``x @ W.T``) where it has
       more outputs than inputs, as it is (``F.linear``) otherwise (on an AMD EPYC the rows
       of 2048 read 1.5-1.9x faster than rows of 512, either way round).
@@ -189,12 +197,12 @@ def _linear_layout(weight: Tensor, batch: int, fast: bool) -> tuple[int, Tensor 
     """decode_linear's choice for ``weight`` at ``batch``: (kind, the weight's layout)."""
     if not fast or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return _PLAIN, None
+    packing = decode_packing()
+    if packing == "relpos":  # the same panels for every batch size, batch 1 included
+        return _PANELS, _layout(
+            weight, 0, _PANELS, lambda w: _native_decode_ops().pack_panels(w.contiguous())
+        )
     if batch > 1:
-        packing = decode_packing()
-        if packing == "relpos":  # the same panels for every batch size
-            return _PANELS, _layout(
-                weight, 0, _PANELS, lambda w: _native_decode_ops().pack_panels(w.contiguous())
-            )
         if packing == "onednn":
             return _ONEDNN_PACKED, _layout(
                 weight, batch, _ONEDNN_PACKED,
