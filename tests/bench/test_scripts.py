@@ -78,3 +78,35 @@ def test_half_precision_refuses_an_unknown_engine(capsys) -> None:  # type: igno
     assert caught.value.code == 2
     err = capsys.readouterr().err
     assert "tpu" in err and "avx512bf16" in err
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--batches", "1,x"], ("--batches", "'1,x'")),
+    (["--threads", "0"], ("--threads", ">= 1")),
+    (["--forward-length", "-1"], ("--forward-length", ">= 0")),
+    (["--d-model", "30", "--heads", "4"], ("multiple of --heads", "30")),
+])
+def test_ct2_decode_refuses_bad_options(argv: list[str], names: tuple[str, ...], capsys) -> None:  # type: ignore[no-untyped-def]
+    from relpos.bench import ct2_decode
+
+    with pytest.raises(SystemExit) as caught:
+        ct2_decode.main(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
+
+
+def test_ct2_decode_without_the_forward_decodes_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--forward-length 0``: the decode rows only, relpos's greedy tokens CTranslate2's."""
+    pytest.importorskip("ctranslate2")
+    from relpos.bench import ct2_decode
+
+    out = tmp_path / "ct2.md"
+    assert ct2_decode.main([
+        "--layers", "1", "--d-model", "16", "--heads", "2", "-k", "2", "--vocab", "20",
+        "--prompt", "3", "--new-tokens", "4", "--batches", "1,2", "--threads", "1",
+        "--repeats", "1", "--warmup", "0", "--forward-length", "0", "--out", str(out)]) == 0
+    rows = out.with_suffix(".csv").read_text().splitlines()[1:]
+    assert [r.split(",")[:3] for r in rows] == [["decode", "1", "1"], ["decode", "2", "1"]]
+    assert all(r.endswith(",True") for r in rows)
+    assert "forward |" not in out.read_text()
