@@ -324,20 +324,43 @@ def test_fast_layouts_follow_in_place_weight_changes(
     assert decode_linear(wd, None, 2)(x[:2].double()).dtype == torch.float64
 
 
+class _Kernels:
+    """A stand-in for the native kernels' module: the decode ops and a build_info."""
+
+    panel_linear = pack_panels = decode_attention = staticmethod(lambda *args: None)
+
+    def __init__(self, vectors: str | None) -> None:
+        self.info = "blas=mkl sgemm=blas" + (f" vectors={vectors}" if vectors else "")
+
+    def build_info(self) -> str:
+        return self.info + " half_gemm=none"
+
+
 def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:
     from relpos.models import decoding
+    from relpos.ops.native import build
 
     monkeypatch.delenv("RELPOS_DECODE_PACKING", raising=False)
     monkeypatch.setattr(decoding, "_mkl_packing", lambda: True)
     monkeypatch.setattr(decoding, "_onednn_packing", lambda: True)
-    monkeypatch.setattr(decoding, "_native_decode_ops", lambda: object())
-    for vendor, packing in (("GenuineIntel", "mkl"), ("AuthenticAMD", "relpos"), ("", "relpos")):
-        monkeypatch.setattr(decoding, "cpuinfo", lambda v=vendor: {"vendor_id": v})
-        assert decoding.decode_packing() == packing
+    amd = {"vendor_id": "AuthenticAMD"}
+    for vectors in ("avx512", "avx2"):
+        monkeypatch.setattr(build, "load", lambda quiet=False, v=vectors: _Kernels(v))
+        for vendor, packing in (("GenuineIntel", "mkl"), ("AuthenticAMD", "relpos"),
+                                ("", "relpos")):
+            monkeypatch.setattr(decoding, "cpuinfo", lambda v=vendor: {"vendor_id": v})
+            assert decoding.decode_packing() == packing
+    monkeypatch.setattr(decoding, "cpuinfo", lambda: amd)
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")  # asked for on any CPU
     assert decoding.decode_packing() == "relpos"
+    for vectors in ("none", None):  # kernels built without their vector code: plain loops
+        monkeypatch.setattr(build, "load", lambda quiet=False, v=vectors: _Kernels(v))
+        monkeypatch.delenv("RELPOS_DECODE_PACKING")
+        assert decoding.decode_packing() == "onednn"
+        monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")  # asked for: served
+        assert decoding.decode_packing() == "relpos"
     monkeypatch.delenv("RELPOS_DECODE_PACKING")
-    monkeypatch.setattr(decoding, "_native_decode_ops", lambda: None)  # no native kernels
+    monkeypatch.setattr(build, "load", lambda quiet=False: None)  # no native kernels
     assert decoding.decode_packing() == "onednn"
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "relpos")
     assert decoding.decode_packing() == "none"
@@ -348,6 +371,27 @@ def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.Monke
     assert decoding.decode_packing() == "none"
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "mkl")  # asked for, not there: the plain layout
     assert decoding.decode_packing() == "none"
+
+
+def test_native_decode_attention_serves_only_kernels_built_with_their_vectors(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step's attention is the native kernels' where they run on their vector code, and
+    SDPA's where they were built without it (plain loops: several times SDPA's time); the
+    logits are the full forward's either way."""
+    from relpos.models import decoding
+
+    model = _lm(max_distance=3).float()
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(2))
+    for vectorized in (True, False):
+        monkeypatch.setattr(decoding, "_vectorized", lambda module, v=vectorized: v)
+        with torch.no_grad():
+            cache = model.new_cache(capacity=9, growable=False)
+            model(ids[:, :5], cache=cache)
+            step = StepDecoder(model)
+            step.start(cache)
+            assert (step._attend is not None) == vectorized
+            got = torch.stack([step(ids[:, t], cache) for t in range(5, 9)], 1)
+            torch.testing.assert_close(got, model(ids)[:, 5:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("packing", "kinds"), [

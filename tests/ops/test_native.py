@@ -584,3 +584,21 @@ def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_ask
     assert refused.returncode != 0
     assert "RELPOS_NATIVE_SGEMM must be vec or blas" in refused.stderr, refused.stderr[-2000:]
     assert "'mkl'" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_native_build_info_names_the_vector_code_built_for_this_cpu() -> None:
+    """``vectors=`` in build_info: AVX-512 where this CPU has it, AVX2 + FMA next, none (plain
+    loops) on other CPUs; the decode step reads it to leave plain-loop kernels alone."""
+    from relpos._sysinfo import cpu_flags
+    from relpos.models.decoding import _vectorized
+
+    if build.status().serving is not None:
+        pytest.fail("the tests load the kernels built for this CPU, not a prebuilt variant")
+    flags = cpu_flags() or frozenset()
+    x86 = build.isa().startswith(("x86_64", "AMD64"))
+    want = ("avx512" if x86 and "avx512f" in flags else
+            "avx2" if x86 and {"avx2", "fma"} <= flags else "none")
+    module = build.load()
+    info = module.build_info()
+    assert f" vectors={want} " in info, info
+    assert _vectorized(module) == (want != "none")

@@ -94,14 +94,27 @@ def _onednn_packing() -> bool:
     )
 
 
-def _native_decode_ops() -> Any:
+def _native_decode_ops(*, vectorized: bool = False) -> Any:
     """The native kernels' module where it has the panel linears and the decode attention,
-    else None."""
+    else None; ``vectorized``: only where they run on the kernels' float32 vectors
+    (:func:`_vectorized`)."""
     from relpos.ops.native.build import load
 
     module = load()
     ops = ("panel_linear", "pack_panels", "decode_attention")
-    return module if module is not None and all(hasattr(module, o) for o in ops) else None
+    if module is None or not all(hasattr(module, o) for o in ops):
+        return None
+    return module if not vectorized or _vectorized(module) else None
+
+
+def _vectorized(module: Any) -> bool:
+    """Whether the loaded kernels were built with their float32 vector code (AVX-512 or AVX2,
+    ``vectors=`` in ``build_info()``). Without it (the ``baseline`` x86-64 variant, CPUs of
+    other architectures) the decode kernels are plain loops: on an AMD EPYC the baseline
+    variant's decode attention took 5-10x SDPA's time, its panels 1.2-1.7x MKL's at one row
+    and 7-9x oneDNN's at eight, so by default the step does not use them there."""
+    info = module.build_info()
+    return "vectors=" in info and "vectors=none" not in info
 
 
 def decode_packing() -> str:
@@ -114,13 +127,15 @@ def decode_packing() -> str:
 
     ``RELPOS_DECODE_PACKING=relpos|onednn|mkl|none`` asks for one (one not there gives
     ``"none"``); by default MKL on Intel CPUs (measured there: 1.7x faster than
-    ``F.linear`` at batch 8), the panels on others where the native kernels are built, else
-    oneDNN, else MKL. On an AMD EPYC (Zen 4), 8 rows against 512-2048 x 512 weights, MKL's
-    packed GEMM ran at ``F.linear``'s speed, oneDNN's 1.4-1.8x faster and the panels another
-    1.35-1.7x (16-23 GB/s of weights; ``benchmarks/ct2_decode_amd.md``); at batch 1 the
-    panels read 512-2048 x 512 weights at 22-26 GB/s there, 1.2-2.2x the rate of MKL's
-    matrix-vector product in the better of its two layouts. The panels are not measured on
-    an Intel CPU.
+    ``F.linear`` at batch 8), the panels on others where the native kernels are built with
+    their vector code (AVX-512 or AVX2: :func:`_vectorized`), else oneDNN, else MKL. On an
+    AMD EPYC (Zen 4), 8 rows against 512-2048 x 512 weights, MKL's packed GEMM ran at
+    ``F.linear``'s speed, oneDNN's 1.4-1.8x faster and the panels another 1.35-1.7x (16-23
+    GB/s of weights; ``benchmarks/ct2_decode_amd.md``); at batch 1 the panels read 512-2048 x
+    512 weights at 22-26 GB/s there, 1.2-2.2x the rate of MKL's matrix-vector product in the
+    better of its two layouts; the AVX2 build's panels took 0.97-1.09x the AVX-512 build's
+    time at one row, 1.15-1.25x at eight (0.76-0.94x oneDNN's). The panels are not measured
+    on an Intel CPU.
 
     Raises:
         ValueError: ``RELPOS_DECODE_PACKING`` is set to none of ``relpos``, ``onednn``,
@@ -135,6 +150,7 @@ def decode_packing() -> str:
             "mkl": _mkl_packing, "none": lambda: True}
     if want:
         return want if have[want]() else "none"
+    have["relpos"] = lambda: _native_decode_ops(vectorized=True) is not None
     intel = cpuinfo().get("vendor_id") == "GenuineIntel"
     order = ("mkl", "onednn") if intel else ("relpos", "onednn", "mkl")
     return next((name for name in order if have[name]()), "none")
@@ -336,9 +352,10 @@ class StepDecoder:
         fast = self.fast_linears
         # float32 on the CPU: the native kernels' decode attention (one query per head over
         # the cache, each head's keys and values streamed once; 2x faster than SDPA's kernel
-        # at batch 8 here) where they are built, in the Python layers and the C++ ones alike
+        # at batch 8 here) where they are built with their vector code, in the Python layers
+        # and the C++ ones alike
         cpu32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
-        ops = _native_decode_ops() if cpu32 else None
+        ops = _native_decode_ops(vectorized=True) if cpu32 else None
         self._attend = None if ops is None else ops.decode_attention
         self._native_layers = self._native_stack(B)
         for layer in self.layers if self._native_layers is None else ():  # Python layers only

@@ -3743,6 +3743,14 @@ std::string build_info() {
   info += " avx512bf16=none";
 #endif
   info += vec_sgemm_on() ? " sgemm=vec" : " sgemm=blas";
+  // the float32 vector code the row passes, the GEMM blocks and the decode kernels run on
+#if defined(__AVX512F__)
+  info += " vectors=avx512";
+#elif defined(RELPOS_VEC_FLOAT)
+  info += " vectors=avx2";
+#else
+  info += " vectors=none";
+#endif
   return info + " half_gemm=" + (half.empty() ? "none" : half);
 }
 
