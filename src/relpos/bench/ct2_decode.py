@@ -44,7 +44,6 @@ from relpos.bench.common import (
     script_command,
     write_files,
 )
-from relpos.cli._args import int_in, int_list
 from relpos.export.ctranslate2 import (
     generate_new_tokens,
     load_generator,
@@ -146,18 +145,18 @@ def time_decode(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--layers", type=int_in(1), default=6)
-    p.add_argument("--d-model", type=int_in(1), default=512)
-    p.add_argument("--heads", type=int_in(1), default=8)
-    p.add_argument("-k", type=int_in(0), default=16)
-    p.add_argument("--vocab", type=int_in(2), default=1000)
-    p.add_argument("--prompt", type=int_in(1), default=32)
-    p.add_argument("--new-tokens", type=int_in(1), default=256)
-    p.add_argument("--batches", type=int_list(1), default=(1, 8))
-    p.add_argument("--threads", type=int_list(1), default=(1, 2))
-    p.add_argument("--repeats", type=int_in(1), default=3)
-    p.add_argument("--warmup", type=int_in(0), default=1)
-    p.add_argument("--forward-length", type=int_in(0), default=2048,
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("-k", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--forward-length", type=int, default=2048,
                    help="tokens of the timed forward pass (0: decoding only)")
     p.add_argument("--out", type=Path, default=None, help="markdown report (and .csv beside)")
     p.add_argument("--_memory", nargs=4, help=argparse.SUPPRESS)
@@ -166,11 +165,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine, directory, length, threads = args._memory
         memory_child(engine, directory, int(length), int(threads))
         return 0
+    lowest = {"layers": 1, "d_model": 1, "heads": 1, "k": 0, "vocab": 2, "prompt": 1,
+              "new_tokens": 1, "repeats": 1, "warmup": 0, "forward_length": 0}
+    for name, low in lowest.items():
+        if getattr(args, name) < low:
+            flag = "-k" if name == "k" else "--" + name.replace("_", "-")
+            p.error(f"{flag} must be >= {low}, got {getattr(args, name)}")
     if args.d_model % args.heads:
         p.error(f"--d-model must be a multiple of --heads, got {args.d_model} and {args.heads}")
+    counts = {}
+    for flag in ("--batches", "--threads"):
+        text = getattr(args, flag[2:])
+        try:
+            counts[flag] = [int(v) for v in text.split(",")]
+        except ValueError:
+            counts[flag] = []
+        if not counts[flag] or min(counts[flag]) < 1:
+            p.error(f"{flag} must be comma-separated ints >= 1, got {text!r}")
     ct2 = require_ctranslate2()
     model = build_model(args)
-    batches, thread_counts = list(args.batches), list(args.threads)
+    batches, thread_counts = counts["--batches"], counts["--threads"]
     N, P = args.new_tokens, args.prompt
     work = Path(tempfile.mkdtemp(prefix="relpos_ct2_"))
     from relpos.export import save_module
