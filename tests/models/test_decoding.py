@@ -314,6 +314,8 @@ def test_fast_layouts_follow_in_place_weight_changes(
         x = torch.randn(batch, shape[1])
         torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))
         torch.testing.assert_close(decode_linear(w, None, batch)(x), F.linear(x, w))
+        strided = torch.randn(batch, 2 * shape[1])[:, ::2]  # rows not contiguous
+        torch.testing.assert_close(decode_linear(w, b, batch)(strided), F.linear(strided, w, b))
         with torch.no_grad():
             w.mul_(-2.0)  # an optimizer step, say: the cached layout is stale
         torch.testing.assert_close(decode_linear(w, b, batch)(x), F.linear(x, w, b))

@@ -173,10 +173,10 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     that reads fastest at that batch size on a CPU (float32):
 
     * where :func:`decode_packing` is ``"relpos"`` (by default on CPUs other than Intel's,
-      where the native kernels are built), at every batch size: the native kernels'
-      panels, each 16 outputs' weights one contiguous stream; at batch 8 2.0-3.0x faster
-      than ``F.linear`` on an AMD EPYC, at batch 1 1.2-2.2x faster than MKL's
-      matrix-vector product in the better of the two layouts below;
+      where the native kernels are built with their vector code), at every batch size: the
+      native kernels' panels, each 16 outputs' weights one contiguous stream; at batch 8
+      2.0-3.0x faster than ``F.linear`` on an AMD EPYC, at batch 1 1.2-2.2x faster than
+      MKL's matrix-vector product in the better of the two layouts below;
     * else at ``batch > 1``: the weight packed once as :func:`decode_packing` says (oneDNN's
       ``torch.ops.mkldnn._linear_pointwise`` or MKL's ``torch.ops.mkl._mkl_linear``, what
       ``torch.compile`` uses for frozen CPU linears); at batch 8 MKL's is 1.7x faster than
