@@ -280,6 +280,9 @@ def validate_varlen_call(
 
 
 def _native_reason(call: VarlenCall) -> str | None:
+    """Why the native kernels do not serve the packed call: they cannot, or, picking by
+    itself (``implementation=None``), their GEMMs are plain loops (``native._auto_state``)
+    and the other backends can take the call (not under torch.compile)."""
     from relpos.ops import native
 
     if call.query.device.type != "cpu":
@@ -287,6 +290,8 @@ def _native_reason(call: VarlenCall) -> str | None:
                 "(allowed: cpu)")
     if call.query.dtype not in _NATIVE_DTYPES:
         return f"dtype {call.query.dtype} is not supported (allowed: {_NATIVE_DTYPES})"
+    if call.implementation is None and call.lengths_q is not None:
+        return native._auto_state() or None
     return native._state() or None
 
 

@@ -470,8 +470,8 @@ def test_the_build_state_is_a_constant_for_torch_compile() -> None:
         return ""
 
     marked = torch.compiler.assume_constant_result(probe)
-    assert {k: v for k, v in vars(marked).items()} == {
-        k: v for k, v in vars(native._state).items()}
+    for state in (native._state, native._auto_state, native._plain_loops):
+        assert {k: v for k, v in vars(marked).items()} == {k: v for k, v in vars(state).items()}
 
 
 @pytest.mark.parametrize(("cpu", "serving", "named"), [
@@ -544,6 +544,25 @@ def test_the_gemm_line_names_where_the_native_float32_gemms_run(
         assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
 
 
+@pytest.mark.parametrize(("cpu", "serving", "loops"), [
+    ("avx512", "baseline", True), ("sse", None, True), ("avx2", None, True),
+    ("avx512", None, False), ("avx512", "avx512", False)])
+def test_the_gemm_line_says_plain_loop_gemms_leave_the_calls_to_pytorch(
+        cpu: str, serving: str | None, loops: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a BLAS in libtorch the GEMMs not on the kernels' vectors are plain C++ loops, and
+    the line says that auto-selection passes such kernels by."""
+    v3 = {"avx", "avx2", "fma"}
+    flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
+    monkeypatch.delenv("RELPOS_NATIVE_SGEMM", raising=False)
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(build, "have_blas", lambda: False)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    line = build.float_gemms(serving)
+    assert line.startswith("float32 plain C++ loops" if loops else
+                           "float32 on the kernels' AVX-512 vectors"), line
+    assert ("PyTorch backends unless implementation='native'" in line) == loops, line
+
+
 def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_asked() -> None:
     """The loaded kernels' build_info names the float32 GEMMs ``relpos kernels`` predicts;
     under RELPOS_NATIVE_SGEMM=blas they run on MKL (build_info says so) and the float32 call
@@ -602,3 +621,39 @@ def test_native_build_info_names_the_vector_code_built_for_this_cpu() -> None:
     info = module.build_info()
     assert f" vectors={want} " in info, info
     assert _vectorized(module) == (want != "none")
+
+
+def test_auto_selection_passes_native_kernels_with_plain_loop_gemms_by(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels whose GEMMs are plain C++ loops (no BLAS in libtorch, no vector GEMMs: a build
+    for a CPU other than x86-64's) are passed by when relpos picks, padded and packed, with
+    the reason; asked for by name they still serve, exactly."""
+    from relpos.ops import native as native_ops
+
+    module = build.load()
+    loops = "blas=fallback amx=none avx512bf16=none sgemm=blas vectors=none half_gemm=none"
+    q, k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(5, 8, dtype=torch.float64)
+    kw = dict(max_distance=2, rel_keys=table, rel_values=table)
+    packed = dict(query=q[0].transpose(0, 1), key=k[0].transpose(0, 1),
+                  value=v[0].transpose(0, 1), cu_seqlens_q=torch.tensor([0, 4, 9]),
+                  cu_seqlens_k=torch.tensor([0, 4, 9]), **kw)
+    assert relpos.select_backend(q, k, v, **kw) == "native"
+    assert relpos.select_backend_varlen(**packed) == "native"
+    for info in (loops, loops.replace("sgemm=blas", "sgemm=vec").replace("fallback", "mkl")):
+        monkeypatch.setattr(module, "build_info", lambda i=info: i)
+        on_loops = info == loops
+        assert (native_ops._auto_state() != "") == on_loops
+        reason = relpos.explain_backends(q, k, v, **kw)["native"]
+        assert (reason is not None and "plain C++ loops" in str(reason)) == on_loops
+        assert (relpos.select_backend(q, k, v, **kw) == "native") != on_loops
+        reasons = relpos.explain_backends_varlen(**packed)
+        assert (reasons["native"] is not None and "plain C++ loops" in reasons["native"]) \
+            == on_loops
+        assert (relpos.select_backend_varlen(**packed) == "native") != on_loops
+    # asked for by name: served, the reference's result
+    torch.testing.assert_close(
+        relpos.relative_attention(q, k, v, **kw, implementation="native"),
+        relpos.relative_attention(q, k, v, **kw, implementation="reference"))
+    assert relpos.select_backend(q, k, v, **kw, implementation="native") == "native"
+    assert relpos.select_backend_varlen(**packed, implementation="native") == "native"

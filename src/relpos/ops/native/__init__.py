@@ -71,9 +71,32 @@ def _state() -> str:
     return ""
 
 
+def _auto_state() -> str:
+    """Why auto-selection passes the kernels by ("" when it picks them): they cannot run here
+    (:func:`_state`), or their GEMMs are plain C++ loops, where libtorch exports no BLAS and
+    the build has no vector GEMMs of its own (a CPU other than x86-64's, say). The x86-64
+    ``baseline`` variant compiled that way ran 6.5-15x SDPA's time (one thread, 8 x 128 and
+    8 x 512, K = 16, AMD EPYC), where the bucketed and fused backends ran 1.8-4x; asked for by
+    name the kernels still serve. A constant for ``torch.compile``, as :func:`_state`."""
+    return _state() or _plain_loops()
+
+
+def _plain_loops() -> str:
+    """:func:`_auto_state`'s second half, for kernels that are loaded."""
+    module = build.load()
+    info = "" if module is None else module.build_info()
+    if "blas=fallback" in info and "sgemm=vec" not in info:
+        return ("the native kernels here run their GEMMs on plain C++ loops (libtorch exports "
+                "no BLAS, the build has no vector GEMMs): several times the PyTorch backends' "
+                "time; implementation='native' still runs them")
+    return ""
+
+
 # What torch.compiler.assume_constant_result(_state) does, without importing torch._dynamo (and
 # through it triton) when relpos is imported; tests/ops/test_native.py checks the two agree.
 _state._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_auto_state._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_plain_loops._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _shape4(mask: Tensor) -> tuple[int, ...]:
@@ -102,8 +125,9 @@ def unsupported_reason(call: AttentionCall) -> Reason | str | None:
 
 
 def auto_reason(call: AttentionCall) -> Reason | str | None:
-    """Auto-selection picks the native backend wherever it serves a call."""
-    return unsupported_reason(call)
+    """Auto-selection picks the native backend wherever it serves a call, unless its GEMMs
+    are plain C++ loops (:func:`_auto_state`)."""
+    return unsupported_reason(call) or _plain_loops() or None
 
 
 def masks(call: AttentionCall) -> tuple[Tensor | None, Tensor | None]:

@@ -173,7 +173,10 @@ def float_gemms(serving: str | None = None) -> str:
             vectors = None
     if vectors is None or want == "blas" or (vectors == "AVX2" and want != "vec"):
         other = f" ({SGEMM_ENV}=vec: the kernels' AVX2 vectors)" if vectors == "AVX2" else ""
-        return f"float32 {blas}{other}; float64 {dgemm}"
+        loops = "" if have_blas() else (
+            " (so relpos leaves its calls to the PyTorch backends unless implementation="
+            "'native' asks for the kernels)")
+        return f"float32 {blas}{other}; float64 {dgemm}{loops}"
     return f"float32 on the kernels' {vectors} vectors ({SGEMM_ENV}=blas: {blas}); float64 {dgemm}"
 
 
