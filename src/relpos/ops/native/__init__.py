@@ -76,7 +76,7 @@ def _auto_state() -> str:
     (:func:`_state`), or their GEMMs are plain C++ loops, where libtorch exports no BLAS
     ``sgemm_`` and the build has no vector GEMMs of its own (those are x86-64's only). The x86-64
     ``baseline`` variant compiled that way ran 6.5-15x SDPA's time (one thread, 8 x 128 and
-    8 x 512, K = 16, AMD EPYC), where the bucketed and fused backends ran 1.8-4x; asked for by
+    8 x 512, K = 16, AMD EPYC), where the bucketed and fused backends ran 1.8-6x; asked for by
     name the kernels still serve. A constant for ``torch.compile``, as :func:`_state`."""
     return _state() or _plain_loops()
 
