@@ -84,8 +84,8 @@ def _auto_state() -> str:
 def _plain_loops() -> str:
     """:func:`_auto_state`'s second half, for kernels that are loaded."""
     module = build.load()
-    info = "" if module is None else module.build_info()
-    if "blas=fallback" in info and "sgemm=vec" not in info:
+    facts = {} if module is None else build.build_facts(module)
+    if facts.get("blas") == "fallback" and facts.get("sgemm") != "vec":
         return ("the native kernels here run their GEMMs on plain C++ loops (libtorch exports "
                 "no BLAS, the build has no vector GEMMs): several times the PyTorch backends' "
                 "time; implementation='native' still runs them")

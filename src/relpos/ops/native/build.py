@@ -146,6 +146,12 @@ def have_blas() -> bool:
     return all(_exported(s) for s in ("sgemm_", "dgemm_"))
 
 
+def build_facts(module: ModuleType) -> dict[str, str]:
+    """A loaded kernels module's ``build_info()`` as a dict: ``"blas=mkl sgemm=vec
+    vectors=avx512 ..."`` gives ``{"blas": "mkl", "sgemm": "vec", "vectors": "avx512", ...}``."""
+    return dict(t.partition("=")[::2] for t in module.build_info().split() if "=" in t)
+
+
 SGEMM_ENV = "RELPOS_NATIVE_SGEMM"  # =blas: float32 GEMMs on the BLAS (read once per process)
 
 
