@@ -667,3 +667,120 @@ def test_relpos_kernels_refuses_bad_options_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("relpos: error: ") and fragment in err, err
     assert not (tmp_path / "DIR").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# 7. Pruning: the builds of other relpos or torch versions go, nothing else does
+
+STALE = ("torch2.12.0_cpu-x86_64-AVX512-0123456789abcdef",  # another torch
+         "torch2.13.0_cpu-x86_64-AVX2-fedcba9876543210")  # other sources or another CPU
+
+
+def _stale_build(root: Path, name: str, size: int) -> Path:
+    """A build directory as an older relpos left it: a library of ``size`` bytes, its
+    checksum, its lock."""
+    directory = root / name
+    directory.mkdir(parents=True)
+    (directory / f"relpos_native_{name[-16:]}.so").write_bytes(b"\0" * size)
+    (directory / f"relpos_native_{name[-16:]}.so.sha256").write_text("0" * 64 + "\n")
+    (directory / "build.lock").write_text("")
+    return directory
+
+
+def test_relpos_kernels_prune_removes_only_other_builds_and_the_kernels_still_load(
+        in_process_cache: Path, built: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from relpos.cli import main
+
+    current = _copy(built, in_process_cache)
+    kernels = current.parent
+    stale = [_stale_build(kernels, STALE[0], 1_500_000), _stale_build(kernels, STALE[1], 500_000)]
+    leftover = _stale_build(kernels, f".pruning-{STALE[0]}-77", 1000)  # a killed prune's
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "data").write_text("kept")
+    kept = [kernels / "notes", kernels / "torch-mine", kernels / "torch2.13.0-x-0123456789abcdef"]
+    kept[0].mkdir()
+    kept[1].mkdir()
+    kept[2].write_text("a file named like a build")
+    (kernels / "torch2.11.0-x-00000000000000ff").symlink_to(outside)
+    kept.append(kernels / "torch2.11.0-x-00000000000000ff")
+
+    assert main(["kernels"]) == 0
+    out = capsys.readouterr().out
+    assert "other builds:   3 in the cache, 2.0 MB" in out, out
+
+    assert main(["kernels", "--prune"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned:         3 builds of other relpos or torch versions from the cache, 2.0 MB" \
+        in out, out
+    assert "native kernels: built" in out and "other builds" not in out, out
+    assert not any(d.exists() for d in (*stale, leftover))
+    assert all(p.exists() for p in kept) and (outside / "data").read_text() == "kept"
+    assert build._problem(build.library_path(current)) is None
+    assert main(["kernels", "--prune"]) == 0  # nothing left to prune
+    assert "pruned:         0 builds" in capsys.readouterr().out
+    # a new process loads the kept build as it is: no build, no warning
+    done, result = _run({"RELPOS_CACHE_DIR": str(in_process_cache)})
+    assert _native_without_warnings(result) and "compiling" not in done.stderr, done.stderr
+    assert result["library"] == str(build.library_path(current))
+
+
+@pytest.mark.skipif(not LINUX, reason="flock semantics checked on Linux")
+def test_prune_leaves_a_build_whose_lock_a_process_holds(in_process_cache: Path) -> None:
+    import fcntl
+
+    directory = _stale_build(in_process_cache / "kernels", STALE[0], 10)
+    fd = os.open(directory / "build.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (found,) = build.prune()
+        assert found.name == STALE[0] and found.kept is not None and "in use" in found.kept
+        assert directory.is_dir()
+    finally:
+        os.close(fd)
+    (found,) = build.prune()
+    assert found.kept is None and not directory.exists()
+
+
+@pytest.mark.skipif(not LINUX, reason="flock semantics checked on Linux")
+def test_a_process_waiting_on_a_build_lock_a_prune_moved_away_takes_the_new_one(
+        tmp_path: Path) -> None:
+    """A loader that waited on a build's lock while a prune moved the build aside must not
+    build under a lock on the moved file: it takes the lock at the path again."""
+    import threading
+
+    directory = tmp_path / "kernels" / STALE[0]
+    holder = build._FileLock(directory / "build.lock")
+    holder.__enter__()
+    waiter = build._FileLock(directory / "build.lock")
+    thread = threading.Thread(target=waiter.acquire, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # the waiter blocks on the lock
+    assert thread.is_alive()
+    directory.rename(directory.with_name(f".pruning-{STALE[0]}-1"))  # as prune() does
+    holder.release()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive(), "the waiter never took the lock"
+    try:
+        assert waiter.exclusive and waiter.fd is not None
+        here, held = os.stat(directory / "build.lock"), os.fstat(waiter.fd)
+        assert (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+    finally:
+        waiter.release()
+
+
+def test_build_into_with_prune_removes_the_other_versions_variants(
+        shipped: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from relpos.cli import main
+
+    old = _stale_build(shipped, "torch2.12.0_cpu-x86_64-baseline-0123456789abcdef", 2_000_000)
+    (shipped / "README").write_text("ours")
+    assert main(["kernels", "--build", "--into", str(shipped), "--variants", "baseline",
+                 "--prune"]) == 0
+    out, err = capsys.readouterr()
+    assert "compiling" not in err, err
+    assert f"pruned:         1 build of other relpos or torch versions from {shipped}, 2.0 MB" \
+        in out, out
+    assert not old.exists() and (shipped / "README").read_text() == "ours"
+    assert _baseline(shipped).state == "built"

@@ -1,15 +1,20 @@
 """``relpos kernels``: the native CPU kernels — whether they are built on this machine (and
 sound: a cached library whose checksum does not match is reported as damaged), where, for
 which instruction set — ``--build`` to compile them now rather than on first use, and
-``--build --into DIR`` to make a directory of prebuilt kernels for ``RELPOS_KERNELS_DIR``."""
+``--build --into DIR`` to make a directory of prebuilt kernels for ``RELPOS_KERNELS_DIR``,
+``--prune`` to remove the builds of other relpos or torch versions."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from relpos.cli import CLIError
 from relpos.cli._args import name_list
+
+if TYPE_CHECKING:
+    from relpos.ops.native.build import Pruned
 
 SUMMARY = "show (or build) the native CPU kernels"
 DESCRIPTION = """\
@@ -24,6 +29,11 @@ For machines that cannot compile (a container image without a compiler, a read-o
 software tree), --build --into DIR compiles portable variants (amx, avx512bf16, avx512, avx2,
 baseline on x86-64) into DIR; with RELPOS_KERNELS_DIR=DIR every process loads the best variant
 its CPU runs from there (checksum first) and never writes there.
+
+Each relpos or torch upgrade compiles a new build beside the old ones (3-8 MB each); --prune
+removes every cached build this installation does not use (with --build --into DIR: the
+builds in DIR of other relpos or torch versions). Another environment sharing the cache
+rebuilds its own on first use; a build a process is compiling or loading stays.
 """
 
 
@@ -39,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --into: the variants to build, comma-separated (default: all "
                         "of this architecture's: amx,avx512bf16,avx512,avx2,baseline on x86-64, "
                         "baseline elsewhere)")
+    p.add_argument("--prune", action="store_true",
+                   help="remove the cached builds of other relpos or torch versions (with "
+                        "--build --into DIR: those in DIR)")
 
 
 #: Every variant name of every architecture (relpos.ops.native.variants: which exist here).
@@ -55,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--variants goes with --into DIR (the user cache holds one build, for "
                        "this CPU)")
     if args.into:
-        return _build_into(Path(args.into), list(args.variants) if args.variants else None)
+        return _build_into(Path(args.into), list(args.variants) if args.variants else None,
+                           prune=args.prune)
     if args.build:
         if build.disabled():
             raise CLIError("the native kernels are turned off (RELPOS_NATIVE=0); unset it to "
@@ -64,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             log = build.failure_log()
             raise CLIError(f"the native kernels could not be built: {build.failure()}"
                            + (f" (the full output: {log})" if log else ""))
+    if args.prune:
+        _say_pruned(build.prune(), "the cache")
     s = build.status()
     if not s.enabled:
         state = "off (RELPOS_NATIVE=0)"
@@ -87,12 +103,30 @@ def run(args: argparse.Namespace) -> int:
                  "nothing here serves this machine: the cache does)"))
         for p in s.prebuilt:
             print(f"  {p.variant + ':':15s} {p.state}")
+    if s.others:
+        print(f"other builds:   {len(s.others)} in the cache, "
+              f"{_megabytes(sum(o.size for o in s.others))} (other relpos or torch versions; "
+              "relpos kernels --prune removes them)")
     if s.failure:
         print(f"last failure:   {s.failure}")
     return 0
 
 
-def _build_into(root: Path, names: list[str] | None) -> int:
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
+def _say_pruned(found: list[Pruned], where: str) -> None:
+    """What :func:`relpos.ops.native.build.prune` did, before the listing."""
+    removed = [p for p in found if p.kept is None]
+    print(f"pruned:         {len(removed)} build{'' if len(removed) == 1 else 's'} of other "
+          f"relpos or torch versions from {where}, {_megabytes(sum(p.size for p in removed))}")
+    for p in found:
+        if p.kept is not None:
+            print(f"  kept {p.name}: {p.kept}")
+
+
+def _build_into(root: Path, names: list[str] | None, *, prune: bool = False) -> int:
     from relpos.ops.native import build
 
     if root.exists() and not root.is_dir():
@@ -111,6 +145,8 @@ def _build_into(root: Path, names: list[str] | None) -> int:
                        + (f" (the full output: {error.log})" if error.log else "")) from None
     except OSError as error:
         raise CLIError(f"--into {root}: {error.strerror or error}") from None
+    if prune:
+        _say_pruned(build.prune(root), str(root))
     print(f"prebuilt kernels: {root}")
     for p in found:
         print(f"  {p.variant + ':':15s} {p.state}")

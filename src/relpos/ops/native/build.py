@@ -81,6 +81,7 @@ __all__ = [
     "BuildError",
     "KernelStatus",
     "Prebuilt",
+    "Pruned",
     "Target",
     "build_directory",
     "build_into",
@@ -91,6 +92,7 @@ __all__ = [
     "load",
     "prebuilt",
     "prebuilt_root",
+    "prune",
     "status",
 ]
 
@@ -112,6 +114,10 @@ def _cache_root() -> Path:
         return Path(given).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return ((Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "relpos").absolute()
+
+
+def _kernels_root() -> Path:
+    return _cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -368,7 +374,7 @@ _NATIVE = Target()
 def build_directory() -> Path:
     """Where this machine's kernels are (or will be) compiled:
     ``<cache>/kernels/torch<version>-<isa>-<hash of sources, flags and CPU>``."""
-    return _cache_root() / "kernels" / _NATIVE.directory_name
+    return _kernels_root() / _NATIVE.directory_name
 
 
 def library_path(directory: Path | None = None, target: Target = _NATIVE) -> Path:
@@ -437,18 +443,35 @@ class _FileLock:
         self.exclusive = False
 
     def acquire(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                import fcntl
+            except ImportError:  # pragma: no cover - not POSIX: cpp_extension's baton remains
+                return
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(self.fd)
+                self.fd = None
+                raise
+            self.exclusive = True
+            if self._still_in_place():
+                return
+            # prune() moved the directory away (under this lock) while this process waited:
+            # the lock it holds guards nothing; take the one at the path again.
+            self.release()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _still_in_place(self) -> bool:
+        """Whether the locked file is still the one at ``path``."""
+        assert self.fd is not None
         try:
-            import fcntl
-        except ImportError:  # pragma: no cover - not POSIX: cpp_extension's own baton remains
-            return
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(self.fd)
-            self.fd = None
-            raise
-        self.exclusive = True
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(self.fd)
+        return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -790,6 +813,96 @@ def build_into(root: Path, names: list[str] | None = None, *, quiet: bool = Fals
     return prebuilt(root)
 
 
+#: A build directory's name (:attr:`Target.directory_name`): ``torch<version>-<isa or
+#: variant>-<16 hex digits>``; nothing else in a cache or kernels directory is pruned.
+_BUILD_NAME = re.compile(r"torch\S+-[0-9a-f]{16}")
+_PRUNING = ".pruning-"  # a build directory moved aside by prune(), removed next
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """One build directory :func:`prune` found: its ``name``, its ``size`` in bytes, and
+    ``kept``: why it stays (None: removed)."""
+
+    name: str
+    size: int
+    kept: str | None = None
+
+
+def _size(directory: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(directory):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def other_builds(root: Path | None = None) -> list[Pruned]:
+    """The builds this installation does not use (other relpos sources, torch versions or
+    CPUs), with their sizes, in the user cache's ``kernels/`` (``root`` None: all but this
+    CPU's build) or in the kernels directory ``root`` (all but this architecture's variants);
+    removes nothing."""
+    if root is None:
+        root, keep = _kernels_root(), {_NATIVE.directory_name}
+    else:
+        keep = {Target(v.name).directory_name for v in variants()}
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return []
+    return [Pruned(d.name, _size(d)) for d in entries
+            if d.is_dir() and not d.is_symlink() and d.name not in keep
+            and (_BUILD_NAME.fullmatch(d.name) or d.name.startswith(_PRUNING))]
+
+
+def prune(root: Path | None = None) -> list[Pruned]:
+    """Remove from ``root`` (default: the user cache's ``kernels/``; else a kernels directory
+    made by :func:`build_into`) every build this installation does not use: those of other
+    relpos sources, torch versions or CPUs (:func:`other_builds`). Only directories named as
+    builds are touched. A build whose lock a process holds (it is building or loading there)
+    stays. Another environment sharing the cache rebuilds its own on first use. What was
+    found, each with whether it was removed."""
+    done = []
+    for found in other_builds(root):
+        directory = (_kernels_root() if root is None else root) / found.name
+        aside = directory if found.name.startswith(_PRUNING) else _move_aside(directory)
+        kept = aside if isinstance(aside, str) else None
+        if isinstance(aside, Path):
+            shutil.rmtree(aside, ignore_errors=True)
+            if aside.exists():
+                kept = f"could not be removed (left as {aside.name})"
+        done.append(Pruned(found.name, found.size, kept))
+    return done
+
+
+def _move_aside(directory: Path) -> Path | str:
+    """Under the build's lock, taken without waiting, rename ``directory`` to a ``.pruning-``
+    name, where no process looks for a build (one that waited on the lock meanwhile takes
+    the lock at the path again: :class:`_FileLock`): the new path, or why it stays."""
+    try:
+        fd = os.open(directory / "build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        return f"cannot be written ({error.strerror or error})"
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # pragma: no cover - not POSIX
+            pass
+        except BlockingIOError:
+            return "in use: a process is building or loading it"
+        aside = directory.with_name(f"{_PRUNING}{directory.name}-{os.getpid()}")
+        try:
+            directory.rename(aside)
+        except OSError as error:
+            return f"cannot be removed ({error.strerror or error})"
+        return aside
+    finally:
+        os.close(fd)
+
+
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -866,6 +979,7 @@ class KernelStatus:
     prebuilt_root: Path | None = None
     prebuilt: tuple[Prebuilt, ...] = ()
     half: str = ""  # how 16-bit inputs' GEMMs run (half_gemms())
+    others: tuple[Pruned, ...] = ()  # the cache's builds this installation does not use
 
     @property
     def serving(self) -> Prebuilt | None:
@@ -891,5 +1005,5 @@ def status() -> KernelStatus:
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
         prebuilt_root=root, prebuilt=found,
-        half=half_gemms(serving),
+        half=half_gemms(serving), others=tuple(other_builds()),
     )
