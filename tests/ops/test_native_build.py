@@ -655,6 +655,9 @@ def test_relpos_kernels_lists_the_prebuilt_variants(
     (["kernels", "--build", "--into", "DIR", "--variants", "avx9"],
      "unknown variant(s) ['avx9']; allowed: amx, avx512bf16, avx512, avx2, baseline"),
     (["kernels", "--build", "--into", "FILE"], "that is a file, not a directory"),
+    (["kernels", "--prune", "-1"], "argument --prune: must be a finite number >= 0, got '-1'"),
+    (["kernels", "--prune", "soon"], "argument --prune: must be a finite number >= 0, got "
+                                     "'soon'"),
 ])
 def test_relpos_kernels_refuses_bad_options_in_one_line(
         argv: list[str], fragment: str, tmp_path: Path,
@@ -712,18 +715,21 @@ def test_relpos_kernels_prune_removes_only_other_builds_and_the_kernels_still_lo
 
     assert main(["kernels", "--prune"]) == 0
     out = capsys.readouterr().out
-    assert "pruned:         3 builds of other relpos or torch versions from the cache, 2.0 MB" \
-        in out, out
+    assert ("pruned:         3 builds of other relpos or torch versions or CPUs from the cache, "
+            "2.0 MB") in out, out
     assert "native kernels: built" in out and "other builds" not in out, out
     assert not any(d.exists() for d in (*stale, leftover))
     assert all(p.exists() for p in kept) and (outside / "data").read_text() == "kept"
     assert build._problem(build.library_path(current)) is None
     assert main(["kernels", "--prune"]) == 0  # nothing left to prune
     assert "pruned:         0 builds" in capsys.readouterr().out
-    # a new process loads the kept build as it is: no build, no warning
+    # a new process loads the kept build as it is (no build, no warning) and stamps its use
+    month_ago = time.time() - 30 * 86400
+    os.utime(current / "build.lock", (month_ago, month_ago))
     done, result = _run({"RELPOS_CACHE_DIR": str(in_process_cache)})
     assert _native_without_warnings(result) and "compiling" not in done.stderr, done.stderr
     assert result["library"] == str(build.library_path(current))
+    assert time.time() - (current / "build.lock").stat().st_mtime < TIMEOUT + 5
 
 
 @pytest.mark.skipif(not LINUX, reason="flock semantics checked on Linux")
@@ -780,7 +786,41 @@ def test_build_into_with_prune_removes_the_other_versions_variants(
                  "--prune"]) == 0
     out, err = capsys.readouterr()
     assert "compiling" not in err, err
-    assert f"pruned:         1 build of other relpos or torch versions from {shipped}, 2.0 MB" \
-        in out, out
+    assert (f"pruned:         1 build of other relpos or torch versions or CPUs from {shipped}, "
+            "2.0 MB") in out, out
     assert not old.exists() and (shipped / "README").read_text() == "ours"
     assert _baseline(shipped).state == "built"
+
+
+def test_prune_with_days_keeps_the_builds_loaded_since(
+        in_process_cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In a cache machines share, ``--prune DAYS`` keeps what a process loaded in the last DAYS
+    days (each load stamps the build's lock; older builds: their newest file)."""
+    from relpos.cli import main
+
+    kernels = in_process_cache / "kernels"
+    ages = {STALE[0]: 10.0, STALE[1]: 1 / 24}  # days since the last load
+    for name, days in ages.items():
+        directory = _stale_build(kernels, name, 1_000_000)
+        then = time.time() - days * 86400
+        for f in directory.iterdir():
+            os.utime(f, (then, then))
+    assert main(["kernels"]) == 0
+    assert "other builds:   2 in the cache, 2.0 MB, the latest loaded 1 hour ago" \
+        in capsys.readouterr().out
+    assert main(["kernels", "--prune", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned:         1 build of other relpos or torch versions or CPUs from the cache, " \
+        "1.0 MB" in out, out
+    assert f"  kept {STALE[1]}: loaded 1 hour ago" in out, out
+    assert not (kernels / STALE[0]).exists() and (kernels / STALE[1]).is_dir()
+    assert main(["kernels", "--prune"]) == 0  # no DAYS: every other build
+    assert not (kernels / STALE[1]).exists()
+
+
+@pytest.mark.parametrize(("days", "words"), [
+    (0.0, "0 minutes ago"), (1 / 1440, "1 minute ago"), (0.5, "12 hours ago"),
+    (1 / 24, "1 hour ago"), (1.9, "46 hours ago"), (2.0, "2 days ago"), (1.0, "24 hours ago"),
+    (40.4, "40 days ago")])
+def test_a_builds_last_use_in_words(days: float, words: str) -> None:
+    assert build.Pruned("b", 0, days).last_used == words

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from relpos.cli import CLIError
-from relpos.cli._args import name_list
+from relpos.cli._args import name_list, non_negative_float
 
 if TYPE_CHECKING:
     from relpos.ops.native.build import Pruned
@@ -33,7 +33,9 @@ its CPU runs from there (checksum first) and never writes there.
 Each relpos or torch upgrade compiles a new build beside the old ones (3-8 MB each); --prune
 removes every cached build this installation does not use (with --build --into DIR: the
 builds in DIR of other relpos or torch versions). Another environment sharing the cache
-rebuilds its own on first use; a build a process is compiling or loading stays.
+rebuilds its own on first use; a build a process is compiling or loading stays. In a cache
+that machines with different CPUs share (a home directory on NFS), --prune 7 keeps every
+build some process loaded in the last 7 days.
 """
 
 
@@ -49,9 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --into: the variants to build, comma-separated (default: all "
                         "of this architecture's: amx,avx512bf16,avx512,avx2,baseline on x86-64, "
                         "baseline elsewhere)")
-    p.add_argument("--prune", action="store_true",
-                   help="remove the cached builds of other relpos or torch versions (with "
-                        "--build --into DIR: those in DIR)")
+    p.add_argument("--prune", metavar="DAYS", nargs="?", const=0.0, default=None,
+                   type=non_negative_float,
+                   help="remove the cached builds of other relpos or torch versions or CPUs "
+                        "(with --build --into DIR: those in DIR); with DAYS, only those no "
+                        "process loaded in the last DAYS days (a cache machines share)")
 
 
 #: Every variant name of every architecture (relpos.ops.native.variants: which exist here).
@@ -78,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
             log = build.failure_log()
             raise CLIError(f"the native kernels could not be built: {build.failure()}"
                            + (f" (the full output: {log})" if log else ""))
-    if args.prune:
-        _say_pruned(build.prune(), "the cache")
+    if args.prune is not None:
+        _say_pruned(build.prune(unused_days=args.prune), "the cache")
     s = build.status()
     if not s.enabled:
         state = "off (RELPOS_NATIVE=0)"
@@ -104,9 +108,11 @@ def run(args: argparse.Namespace) -> int:
         for p in s.prebuilt:
             print(f"  {p.variant + ':':15s} {p.state}")
     if s.others:
+        latest = min(s.others, key=lambda o: o.unused_days)
         print(f"other builds:   {len(s.others)} in the cache, "
-              f"{_megabytes(sum(o.size for o in s.others))} (other relpos or torch versions; "
-              "relpos kernels --prune removes them)")
+              f"{_megabytes(sum(o.size for o in s.others))}, the latest loaded "
+              f"{latest.last_used} (other relpos or torch versions or CPUs; relpos kernels "
+              "--prune removes them)")
     if s.failure:
         print(f"last failure:   {s.failure}")
     return 0
@@ -120,13 +126,14 @@ def _say_pruned(found: list[Pruned], where: str) -> None:
     """What :func:`relpos.ops.native.build.prune` did, before the listing."""
     removed = [p for p in found if p.kept is None]
     print(f"pruned:         {len(removed)} build{'' if len(removed) == 1 else 's'} of other "
-          f"relpos or torch versions from {where}, {_megabytes(sum(p.size for p in removed))}")
+          f"relpos or torch versions or CPUs from {where}, "
+          f"{_megabytes(sum(p.size for p in removed))}")
     for p in found:
         if p.kept is not None:
             print(f"  kept {p.name}: {p.kept}")
 
 
-def _build_into(root: Path, names: list[str] | None, *, prune: bool = False) -> int:
+def _build_into(root: Path, names: list[str] | None, *, prune: float | None = None) -> int:
     from relpos.ops.native import build
 
     if root.exists() and not root.is_dir():
@@ -145,8 +152,8 @@ def _build_into(root: Path, names: list[str] | None, *, prune: bool = False) -> 
                        + (f" (the full output: {error.log})" if error.log else "")) from None
     except OSError as error:
         raise CLIError(f"--into {root}: {error.strerror or error}") from None
-    if prune:
-        _say_pruned(build.prune(root), str(root))
+    if prune is not None:
+        _say_pruned(build.prune(root, unused_days=prune), str(root))
     print(f"prebuilt kernels: {root}")
     for p in found:
         print(f"  {p.variant + ':':15s} {p.state}")

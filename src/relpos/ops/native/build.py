@@ -24,6 +24,11 @@ What keeps a cache sound:
   first, so whoever holds it removes a leftover baton: nobody else can be building.
 - A cache that cannot be written (a read-only image or shared directory) holding a complete,
   verified build is loaded as it is, without the lock and without writing anything.
+- Every relpos or torch upgrade adds a build directory; :func:`prune` (``relpos kernels
+  --prune``) removes the ones this installation does not use, each under its lock, taken
+  without waiting (a process building or loading there keeps it), renamed aside before it is
+  deleted; a process that waited on that lock meanwhile takes the lock at the path again.
+  Each load stamps the lock file's time, the build's last use (``prune(unused_days=)``).
 
 Prebuilt kernels, for machines that cannot compile (no compiler in a container image, a
 read-only software tree): ``relpos kernels --build --into DIR`` (:func:`build_into`) compiles
@@ -65,7 +70,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -532,6 +537,8 @@ def _load_or_build(directory: Path, *, quiet: bool) -> ModuleType:
     try:
         built = _build_locked(directory, _NATIVE, quiet=quiet, exclusive=lock.exclusive)
         module = _import(library)
+        with contextlib.suppress(OSError):  # the build's last use, for prune(unused_days=)
+            os.utime(lock.path)
         if built is not None and not quiet:
             print(f"relpos: native kernels built in {built:.0f} s", file=sys.stderr,
                   flush=True)
@@ -821,21 +828,36 @@ _PRUNING = ".pruning-"  # a build directory moved aside by prune(), removed next
 
 @dataclass(frozen=True)
 class Pruned:
-    """One build directory :func:`prune` found: its ``name``, its ``size`` in bytes, and
-    ``kept``: why it stays (None: removed)."""
+    """One build directory :func:`prune` found: its ``name``, its ``size`` in bytes, the
+    days since a process last loaded it (``unused_days``), and ``kept``: why it stays (None:
+    removed)."""
 
     name: str
     size: int
+    unused_days: float = 0.0
     kept: str | None = None
 
+    @property
+    def last_used(self) -> str:
+        """``unused_days`` in words: ``"40 minutes ago"``, ``"5 hours ago"``, ``"3 days
+        ago"``."""
+        hours = self.unused_days * 24
+        count, unit = ((round(hours * 60), "minute") if hours < 1 else (round(hours), "hour")
+                       if hours < 48 else (round(self.unused_days), "day"))
+        return f"{count} {unit}{'' if count == 1 else 's'} ago"
 
-def _size(directory: Path) -> int:
-    total = 0
+
+def _size_and_age(directory: Path) -> tuple[int, float]:
+    """The bytes under ``directory`` and the days since its last use: a load stamps the
+    build's lock (builds of releases before that stamp: the newest file's time)."""
+    total, newest = 0, 0.0
     for folder, _, files in os.walk(directory):
         for name in files:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
+                st = os.lstat(os.path.join(folder, name))
+                total += st.st_size
+                newest = max(newest, st.st_mtime)
+    return total, max(0.0, (time.time() - newest) / 86400)
 
 
 def other_builds(root: Path | None = None) -> list[Pruned]:
@@ -851,29 +873,34 @@ def other_builds(root: Path | None = None) -> list[Pruned]:
         entries = sorted(root.iterdir())
     except OSError:
         return []
-    return [Pruned(d.name, _size(d)) for d in entries
+    return [Pruned(d.name, *_size_and_age(d)) for d in entries
             if d.is_dir() and not d.is_symlink() and d.name not in keep
             and (_BUILD_NAME.fullmatch(d.name) or d.name.startswith(_PRUNING))]
 
 
-def prune(root: Path | None = None) -> list[Pruned]:
+def prune(root: Path | None = None, *, unused_days: float = 0.0) -> list[Pruned]:
     """Remove from ``root`` (default: the user cache's ``kernels/``; else a kernels directory
     made by :func:`build_into`) every build this installation does not use: those of other
-    relpos sources, torch versions or CPUs (:func:`other_builds`). Only directories named as
-    builds are touched. A build whose lock a process holds (it is building or loading there)
-    stays. Another environment sharing the cache rebuilds its own on first use. What was
-    found, each with whether it was removed."""
+    relpos sources, torch versions or CPUs (:func:`other_builds`), unless a process loaded it
+    within the last ``unused_days`` days (a cache shared by machines: another machine's
+    build). Only directories named as builds are touched. A build whose lock a process holds
+    (it is building or loading there) stays. Another environment sharing the cache rebuilds
+    its own on first use. What was found, each with whether it was removed."""
     done = []
     for found in other_builds(root):
         directory = (_kernels_root() if root is None else root) / found.name
+        if found.unused_days < unused_days and not found.name.startswith(_PRUNING):
+            done.append(replace(found, kept=f"loaded {found.last_used}"))
+            continue
         aside = directory if found.name.startswith(_PRUNING) else _move_aside(directory)
         kept = aside if isinstance(aside, str) else None
         if isinstance(aside, Path):
             shutil.rmtree(aside, ignore_errors=True)
             if aside.exists():
                 kept = f"could not be removed (left as {aside.name})"
-        done.append(Pruned(found.name, found.size, kept))
+        done.append(replace(found, kept=kept))
     return done
+
 
 
 def _move_aside(directory: Path) -> Path | str:
