@@ -1,6 +1,7 @@
 """The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
-encoder_variants, kernel_variants, varlen, half_precision): they import no optional package
-until they run, and the launchers in ``benchmarks/`` still start them with the same options."""
+encoder_variants, kernel_variants, varlen, half_precision, last_mile): they import no optional
+package until they run, and the launchers in ``benchmarks/`` still start them with the same
+options."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ SCRIPTS = {
     "kernel_variants.py": "relpos.bench.kernel_variants",
     "varlen.py": "relpos.bench.varlen",
     "half_precision.py": "relpos.bench.half_precision",
+    "last_mile.py": "relpos.bench.last_mile",
 }
 OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
 
