@@ -185,7 +185,7 @@ def test_run_quick_measures_every_report_and_checks_them(
     assert code in (0, 1), out
     assert "A --quick run" in out and (out_dir / "targets.md").read_text() in out + "\n"
     for name in ("fp32/training.csv", "bf16/training.csv", "long/attention.csv",
-                 "held/attention.csv", "lm/ct2_decode.csv"):
+                 "held/attention.csv", "held_causal/attention.csv", "lm/ct2_decode.csv"):
         assert f"- **{name}**: " in out and "not said" not in out, (name, out)
     table = [r for r in out.splitlines() if r.startswith("| ") and "| target |" not in r]
     assert len(table) == 7

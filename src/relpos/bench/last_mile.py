@@ -2,7 +2,7 @@
 
 Reads the CSV files the benchmarks write and says, target by target, the cells it checked,
 the worst of them and whether the target is met; every cell that misses is listed. With
-``--run DIR`` it first measures everything on this machine (about 40 minutes on 2 cores;
+``--run DIR`` it first measures everything on this machine (about 15 minutes on 2 cores;
 each benchmark in a subprocess with ``OMP_WAIT_POLICY=PASSIVE``) into ``DIR``, then checks
 ``DIR``. Exit status 0 when every checked target is met, 1 when one is missed, 2 on bad
 input.
@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relpos.bench.common import markdown_table, report_date, write_files
+from relpos.bench.common import markdown_table, report_date, script_command, write_files
 
 #: K <= n/4: at most this many times SDPA's time (float32).
 FP32_LIMIT = 1.2
@@ -263,18 +263,26 @@ def _short(path: Path) -> str:
     return path.name if path.parent.name in ("", ".") else f"{path.parent.name}/{path.name}"
 
 
+#: The header lines of a benchmark report that say where it ran, as (key, how to write it).
+MACHINE_KEYS = (("hardware", "{}"), ("ISA", "{}"), ("torch", "torch {}"),
+                ("threads", "threads {}"), ("OMP_WAIT_POLICY", "OMP_WAIT_POLICY={}"))
+
+
 def machines(csvs: Iterable[Path]) -> list[tuple[str, str]]:
-    """(report, its hardware line) for each CSV whose markdown report beside it (same name,
-    ``.md``) names the machine it ran on; "not said" for the others."""
+    """(report, where it ran) for each CSV, read from the header of the markdown report
+    beside it (same name, ``.md``): the machine, its ISA, torch, threads and OpenMP wait
+    policy; "not said" where there is none."""
     found = []
     for path in csvs:
-        line = "not said (no markdown report beside the CSV)"
+        meta: dict[str, str] = {}
         with contextlib.suppress(OSError):
             for text in path.with_suffix(".md").read_text(encoding="utf-8").splitlines():
-                if text.startswith("- **hardware**:"):
-                    line = text.split(":", 1)[1].strip()
-                    break
-        found.append((_short(path), line))
+                if text.startswith("- **") and "**: " in text:
+                    key, value = text[4:].split("**: ", 1)
+                    meta.setdefault(key, value.strip())
+        said = [form.format(meta[key]) for key, form in MACHINE_KEYS if key in meta]
+        found.append((_short(path), "; ".join(said) if "hardware" in meta else
+                      "not said (no markdown report beside the CSV names its machine)"))
     return found
 
 
@@ -328,6 +336,8 @@ def run_commands(out: Path, *, quick: bool = False) -> list[tuple[str, list[str]
                   *shapes, "--out", str(out / "bf16")]),
         ("long", [*relpos, "--backends", "native,sdpa", *long, "--out", str(out / "long")]),
         ("held-out", [*relpos, "--backends", "native,sdpa", *held, "--out", str(out / "held")]),
+        ("held-out causal", [*relpos, "--backends", "native,sdpa", *held, "--causal",
+                             "--out", str(out / "held_causal")]),
     ]
     if importlib.util.find_spec("ctranslate2") is not None:
         commands.append(("decode", ["-m", "relpos.bench.ct2_decode", *decode,
@@ -389,8 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure(args.run, quick=args.quick)
             args.training = args.run / "fp32" / "training.csv"
             args.bf16 = args.run / "bf16" / "training.csv"
-            args.attention = [args.run / "long" / "attention.csv",
-                              args.run / "held" / "attention.csv"]
+            args.attention = [args.run / d / "attention.csv"
+                              for d in ("long", "held", "held_causal")]
             decode = args.run / "ct2_decode.csv"
             args.decode = decode if decode.exists() else None
             args.out = args.out or args.run / "targets.md"
@@ -408,7 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"relpos: error: {error}", file=sys.stderr)
         return 2
     csvs = [c for c in (args.training, args.bf16, *args.attention, args.decode) if c]
+    command = " ".join([script_command("relpos.bench.last_mile"),
+                        *(argv if argv is not None else sys.argv[1:])])
     head = [f"# Native kernels: targets ({report_date()})", "",
+            f"- **command**: `{command}`",
             *(f"- **{name}**: {line}" for name, line in machines(csvs)), ""]
     if args.quick:
         head[1:1] = ["", "A --quick run (tiny shapes, one round, no warm-up): the verdicts "
