@@ -824,3 +824,20 @@ def test_prune_with_days_keeps_the_builds_loaded_since(
     (40.4, "40 days ago")])
 def test_a_builds_last_use_in_words(days: float, words: str) -> None:
     assert build.Pruned("b", 0, days).last_used == words
+
+
+def test_a_lock_on_a_file_system_whose_inodes_move_is_kept_after_its_tries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the locked file never looks like the one at the path (unstable inode numbers),
+    the lock is taken after a bounded number of tries instead of looping forever."""
+    checks = []
+
+    def moved(self: build._FileLock) -> bool:
+        checks.append(1)
+        return False
+
+    monkeypatch.setattr(build._FileLock, "_still_in_place", moved)
+    lock = build._FileLock(tmp_path / "build.lock")
+    with lock:
+        assert lock.exclusive or not LINUX
+    assert len(checks) == build._LOCK_ATTEMPTS or not LINUX

@@ -438,6 +438,9 @@ def _problem(library: Path) -> str | None:
     return None
 
 
+_LOCK_ATTEMPTS = 8  # tries at a build's lock that a prune may move away meanwhile
+
+
 class _FileLock:
     """An exclusive lock on ``path`` across processes (fcntl where it exists; ``exclusive``
     says whether it is held as such)."""
@@ -448,7 +451,7 @@ class _FileLock:
         self.exclusive = False
 
     def acquire(self) -> None:
-        while True:
+        for attempt in range(_LOCK_ATTEMPTS):
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 import fcntl
@@ -461,7 +464,9 @@ class _FileLock:
                 self.fd = None
                 raise
             self.exclusive = True
-            if self._still_in_place():
+            # (a file system whose inode numbers do not hold still gets a bounded number of
+            # tries, never a loop: the lock is kept as it is at the last)
+            if self._still_in_place() or attempt == _LOCK_ATTEMPTS - 1:
                 return
             # prune() moved the directory away (under this lock) while this process waited:
             # the lock it holds guards nothing; take the one at the path again.
