@@ -256,7 +256,25 @@ def test_a_rebuild_is_announced_like_a_first_build(
     err = capsys.readouterr().err
     assert compiled == [directory]
     assert "compiling the native CPU kernels" in err and "no recorded checksum" in err
+    assert "native kernels built in" in err and "other build" not in err, err
     assert build._problem(build.library_path(directory)) is None
+
+
+def test_a_build_beside_older_ones_says_how_to_remove_them(
+        in_process_cache: Path, library: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The first build after an upgrade names what the last release's builds take up."""
+    _stale_build(in_process_cache / "kernels", STALE[0], 1_500_000)
+
+    def compile_(into: Path, target: build.Target) -> str:
+        shutil.copy2(library, build.library_path(into))
+        return "a faked build\n"
+
+    monkeypatch.setattr(build, "_compile", compile_)
+    assert build.load() is not None
+    err = capsys.readouterr().err
+    assert ("; the cache holds 1 other build (1.5 MB; `relpos kernels --prune` removes them)"
+            in err), err
 
 
 def test_sources_newer_than_the_build_but_the_same_content_rebuild_nothing(

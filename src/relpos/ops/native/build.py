@@ -545,8 +545,8 @@ def _load_or_build(directory: Path, *, quiet: bool) -> ModuleType:
         with contextlib.suppress(OSError):  # the build's last use, for prune(unused_days=)
             os.utime(lock.path)
         if built is not None and not quiet:
-            print(f"relpos: native kernels built in {built:.0f} s", file=sys.stderr,
-                  flush=True)
+            print(f"relpos: native kernels built in {built:.0f} s{_older_builds()}",
+                  file=sys.stderr, flush=True)
         return module
     finally:
         lock.release()
@@ -881,6 +881,17 @@ def other_builds(root: Path | None = None) -> list[Pruned]:
     return [Pruned(d.name, *_size_and_age(d)) for d in entries
             if d.is_dir() and not d.is_symlink() and d.name not in keep
             and (_BUILD_NAME.fullmatch(d.name) or d.name.startswith(_PRUNING))]
+
+
+def _older_builds() -> str:
+    """After a build: how many other builds the cache holds (an upgrade leaves the last
+    one's), and how to remove them; empty where there are none."""
+    others = other_builds()
+    if not others:
+        return ""
+    size = sum(o.size for o in others) / 1e6
+    return (f"; the cache holds {len(others)} other build{'' if len(others) == 1 else 's'} "
+            f"({size:.1f} MB; `relpos kernels --prune` removes them)")
 
 
 def prune(root: Path | None = None, *, unused_days: float = 0.0) -> list[Pruned]:
