@@ -95,6 +95,7 @@ __all__ = [
     "failure_log",
     "library_path",
     "load",
+    "other_builds",
     "prebuilt",
     "prebuilt_root",
     "prune",
@@ -916,7 +917,6 @@ def prune(root: Path | None = None, *, unused_days: float = 0.0) -> list[Pruned]
                 kept = f"could not be removed (left as {aside.name})"
         done.append(replace(found, kept=kept))
     return done
-
 
 
 def _move_aside(directory: Path) -> Path | str:
