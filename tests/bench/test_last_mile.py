@@ -193,3 +193,53 @@ def test_run_quick_measures_every_report_and_checks_them(
     assert counts["peak memory of forward + backward at n = 16384, K = 64 <= 1.1x SDPA's"] \
         == "0"  # --quick skips the memory subprocesses
     assert all(c != "0" for t, c in counts.items() if not t.startswith("peak memory"))
+
+
+def test_decoding_on_the_panels_where_they_are_not_the_default_is_an_alternative(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run with RELPOS_DECODE_PACKING=relpos on a CPU whose default is another packing is
+    judged and shown, but a miss there does not fail the check."""
+    default = _csv(tmp_path / "d.csv", DECODE_HEAD, [["decode", 1, 1, 9.0, 10.0, 5, True]])
+    panels = _csv(tmp_path / "p.csv", DECODE_HEAD, [["decode", 1, 1, 11.0, 10.0, 5, True]])
+    (target,) = last_mile.check_decode(panels, "--decode-panels")
+    assert target.alternative and target.met is False
+    assert target.text.startswith("with RELPOS_DECODE_PACKING=relpos (not this CPU's default)")
+    assert last_mile.main(["--decode", str(default), "--decode-panels", str(panels)]) == 0
+    out = capsys.readouterr().out
+    assert "| **missed** (an alternative: not in the exit status) |" in out, out
+    assert last_mile.main(["--decode-panels", str(default)]) == 0
+    assert "| met (an alternative: not in the exit status) |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("asked", "default", "vectors", "alternative"), [
+    ("", "mkl", "avx512", True),  # Intel: MKL by default, panels built with their vectors
+    ("", "mkl", "avx2", True),
+    ("", "mkl", "none", False),  # plain-loop panels: not worth timing
+    ("", "relpos", "avx512", False),  # already the default: the decode run times them
+    ("mkl", "mkl", "avx512", False),  # a packing asked for: the run keeps to it
+])
+def test_run_times_the_panels_too_only_where_they_are_a_real_alternative(
+        asked: str, default: str, vectors: str, alternative: bool,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("ctranslate2")
+    from relpos.models import decoding
+    from relpos.ops.native import build
+
+    if asked:
+        monkeypatch.setenv("RELPOS_DECODE_PACKING", asked)
+    else:
+        monkeypatch.delenv("RELPOS_DECODE_PACKING", raising=False)
+    monkeypatch.setattr(decoding, "decode_packing", lambda: default)
+    kernels = object()  # a stand-in for the loaded kernels, whose build_info says `vectors`
+    monkeypatch.setattr(build, "load", lambda quiet=False: kernels)
+    monkeypatch.setattr(build, "build_facts",
+                        lambda module: {"vectors": vectors} if module is kernels else {})
+    assert last_mile.panels_are_an_alternative() is alternative
+    commands = {name: (argv, env) for name, argv, env in last_mile.run_commands(tmp_path)}
+    assert ("decode on the panels" in commands) is alternative
+    if alternative:
+        argv, env = commands["decode on the panels"]
+        assert env == {"RELPOS_DECODE_PACKING": "relpos"}
+        assert argv[-1] == str(tmp_path / "ct2_decode_panels.md")
+        assert argv[:-1] == commands["decode"][0][:-1]  # the same benchmark otherwise
+    assert commands["decode"][1] == {}
