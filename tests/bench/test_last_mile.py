@@ -175,15 +175,20 @@ def test_the_committed_reports_are_read(option: str, name: str,
 
 
 def test_run_quick_measures_every_report_and_checks_them(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """``--run DIR --quick``: each benchmark runs (tiny shapes), writes where the checks read,
     and the table says so (verdicts on such shapes mean nothing: not asserted)."""
     pytest.importorskip("ctranslate2")
+    for name in last_mile.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RELPOS_DECODE_PACKING", "none")  # a setting the header must record
     out_dir = tmp_path / "lm"
     code = last_mile.main(["--run", str(out_dir), "--quick"])
     out = capsys.readouterr().out
     assert code in (0, 1), out
     assert "A --quick run" in out and (out_dir / "targets.md").read_text() in out + "\n"
+    assert "- **settings**: RELPOS_DECODE_PACKING=none (of RELPOS_NATIVE, " in out, out
     for name in ("fp32/training.csv", "bf16/training.csv", "long/attention.csv",
                  "held/attention.csv", "held_causal/attention.csv", "lm/ct2_decode.csv"):
         assert f"- **{name}**: " in out and "not said" not in out, (name, out)

@@ -397,6 +397,14 @@ def measure(out: Path, *, quick: bool = False) -> None:
               "measured (pip install 'relpos[ct2]')", file=sys.stderr, flush=True)
 
 
+#: Environment variables that change what a measurement runs (recorded by ``--run``): the
+#: kernels relpos loads and how, torch's, MKL's, oneDNN's and CTranslate2's instruction sets.
+SETTINGS = ("RELPOS_NATIVE", "RELPOS_KERNELS_DIR", "RELPOS_NATIVE_SGEMM", "RELPOS_NATIVE_AMX",
+            "RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_DECODE_PACKING",
+            "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+            "CT2_FORCE_CPU_ISA")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--run", type=Path, metavar="DIR",
@@ -465,6 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = [f"# Native kernels: targets ({report_date()})", "",
             f"- **command**: `{command}`",
             *(f"- **{name}**: {line}" for name, line in machines(csvs)), ""]
+    if args.run is not None:
+        settings = [f"{k}={os.environ[k]}" for k in SETTINGS if os.environ.get(k)]
+        head.insert(3, f"- **settings**: {' '.join(settings) if settings else 'none set'} "
+                       f"(of {', '.join(SETTINGS)})")
     if args.quick:
         head[1:1] = ["", "A --quick run (tiny shapes, one round, no warm-up): the verdicts "
                      "below try the pipeline and mean nothing."]
