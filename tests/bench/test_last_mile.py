@@ -64,7 +64,7 @@ def test_float32_cells_against_sdpa_or_the_floor(tmp_path: Path, n: int, k: int,
 
 def test_only_the_auto_and_native_rows_are_judged(tmp_path: Path) -> None:
     path = _training(tmp_path / "t.csv", {(8, 512, 16, 0, "fwd"): (10.0, 5.0)}, backend="fused")
-    with pytest.raises(last_mile.InputError, match="no rows of the auto or native backends"):
+    with pytest.raises(last_mile.CheckError, match="no rows of the auto or native backends"):
         last_mile.check_training(path)
 
 

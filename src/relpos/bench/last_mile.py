@@ -100,8 +100,8 @@ class Target:
         return f"{value:.2f}x (limit {limit:.2f}) at {label}"
 
 
-class InputError(Exception):
-    """A report that cannot be read as the option says."""
+class CheckError(Exception):
+    """A report that cannot be read as the option says, or a measurement that failed."""
 
 
 def _rows(path: Path, needs: Sequence[str], option: str) -> list[dict[str, str]]:
@@ -109,11 +109,11 @@ def _rows(path: Path, needs: Sequence[str], option: str) -> list[dict[str, str]]
         with path.open(newline="", encoding="utf-8") as handle:
             rows = list(csv.DictReader(handle))
     except OSError as error:
-        raise InputError(f"{option} {path}: {error.strerror or error}") from None
+        raise CheckError(f"{option} {path}: {error.strerror or error}") from None
     header = set(rows[0]) if rows else set()
     missing = [c for c in needs if c not in header]
     if not rows or missing:
-        raise InputError(f"{option} {path}: not the CSV of that report (needs the columns "
+        raise CheckError(f"{option} {path}: not the CSV of that report (needs the columns "
                          f"{', '.join(needs)}; {'it has no rows' if not rows else 'missing '}"
                          f"{', '.join(missing)})")
     return rows
@@ -126,14 +126,14 @@ def _number(row: dict[str, str], column: str, option: str, path: Path) -> float 
     try:
         return float(text)
     except ValueError:
-        raise InputError(f"{option} {path}: column {column} holds {text!r}, not a "
+        raise CheckError(f"{option} {path}: column {column} holds {text!r}, not a "
                          "number") from None
 
 
 def _int(row: dict[str, str], column: str, option: str, path: Path) -> int:
     value = _number(row, column, option, path)
     if value is None or value != int(value):
-        raise InputError(f"{option} {path}: column {column} holds {row.get(column)!r}, not "
+        raise CheckError(f"{option} {path}: column {column} holds {row.get(column)!r}, not "
                          "a whole number")
     return int(value)
 
@@ -166,7 +166,7 @@ def _training_cells(path: Path, option: str) -> dict[tuple[int, int, int, bool, 
         b, n, k = (_int(row, c, option, path) for c in ("B", "n", "K"))
         cells[b, n, k, causal, row["pass"]] = (ms, ratio)
     if not cells:
-        raise InputError(f"{option} {path}: no rows of the {' or '.join(CHECKED_BACKENDS)} "
+        raise CheckError(f"{option} {path}: no rows of the {' or '.join(CHECKED_BACKENDS)} "
                          "backends to check")
     return cells
 
@@ -390,7 +390,7 @@ def measure(out: Path, *, quick: bool = False) -> None:
                               env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **extra},
                               stdout=subprocess.DEVNULL, check=False)
         if done.returncode:
-            raise InputError(f"the {name} measurement failed (exit {done.returncode}): "
+            raise CheckError(f"the {name} measurement failed (exit {done.returncode}): "
                              f"{shown}")
     if not any(name == "decode" for name, _, _ in commands):
         print("relpos: last mile: ctranslate2 is not installed: the decode target is not "
@@ -441,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.run is not None:
             if args.run.exists() and not args.run.is_dir():
-                raise InputError(f"--run {args.run}: that is a file, not a directory")
+                raise CheckError(f"--run {args.run}: that is a file, not a directory")
             measure(args.run, quick=args.quick)
             args.training = args.run / "fp32" / "training.csv"
             args.bf16 = args.run / "bf16" / "training.csv"
@@ -463,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets += check_decode(args.decode)
         if args.decode_panels:
             targets += check_decode(args.decode_panels, "--decode-panels")
-    except InputError as error:
+    except CheckError as error:
         print(f"relpos: error: {error}", file=sys.stderr)
         return 2
     csvs = [c for c in (args.training, args.bf16, *args.attention, args.decode,
