@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if s.others:
         latest = min(s.others, key=lambda o: o.unused_days)
         print(f"other builds:   {len(s.others)} in the cache, "
-              f"{_megabytes(sum(o.size for o in s.others))}, the latest loaded "
+              f"{build.megabytes(sum(o.size for o in s.others))}, the latest loaded "
               f"{latest.last_used} (other relpos or torch versions or CPUs; relpos kernels "
               "--prune removes them)")
     if s.failure:
@@ -118,16 +118,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
-
-
 def _say_pruned(found: list[Pruned], where: str) -> None:
     """What :func:`relpos.ops.native.build.prune` did, before the listing."""
+    from relpos.ops.native import build
+
     removed = [p for p in found if p.kept is None]
     print(f"pruned:         {len(removed)} build{'' if len(removed) == 1 else 's'} of other "
           f"relpos or torch versions or CPUs from {where}, "
-          f"{_megabytes(sum(p.size for p in removed))}")
+          f"{build.megabytes(sum(p.size for p in removed))}")
     for p in found:
         if p.kept is not None:
             print(f"  kept {p.name}: {p.kept}")

@@ -95,6 +95,7 @@ __all__ = [
     "failure_log",
     "library_path",
     "load",
+    "megabytes",
     "other_builds",
     "prebuilt",
     "prebuilt_root",
@@ -890,9 +891,14 @@ def _older_builds() -> str:
     others = other_builds()
     if not others:
         return ""
-    size = sum(o.size for o in others) / 1e6
     return (f"; the cache holds {len(others)} other build{'' if len(others) == 1 else 's'} "
-            f"({size:.1f} MB; `relpos kernels --prune` removes them)")
+            f"({megabytes(sum(o.size for o in others))}; `relpos kernels --prune` removes "
+            "them)")
+
+
+def megabytes(size: int) -> str:
+    """``size`` bytes as the kernels' messages say it: ``"84.6 MB"``."""
+    return f"{size / 1e6:.1f} MB"
 
 
 def prune(root: Path | None = None, *, unused_days: float = 0.0) -> list[Pruned]:
