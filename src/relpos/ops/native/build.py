@@ -155,7 +155,8 @@ def _libtorch_cpu() -> str | None:
 @functools.cache
 def have_blas() -> bool:
     """Whether libtorch exports MKL's ``sgemm_``/``dgemm_`` (x86 wheels do), which the
-    kernels then call for their block GEMMs; without them they use plain C++ loops."""
+    kernels then call for their block GEMMs; without them (aarch64 and other wheels) the
+    kernels run them on libtorch's own matrix multiply."""
     return all(_exported(s) for s in ("sgemm_", "dgemm_"))
 
 
@@ -166,6 +167,10 @@ def build_facts(module: ModuleType) -> dict[str, str]:
 
 
 SGEMM_ENV = "RELPOS_NATIVE_SGEMM"  # =blas: float32 GEMMs on the BLAS (read once per process)
+BLAS_ENV = "RELPOS_NATIVE_BLAS"  # =aten: the BLAS GEMMs on libtorch's matrix multiply
+
+#: What the kernels' GEMMs run on where they are not on the kernels' own vectors.
+_ATEN_GEMM = "libtorch's matrix multiply (at::addmm, the BLAS torch.mm runs on)"
 
 
 def float_gemms(serving: str | None = None) -> str:
@@ -173,15 +178,20 @@ def float_gemms(serving: str | None = None) -> str:
     it (predicted without loading them): float32 on the kernels' own vectors where the build
     (for this CPU, or the prebuilt variant ``serving``) has AVX-512, unless
     ``RELPOS_NATIVE_SGEMM=blas``; on its AVX2 vectors only under ``RELPOS_NATIVE_SGEMM=vec``
-    (they ran at MKL's speed); float64, and float32 otherwise, on libtorch's MKL (plain C++
-    loops without it)."""
+    (they ran at MKL's speed); float64, and float32 otherwise, on libtorch's MKL
+    (``sgemm_``/``dgemm_``), or where libtorch exports no such symbols (or
+    ``RELPOS_NATIVE_BLAS=aten`` asks) on libtorch's own matrix multiply."""
     from relpos.ops.native.variants import variant
 
-    blas = "MKL's sgemm_" if have_blas() else "plain C++ loops"
-    dgemm = "MKL's dgemm_ (libtorch's)" if have_blas() else "plain C++ loops"
     want = os.environ.get(SGEMM_ENV, "")
     if want not in ("", "vec", "blas"):
         return f"float32 calls refused: {SGEMM_ENV}={want!r} is neither vec nor blas"
+    route = os.environ.get(BLAS_ENV, "")
+    if route not in ("", "aten", "blas"):
+        return f"every call refused: {BLAS_ENV}={route!r} is neither aten nor blas"
+    aten = route == "aten" or not have_blas()
+    blas = _ATEN_GEMM if aten else "MKL's sgemm_"
+    dgemm = _ATEN_GEMM if aten else "MKL's dgemm_ (libtorch's)"
     if serving is not None:
         vectors = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(variant(serving).capability)
     else:
@@ -192,10 +202,7 @@ def float_gemms(serving: str | None = None) -> str:
             vectors = None
     if vectors is None or want == "blas" or (vectors == "AVX2" and want != "vec"):
         other = f" ({SGEMM_ENV}=vec: the kernels' AVX2 vectors)" if vectors == "AVX2" else ""
-        loops = "" if have_blas() else (
-            " (so relpos leaves its calls to the PyTorch backends unless implementation="
-            "'native' asks for the kernels)")
-        return f"float32 {blas}{other}; float64 {dgemm}{loops}"
+        return f"float32 {blas}{other}; float64 {dgemm}"
     return f"float32 on the kernels' {vectors} vectors ({SGEMM_ENV}=blas: {blas}); float64 {dgemm}"
 
 

@@ -41,7 +41,9 @@
 //
 // GEMMs: MKL's sgemm_/dgemm_ as exported by libtorch (RELPOS_HAVE_BLAS; MKL runs on the task's
 // thread, as in torch's own flash kernel, also for a lone task that at::parallel_for runs
-// inline: SingleThreadedBlas); a plain C++ fallback otherwise.
+// inline: SingleThreadedBlas); libtorch's own matrix multiply (at::cpu::addmm_out, whatever BLAS
+// it was built with) where it exports none. float32 GEMMs on the kernels' own AVX-512 vectors
+// where the build has them (vec_sgemm).
 //
 // The entry points release the GIL: nothing below them touches a Python object.
 //
@@ -57,6 +59,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
 
 #include <algorithm>
 #include <chrono>
@@ -181,29 +184,43 @@ class SingleThreadedBlas {
   bool set_ = false;
 };
 
+// libtorch's own matrix multiply (at::cpu::addmm_out on the operands as strided tensors, no
+// copy, past the dispatcher): the GEMM torch.mm runs, on whatever BLAS this libtorch was built
+// with (MKL, OpenBLAS, Accelerate, Arm Compute Library through oneDNN, or ATen's own loops).
+// The route where libtorch exports no sgemm_/dgemm_ (a wheel without MKL, as non-x86 ones
+// are), and on request (RELPOS_NATIVE_BLAS=aten, read once per process) where it does.
 template <typename T>
-static void gemm_fallback(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha,
-                          const T* A, int64_t lda, const T* B, int64_t ldb, T beta, T* C,
-                          int64_t ldc) {
-  for (int64_t i = 0; i < M; ++i) {
-    T* c = C + i * ldc;
-    if (beta == T(0)) {
-      for (int64_t j = 0; j < N; ++j) c[j] = T(0);
-    } else if (beta != T(1)) {
-      for (int64_t j = 0; j < N; ++j) c[j] *= beta;
-    }
-    for (int64_t kk = 0; kk < K; ++kk) {
-      const T a = alpha * (ta ? A[kk * lda + i] : A[i * lda + kk]);
-      if (a == T(0)) continue;
-      if (!tb) {
-        const T* b = B + kk * ldb;
-#pragma omp simd
-        for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
-      } else {
-        for (int64_t j = 0; j < N; ++j) c[j] += a * B[j * ldb + kk];
-      }
-    }
-  }
+static void gemm_aten(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                      int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  // op(A) is (M, K): A itself is (K, M) with rows lda apart when read transposed.
+  const at::Tensor a = at::from_blob(const_cast<T*>(A), {M, K},
+                                     ta ? std::vector<int64_t>{1, lda}
+                                        : std::vector<int64_t>{lda, 1}, options);
+  const at::Tensor b = at::from_blob(const_cast<T*>(B), {K, N},
+                                     tb ? std::vector<int64_t>{1, ldb}
+                                        : std::vector<int64_t>{ldb, 1}, options);
+  at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, options);
+  at::cpu::addmm_out(c, c, a, b, beta, alpha);  // beta == 0: C's old contents (even NaN) unread
+}
+
+// Whether the GEMMs not on the kernels' vectors run on libtorch's matrix multiply rather than
+// the BLAS's sgemm_/dgemm_: always without them (RELPOS_HAVE_BLAS unset), else where
+// RELPOS_NATIVE_BLAS=aten asks (blas, or unset, keeps sgemm_/dgemm_).
+static bool aten_gemm_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("RELPOS_NATIVE_BLAS");
+    const std::string want = v != nullptr ? v : "";
+    TORCH_CHECK(want.empty() || want == "aten" || want == "blas",
+                "relpos native: RELPOS_NATIVE_BLAS must be aten or blas (or unset), got '", want,
+                "'");
+#ifdef RELPOS_HAVE_BLAS
+    return want == "aten";
+#else
+    return true;
+#endif
+  }();
+  return on;
 }
 
 // float32 GEMMs on the kernels' own vectors where the build has them (vec_sgemm, below):
@@ -224,6 +241,10 @@ static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alp
   if constexpr (std::is_same_v<T, float>) {
     if (vec_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
   }
+  if (aten_gemm_on()) {
+    gemm_aten(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
 #ifdef RELPOS_HAVE_BLAS
   // Column-major BLAS on row-major data: C^T = op(B)^T op(A)^T.
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
@@ -235,8 +256,6 @@ static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alp
   } else {
     dgemm_(cta, ctb, &m, &n, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
   }
-#else
-  gemm_fallback(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
 }
 
@@ -1737,9 +1756,7 @@ static bool vec_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float a
                       float* C, int64_t ldc) {
 #if defined(RELPOS_VEC_FLOAT)
   if (!vec_sgemm_on() || (beta != 0.0f && beta != 1.0f)) return false;
-#ifdef RELPOS_HAVE_BLAS
   if (tb && M < kTransposedRows) return false;
-#endif
   vec_sgemm_run(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   return true;
 #else
@@ -3726,11 +3743,7 @@ std::string bf16_gemm_name() {
 }
 
 std::string build_info() {
-#ifdef RELPOS_HAVE_BLAS
-  std::string info = "blas=mkl";
-#else
-  std::string info = "blas=fallback";
-#endif
+  std::string info = aten_gemm_on() ? "blas=aten" : "blas=mkl";
   std::string half;
   if (has_low_gemm<c10::BFloat16>()) half = "bf16";
   if (has_low_gemm<c10::Half>()) half += half.empty() ? "fp16" : ",fp16";

@@ -1,0 +1,68 @@
+"""The native kernels with their GEMMs on libtorch's own matrix multiply (at::addmm): the route
+where libtorch exports no BLAS ``sgemm_``/``dgemm_`` (a wheel without MKL, as non-x86 ones
+are), which ``RELPOS_NATIVE_BLAS=aten`` asks for here. Each check runs in a process of its own, as
+the kernels read the switch once per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# float32 GEMMs on the BLAS too (not the kernels' own vectors): every GEMM takes the route.
+ATEN = {"RELPOS_NATIVE_BLAS": "aten", "RELPOS_NATIVE_SGEMM": "blas"}
+
+# The reference comparisons of the padded and packed kernels (float64 forward and all five
+# gradients at awkward sizes, masks, windows, non-contiguous float32 views, gradcheck, dropout,
+# seqused_k, half precision, bitwise equality at one and two threads), run on that route.
+AGAINST_THE_REFERENCE = [
+    "tests/ops/test_native.py::test_matches_reference",
+    "tests/ops/test_native.py::test_every_query_block_size_matches_reference",
+    "tests/ops/test_native.py::test_float32_rows_match_the_float64_reference",
+    "tests/ops/test_native.py::test_gradcheck",
+    "tests/ops/test_native.py::test_dropout_gradcheck",
+    "tests/ops/test_native_offsets.py",
+    "tests/ops/test_native_varlen.py::test_each_sequence_matches_the_reference",
+    "tests/ops/test_native_varlen.py::test_gradcheck",
+    "tests/ops/test_native_varlen.py::test_seqused_k_matches_the_reference_on_the_used_rows",
+    "tests/ops/test_native_varlen.py::test_bitwise_the_same_at_one_and_two_threads",
+    "tests/ops/test_native_varlen.py::test_half_precision_is_close_to_float64",
+]
+
+
+def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, cwd=ROOT, timeout=600)
+
+
+def test_native_kernels_on_libtorchs_matrix_multiply_say_so_and_match_the_reference() -> None:
+    said = _run(["-c", textwrap.dedent("""
+        from relpos.ops.native import build
+        print(build.load().build_info())
+        print(build.status().blas)
+    """)], **ATEN)
+    assert said.returncode == 0, said.stderr[-3000:]
+    info, line = said.stdout.splitlines()[-2:]
+    assert info.startswith("blas=aten ") and " sgemm=blas " in info, info
+    assert line.startswith("float32 libtorch's matrix multiply"), line
+    assert "float64 libtorch's matrix multiply" in line, line
+    done = _run(["-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                 *AGAINST_THE_REFERENCE], **ATEN)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+def test_native_blas_switch_refuses_a_name_it_does_not_know() -> None:
+    code = textwrap.dedent("""
+        import torch, relpos
+        q = torch.randn(1, 1, 4, 8)
+        relpos.relative_attention(q, q, q, max_distance=1, rel_keys=torch.randn(3, 8),
+                                  implementation="native")
+    """)
+    done = _run(["-c", code], RELPOS_NATIVE_BLAS="openblas", RELPOS_NATIVE_SGEMM="blas")
+    assert done.returncode != 0
+    assert "RELPOS_NATIVE_BLAS must be aten or blas" in done.stderr, done.stderr[-2000:]
+    assert "'openblas'" in done.stderr, done.stderr[-2000:]
