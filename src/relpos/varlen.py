@@ -281,8 +281,9 @@ def validate_varlen_call(
 
 def _native_reason(call: VarlenCall) -> str | None:
     """Why the native kernels do not serve the packed call: they cannot, or, picking by
-    itself (``implementation=None``), their GEMMs are plain loops (``native._auto_state``)
-    and the other backends can take the call (not under torch.compile)."""
+    itself (``implementation=None``), they have no vector code and a sequence has more than
+    ``native.SCALAR_MAX_KEYS`` keys, and the other backends can take the call one sequence at
+    a time (not under torch.compile)."""
     from relpos.ops import native
 
     if call.query.device.type != "cpu":
@@ -290,9 +291,13 @@ def _native_reason(call: VarlenCall) -> str | None:
                 "(allowed: cpu)")
     if call.query.dtype not in _NATIVE_DTYPES:
         return f"dtype {call.query.dtype} is not supported (allowed: {_NATIVE_DTYPES})"
-    if call.implementation is None and call.lengths_q is not None:
-        return native._auto_state() or None
-    return native._state() or None
+    state = native._state()
+    if state or call.implementation is not None or call.lengths_k is None:
+        return state or None
+    longest = max(call.lengths_k, default=0)
+    if native._scalar_rows() and longest > native.SCALAR_MAX_KEYS:
+        return native.SCALAR_REASON.format(S=longest)
+    return None
 
 
 def _longest(call: VarlenCall) -> int:

@@ -112,3 +112,46 @@ def test_ct2_decode_without_the_forward_decodes_only(tmp_path) -> None:  # type:
     assert [r.split(",")[:3] for r in rows] == [["decode", "1", "1"], ["decode", "2", "1"]]
     assert all(r.endswith(",True") for r in rows)
     assert "forward |" not in out.read_text()
+
+
+def test_kernel_variants_times_each_build_on_both_blas_routes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``--aten`` times every build (the native one and each variant asked for) on MKL's
+    sgemm_ and on libtorch's matrix multiply, each in its own process with the switches set,
+    and gives each at::addmm column's ratio to the same build on sgemm_."""
+    from relpos.bench import kernel_variants
+    from relpos.ops.native import build
+
+    libs = {}
+    for name in ("avx2", "baseline"):
+        lib = tmp_path / f"torch-x86_64-{name}-0" / "relpos_native_0.so"
+        lib.parent.mkdir()
+        lib.write_bytes(b"")
+        libs[name] = build.Prebuilt(name, lib, runs=True, problem=None)
+    monkeypatch.setattr(build, "prebuilt", lambda root: list(libs.values()))
+    seen = []
+
+    def one(env, threads, repeats, dtype):  # type: ignore[no-untyped-def]
+        seen.append(env)
+        ms = 10.0 * (2 if env["RELPOS_KERNELS_DIR"] else 1)  # a variant: twice the native time
+        ms *= 1.5 if env.get("RELPOS_NATIVE_BLAS") == "aten" else 1.0
+        return {kernel_variants._key(s): ms for s in kernel_variants.SHAPES}
+
+    monkeypatch.setattr(kernel_variants, "_one", one)
+    table, meta = kernel_variants.run(tmp_path, rounds=1, repeats=1, threads=1,
+                                      variants=["baseline"], aten=True)
+    assert table[0] == ("| B x n | native ms | native on at::addmm ms (/ native) | baseline ms "
+                        "(/ native) | baseline on at::addmm ms (/ baseline) |")
+    assert table[2] == "| 32 x 64 | 10.0 | 15.0 (1.50x) | 20.0 (2.00x) | 30.0 (1.50x) |"
+    assert meta["command"].endswith("--variants baseline --aten")
+    assert len(seen) == 4 and all(env["RELPOS_NATIVE_SGEMM"] == "blas" for env in seen)
+    assert sorted(env["RELPOS_NATIVE_BLAS"] for env in seen) == ["aten", "aten", "blas", "blas"]
+    assert not any("avx2" in env["RELPOS_KERNELS_DIR"] for env in seen)
+
+
+def test_kernel_variants_refuses_a_variant_it_does_not_know(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from relpos.bench import kernel_variants
+
+    with pytest.raises(SystemExit) as caught:
+        kernel_variants.main(["--dir", str(tmp_path), "--variants", "avx9"])
+    assert "--variants: no kernels variant 'avx9'" in str(caught.value.code)
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ torch.nn hands them over; the build (cache, fallback without a compiler, RELPOS_
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 import relpos
 from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
@@ -470,7 +472,7 @@ def test_the_build_state_is_a_constant_for_torch_compile() -> None:
         return ""
 
     marked = torch.compiler.assume_constant_result(probe)
-    for state in (native._state, native._auto_state, native._plain_loops):
+    for state in (native._state, native._scalar_rows):
         assert {k: v for k, v in vars(marked).items()} == {k: v for k, v in vars(state).items()}
 
 
@@ -544,23 +546,39 @@ def test_the_gemm_line_names_where_the_native_float32_gemms_run(
         assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
 
 
-@pytest.mark.parametrize(("cpu", "serving", "loops"), [
-    ("avx512", "baseline", True), ("sse", None, True), ("avx2", None, True),
-    ("avx512", None, False), ("avx512", "avx512", False)])
-def test_the_gemm_line_says_plain_loop_gemms_leave_the_calls_to_pytorch(
-        cpu: str, serving: str | None, loops: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a BLAS in libtorch the GEMMs not on the kernels' vectors are plain C++ loops, and
-    the line says that auto-selection passes such kernels by."""
+@pytest.mark.parametrize(("cpu", "serving", "exported", "route", "vectors"), [
+    ("avx512", "baseline", False, "", False), ("sse", None, False, "", False),
+    ("avx2", None, False, "", False), ("avx512", None, False, "", True),
+    ("avx512", "avx512", False, "", True), ("avx512", None, True, "aten", True),
+    ("avx2", None, True, "aten", False), ("avx512", None, True, "blas", True)])
+def test_the_gemm_line_names_libtorchs_matrix_multiply_without_an_exported_blas(
+        cpu: str, serving: str | None, exported: bool, route: str, vectors: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where libtorch exports no ``sgemm_``/``dgemm_`` (or RELPOS_NATIVE_BLAS=aten asks) the
+    GEMMs not on the kernels' vectors run on libtorch's own matrix multiply, and the line says
+    so for float32 and float64; RELPOS_NATIVE_BLAS=blas keeps MKL's."""
     v3 = {"avx", "avx2", "fma"}
     flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
     monkeypatch.delenv("RELPOS_NATIVE_SGEMM", raising=False)
+    monkeypatch.setenv("RELPOS_NATIVE_BLAS", route)
     monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(build, "have_blas", lambda: False)
+    monkeypatch.setattr(build, "have_blas", lambda: exported)
     monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
     line = build.float_gemms(serving)
-    assert line.startswith("float32 plain C++ loops" if loops else
-                           "float32 on the kernels' AVX-512 vectors"), line
-    assert ("PyTorch backends unless implementation='native'" in line) == loops, line
+    aten = "libtorch's matrix multiply (at::addmm, the BLAS torch.mm runs on)"
+    if route == "blas":
+        assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
+        return
+    assert line.startswith("float32 on the kernels' AVX-512 vectors" if vectors else
+                           f"float32 {aten}"), line
+    assert line.endswith(f"; float64 {aten}"), line
+
+
+def test_the_gemm_line_refuses_a_blas_route_it_does_not_know(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELPOS_NATIVE_BLAS", "openblas")
+    assert build.float_gemms() == ("every call refused: RELPOS_NATIVE_BLAS='openblas' is "
+                                   "neither aten nor blas")
 
 
 def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_asked() -> None:
@@ -623,37 +641,55 @@ def test_native_build_info_names_the_vector_code_built_for_this_cpu() -> None:
     assert _vectorized(module) == (want != "none")
 
 
-def test_auto_selection_passes_native_kernels_with_plain_loop_gemms_by(
+def test_auto_selection_takes_native_kernels_without_vector_code_up_to_512_keys(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Kernels whose GEMMs are plain C++ loops (no BLAS in libtorch, no vector GEMMs: a build
-    for a CPU other than x86-64's) are passed by when relpos picks, padded and packed, with
-    the reason; asked for by name they still serve, exactly."""
+    """Kernels without vector code (``vectors=none``: a build for a CPU other than x86-64's,
+    or the baseline variant) are picked by auto-selection for calls of at most
+    SCALAR_MAX_KEYS keys, padded and packed (by the packed call's longest sequence), and
+    passed by beyond with the reason; kernels with vector code at every length; asked for by
+    name they serve any call, exactly."""
     from relpos.ops import native as native_ops
 
+    assert native_ops.SCALAR_MAX_KEYS == 512
     module = build.load()
-    loops = "blas=fallback amx=none avx512bf16=none sgemm=blas vectors=none half_gemm=none"
-    q, k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64) for _ in range(3))
+    scalar = "blas=aten amx=none avx512bf16=none sgemm=blas vectors=none half_gemm=none"
     table = torch.randn(5, 8, dtype=torch.float64)
     kw = dict(max_distance=2, rel_keys=table, rel_values=table)
-    packed = dict(query=q[0].transpose(0, 1), key=k[0].transpose(0, 1),
-                  value=v[0].transpose(0, 1), cu_seqlens_q=torch.tensor([0, 4, 9]),
-                  cu_seqlens_k=torch.tensor([0, 4, 9]), **kw)
-    assert relpos.select_backend(q, k, v, **kw) == "native"
-    assert relpos.select_backend_varlen(**packed) == "native"
-    for info in (loops, loops.replace("sgemm=blas", "sgemm=vec").replace("fallback", "mkl")):
+
+    def padded(S: int) -> tuple[Tensor, Tensor, Tensor]:
+        return (torch.randn(1, 2, 3, 8, dtype=torch.float64),
+                *(torch.randn(1, 2, S, 8, dtype=torch.float64) for _ in range(2)))
+
+    def packed(*lengths: int) -> dict[str, object]:
+        total = sum(lengths)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)])
+        return dict(query=torch.randn(total, 2, 8, dtype=torch.float64),
+                    key=torch.randn(total, 2, 8, dtype=torch.float64),
+                    value=torch.randn(total, 2, 8, dtype=torch.float64),
+                    cu_seqlens_q=cu, cu_seqlens_k=cu, **kw)
+
+    for info in (scalar, scalar.replace("vectors=none", "vectors=avx512")):
         monkeypatch.setattr(module, "build_info", lambda i=info: i)
-        on_loops = info == loops
-        assert (native_ops._auto_state() != "") == on_loops
-        reason = relpos.explain_backends(q, k, v, **kw)["native"]
-        assert (reason is not None and "plain C++ loops" in str(reason)) == on_loops
-        assert (relpos.select_backend(q, k, v, **kw) == "native") != on_loops
-        reasons = relpos.explain_backends_varlen(**packed)
-        assert (reasons["native"] is not None and "plain C++ loops" in reasons["native"]) \
-            == on_loops
-        assert (relpos.select_backend_varlen(**packed) == "native") != on_loops
+        on_scalar = info == scalar
+        for S in (9, 512, 513):
+            q, k, v = padded(S)
+            passed = on_scalar and S > 512
+            assert (relpos.select_backend(q, k, v, **kw) == "native") != passed, (info, S)
+            reason = relpos.explain_backends(q, k, v, **kw)["native"]
+            assert (reason is not None and "no vector code" in str(reason)
+                    and f"S={S} keys" in str(reason)) == passed, (S, reason)
+        for lengths in ((5, 512, 7), (5, 513, 7)):
+            call = packed(*lengths)
+            passed = on_scalar and max(lengths) > 512
+            assert (relpos.select_backend_varlen(**call) == "native") != passed, lengths
+            reason = relpos.explain_backends_varlen(**call)["native"]
+            assert (reason is not None and "no vector code" in reason) == passed, reason
+    monkeypatch.setattr(module, "build_info", lambda: scalar)
+    q, k, v = padded(600)
     # asked for by name: served, the reference's result
     torch.testing.assert_close(
         relpos.relative_attention(q, k, v, **kw, implementation="native"),
         relpos.relative_attention(q, k, v, **kw, implementation="reference"))
     assert relpos.select_backend(q, k, v, **kw, implementation="native") == "native"
-    assert relpos.select_backend_varlen(**packed, implementation="native") == "native"
+    assert relpos.select_backend_varlen(**packed(5, 600, 7), implementation="native") \
+        == "native"

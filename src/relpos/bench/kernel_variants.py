@@ -17,7 +17,13 @@ options)::
 
 ``--dir`` defaults to ``build/kernel-variants``, where the variants are built first if absent
 (about a minute each); writes ``kernel_variants.md`` (``kernel_variants_bf16.md`` for
-bfloat16).
+bfloat16). ``--variants NAMES`` times only those variants of the directory.
+
+``--aten`` times each build twice, every GEMM not on the kernels' own vectors on MKL's
+``sgemm_``/``dgemm_`` as libtorch exports them (``RELPOS_NATIVE_SGEMM=blas``: float32 too)
+and on libtorch's own matrix multiply (``RELPOS_NATIVE_BLAS=aten``, the route of a libtorch
+that exports no BLAS: a wheel without MKL, as non-x86 ones are); each ``at::addmm`` column's
+ratio is to the same build on ``sgemm_``. Writes ``kernel_variants_aten.md``.
 """
 
 from __future__ import annotations
@@ -78,19 +84,32 @@ def _one(env: dict[str, str], threads: int, repeats: int, dtype: str) -> dict[st
     return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
 
 
-def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float32"
+_ATEN = " on at::addmm"  # the suffix of a build's name timed on libtorch's matrix multiply
+
+
+def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float32",
+        variants: Sequence[str] | None = None, aten: bool = False
         ) -> tuple[list[str], dict[str, str]]:
     from relpos.ops.native import build
 
-    entries = [p for p in build.prebuilt(root) if p.problem is None and p.runs]
+    entries = [p for p in build.prebuilt(root) if p.problem is None and p.runs
+               and (variants is None or p.variant in variants)]
     if not entries:
-        raise SystemExit(f"relpos: error: {root} holds no variant this CPU runs")
+        raise SystemExit(f"relpos: error: {root} holds no variant this CPU runs"
+                         + ("" if variants is None else f" among {', '.join(variants)}"))
     clock = common.RunClock()
     with tempfile.TemporaryDirectory() as scratch:
         envs = {"native": {**os.environ, "RELPOS_KERNELS_DIR": ""}}
         for p in entries:  # a directory per variant, holding it alone
             shutil.copytree(p.library.parent, Path(scratch) / p.variant / p.library.parent.name)
             envs[p.variant] = {**os.environ, "RELPOS_KERNELS_DIR": str(Path(scratch) / p.variant)}
+        if aten:  # each build on sgemm_, then on at::addmm
+            on_blas = {name: {**env, "RELPOS_NATIVE_SGEMM": "blas", "RELPOS_NATIVE_BLAS": "blas"}
+                       for name, env in envs.items()}
+            envs = {}
+            for name, env in on_blas.items():
+                envs[name] = env
+                envs[name + _ATEN] = {**env, "RELPOS_NATIVE_BLAS": "aten"}
         times: dict[str, list[dict[str, float]]] = {name: [] for name in envs}
         for r in range(rounds):
             for name in (list(envs) if r % 2 == 0 else list(envs)[::-1]):
@@ -98,20 +117,24 @@ def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float
             print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     median = {name: {_key(s): statistics.median(t[_key(s)] for t in runs) for s in SHAPES}
               for name, runs in times.items()}
+    columns = [(name, name.removesuffix(_ATEN) if name.endswith(_ATEN) else "native")
+               for name in envs if name != "native"]
     rows = []
     for s in SHAPES:
         k = _key(s)
         cells = [f"{s[0]} x {s[1]}{' causal' if s[2] else ''}", f"{median['native'][k]:.1f}"]
-        cells += [f"{median[p.variant][k]:.1f} ({median[p.variant][k] / median['native'][k]:.2f}x)"
-                  for p in entries]
+        cells += [f"{median[name][k]:.1f} ({median[name][k] / median[base][k]:.2f}x)"
+                  for name, base in columns]
         rows.append(cells)
-    headers = ["B x n", "native ms", *[f"{p.variant} ms (/ native)" for p in entries]]
+    headers = ["B x n", "native ms", *[f"{name} ms (/ {base})" for name, base in columns]]
     meta = {
         "date": common.report_date(),
         "command": "OMP_WAIT_POLICY=PASSIVE "
                    f"{common.script_command('relpos.bench.kernel_variants')} "
                    f"--rounds {rounds} --repeats {repeats} --threads {threads}"
-                   + ("" if dtype == "float32" else f" --dtype {dtype}"),
+                   + ("" if dtype == "float32" else f" --dtype {dtype}")
+                   + ("" if variants is None else f" --variants {','.join(variants)}")
+                   + (" --aten" if aten else ""),
         **common.environment(threads),
         "dtype": dtype,
         **clock.meta(),
@@ -126,13 +149,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated variants to time (default: every one the CPU runs)")
+    parser.add_argument("--aten", action="store_true",
+                        help="time each build on MKL's sgemm_ and on libtorch's matrix multiply")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     from relpos.ops.native import build
 
-    build.build_into(args.dir)  # keeps the variants already there
-    table, meta = run(args.dir, args.rounds, args.repeats, args.threads, args.dtype)
-    name = "kernel_variants.md" if args.dtype == "float32" else "kernel_variants_bf16.md"
+    chosen = None if args.variants is None else [v for v in args.variants.split(",") if v]
+    try:
+        build.build_into(args.dir, chosen)  # keeps the variants already there
+    except ValueError as err:  # a variant this architecture does not have
+        raise SystemExit(f"relpos: error: --variants: {err}") from None
+    table, meta = run(args.dir, args.rounds, args.repeats, args.threads, args.dtype,
+                      chosen, args.aten)
+    name = ("kernel_variants_aten.md" if args.aten else
+            "kernel_variants.md" if args.dtype == "float32" else "kernel_variants_bf16.md")
     return common.print_report(
         "Native kernels: portable variants against this CPU's build",
         __doc__, meta, table, args.out, name)

@@ -42,6 +42,7 @@ from relpos.ops.call import AttentionCall, Reason, ensure_served, needs_backward
 from relpos.ops.native import build
 
 __all__ = [
+    "SCALAR_MAX_KEYS",
     "attention",
     "auto_reason",
     "available",
@@ -71,32 +72,30 @@ def _state() -> str:
     return ""
 
 
-def _auto_state() -> str:
-    """Why auto-selection passes the kernels by ("" when it picks them): they cannot run here
-    (:func:`_state`), or their GEMMs are plain C++ loops, where libtorch exports no BLAS
-    ``sgemm_`` and the build has no vector GEMMs of its own (those are x86-64's only). The x86-64
-    ``baseline`` variant compiled that way ran 6.5-15x SDPA's time (one thread, 8 x 128 and
-    8 x 512, K = 16, AMD EPYC), where the bucketed and fused backends ran 1.8-6x; asked for by
-    name the kernels still serve. A constant for ``torch.compile``, as :func:`_state`."""
-    return _state() or _plain_loops()
+SCALAR_MAX_KEYS = 512
+"""The most keys (S) at which auto-selection picks kernels built without vector code
+(``vectors=none`` in ``build_info()``: a build for a CPU other than x86-64's, or the x86-64
+``baseline`` variant), whose row passes are compiled C++ loops and whose GEMMs run on the BLAS.
+Measured with the x86-64 ``baseline`` variant on libtorch's matrix multiply
+(``RELPOS_NATIVE_BLAS=aten``, benchmarks/no_vector_kernels.md; AMD EPYC, 2 threads, H=8,
+D=64, K = 16 and 64, 4096 tokens per batch): up to 8 x 512 they ran at 0.57-1.04x the time of
+the faster PyTorch backend, forward and forward + backward, causal or not; from 4 x 1024 on the
+fused backend (torch's vectorized flash kernel) was up to 1.85x faster in the forward. Longer
+calls go to the PyTorch backends' own rule."""
 
 
-def _plain_loops() -> str:
-    """:func:`_auto_state`'s second half, for kernels that are loaded."""
+def _scalar_rows() -> bool:
+    """Whether the loaded kernels have no vector code (``vectors=none``): auto-selection then
+    picks them for calls of at most :data:`SCALAR_MAX_KEYS` keys only. A constant for
+    ``torch.compile``, as :func:`_state`."""
     module = build.load()
-    facts = {} if module is None else build.build_facts(module)
-    if facts.get("blas") == "fallback" and facts.get("sgemm") != "vec":
-        return ("the native kernels here run their GEMMs on plain C++ loops (libtorch exports "
-                "no BLAS, the build has no vector GEMMs): several times the PyTorch backends' "
-                "time; implementation='native' still runs them")
-    return ""
+    return module is not None and build.build_facts(module).get("vectors") == "none"
 
 
 # What torch.compiler.assume_constant_result(_state) does, without importing torch._dynamo (and
 # through it triton) when relpos is imported; tests/ops/test_native.py checks the two agree.
 _state._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_auto_state._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_plain_loops._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_scalar_rows._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _shape4(mask: Tensor) -> tuple[int, ...]:
@@ -125,9 +124,20 @@ def unsupported_reason(call: AttentionCall) -> Reason | str | None:
 
 
 def auto_reason(call: AttentionCall) -> Reason | str | None:
-    """Auto-selection picks the native backend wherever it serves a call, unless its GEMMs
-    are plain C++ loops (:func:`_auto_state`)."""
-    return unsupported_reason(call) or _plain_loops() or None
+    """Auto-selection picks the native backend wherever it serves a call, except kernels
+    without vector code on calls of more than :data:`SCALAR_MAX_KEYS` keys."""
+    reason = unsupported_reason(call)
+    if reason is not None:
+        return reason
+    if _scalar_rows() and call.key_len > SCALAR_MAX_KEYS:
+        return Reason.of(SCALAR_REASON, S=call.key_len)
+    return None
+
+
+SCALAR_REASON = ("the native kernels here have no vector code (a build for a CPU other than "
+                 "x86-64's, or the baseline variant) and the call has S={S} keys, more than "
+                 f"the {SCALAR_MAX_KEYS} up to which they kept pace with the PyTorch backends; "
+                 "implementation='native' still runs them")
 
 
 def masks(call: AttentionCall) -> tuple[Tensor | None, Tensor | None]:
