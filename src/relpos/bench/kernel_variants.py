@@ -156,12 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     from relpos.ops.native import build
+    from relpos.ops.native.variants import variants
 
     chosen = None if args.variants is None else [v for v in args.variants.split(",") if v]
-    try:
-        build.build_into(args.dir, chosen)  # keeps the variants already there
-    except ValueError as err:  # a variant this architecture does not have
-        raise SystemExit(f"relpos: error: --variants: {err}") from None
+    known = [v.name for v in variants()]
+    if chosen is not None and (not chosen or set(chosen) - set(known)):
+        parser.error(f"--variants: unknown {sorted(set(chosen) - set(known))}; allowed: {known}")
+    build.build_into(args.dir, chosen)  # keeps the variants already there
     table, meta = run(args.dir, args.rounds, args.repeats, args.threads, args.dtype,
                       chosen, args.aten)
     name = ("kernel_variants_aten.md" if args.aten else
