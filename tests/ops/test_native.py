@@ -407,6 +407,11 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     if engine == "amx":  # no hedging where the kernels have the tiles
         assert "VDPBF16PS" not in line and "cblas" not in line, line
     assert "float16 tiles widened to float32" in line  # float16's default
+    # the vector code it names is the loaded kernels' (vectors= of their build_info)
+    vectors = build.build_facts(module)["vectors"]
+    line = next(x for x in out.splitlines() if x.startswith("vector code:"))
+    want = {"avx512": "AVX-512 (", "avx2": "AVX2 (", "none": "none ("}[vectors]
+    assert line.removeprefix("vector code:").strip().startswith(want), (line, vectors)
 
 
 def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -572,6 +577,22 @@ def test_the_gemm_line_names_libtorchs_matrix_multiply_without_an_exported_blas(
     assert line.startswith("float32 on the kernels' AVX-512 vectors" if vectors else
                            f"float32 {aten}"), line
     assert line.endswith(f"; float64 {aten}"), line
+
+
+@pytest.mark.parametrize(("machine", "cpu", "serving", "named"), [
+    ("x86_64", "avx512", None, "AVX-512 ("), ("x86_64", "avx2", None, "AVX2 ("),
+    ("x86_64", "sse", None, "none"), ("x86_64", "avx512", "baseline", "none"),
+    ("x86_64", "avx512", "avx2", "AVX2 ("), ("aarch64", "sse", None, "none")])
+def test_the_vector_code_line_says_how_far_auto_selection_takes_kernels_without_it(
+        machine: str, cpu: str, serving: str | None, named: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    v3 = {"avx", "avx2", "fma"}
+    flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(build.platform, "machine", lambda: machine)
+    line = build.vector_code(serving)
+    assert line.startswith(named), line
+    assert ("at most 512 keys" in line) == (named == "none"), line
 
 
 def test_the_gemm_line_refuses_a_blas_route_it_does_not_know(

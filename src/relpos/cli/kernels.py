@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"native kernels: {state}")
     print(f"cache:          {s.directory}")
     print(f"ISA:            {s.isa}")
+    print(f"vector code:    {s.vectors}")
     print(f"torch:          {s.torch_version}")
     print(f"GEMMs:          {s.blas}")
     print(f"16-bit GEMMs:   {s.half}")

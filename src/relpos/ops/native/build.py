@@ -173,6 +173,32 @@ BLAS_ENV = "RELPOS_NATIVE_BLAS"  # =aten: the BLAS GEMMs on libtorch's matrix mu
 _ATEN_GEMM = "libtorch's matrix multiply (at::addmm, the BLAS torch.mm runs on)"
 
 
+def _vectors(serving: str | None) -> str | None:
+    """The vector code of the kernels that serve here (predicted without loading them):
+    ``"AVX-512"``, ``"AVX2"`` or None, for this CPU's own build or the prebuilt variant
+    ``serving``."""
+    from relpos.ops.native.variants import variant
+
+    if serving is not None:
+        return {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(variant(serving).capability)
+    if platform.machine() != "x86_64":
+        return None
+    flags = cpu_flags() or frozenset()
+    return "AVX-512" if "avx512f" in flags else "AVX2" if {"avx2", "fma"} <= flags else None
+
+
+def vector_code(serving: str | None = None) -> str:
+    """What ``relpos kernels`` says of the kernels' vector code (:func:`_vectors`), and for
+    kernels without it the length up to which auto-selection takes them."""
+    from relpos.ops.native import SCALAR_MAX_KEYS
+
+    vectors = _vectors(serving)
+    if vectors is not None:
+        return f"{vectors} (row passes, exponentials, masks, decode attention)"
+    return (f"none (compiled C++ loops): auto-selection takes the kernels for calls of at most "
+            f"{SCALAR_MAX_KEYS} keys, the PyTorch backends beyond")
+
+
 def float_gemms(serving: str | None = None) -> str:
     """How the kernels run their float32 and float64 block GEMMs, as ``relpos kernels`` says
     it (predicted without loading them): float32 on the kernels' own vectors where the build
@@ -181,8 +207,6 @@ def float_gemms(serving: str | None = None) -> str:
     (they ran at MKL's speed); float64, and float32 otherwise, on libtorch's MKL
     (``sgemm_``/``dgemm_``), or where libtorch exports no such symbols (or
     ``RELPOS_NATIVE_BLAS=aten`` asks) on libtorch's own matrix multiply."""
-    from relpos.ops.native.variants import variant
-
     want = os.environ.get(SGEMM_ENV, "")
     if want not in ("", "vec", "blas"):
         return f"float32 calls refused: {SGEMM_ENV}={want!r} is neither vec nor blas"
@@ -192,14 +216,7 @@ def float_gemms(serving: str | None = None) -> str:
     aten = route == "aten" or not have_blas()
     blas = _ATEN_GEMM if aten else "MKL's sgemm_"
     dgemm = _ATEN_GEMM if aten else "MKL's dgemm_ (libtorch's)"
-    if serving is not None:
-        vectors = {"AVX512": "AVX-512", "AVX2": "AVX2"}.get(variant(serving).capability)
-    else:
-        flags = cpu_flags() or frozenset()
-        vectors = ("AVX-512" if "avx512f" in flags else
-                   "AVX2" if {"avx2", "fma"} <= flags else None)
-        if platform.machine() != "x86_64":
-            vectors = None
+    vectors = _vectors(serving)
     if vectors is None or want == "blas" or (vectors == "AVX2" and want != "vec"):
         other = f" ({SGEMM_ENV}=vec: the kernels' AVX2 vectors)" if vectors == "AVX2" else ""
         return f"float32 {blas}{other}; float64 {dgemm}"
@@ -1035,6 +1052,7 @@ class KernelStatus:
     prebuilt_root: Path | None = None
     prebuilt: tuple[Prebuilt, ...] = ()
     half: str = ""  # how 16-bit inputs' GEMMs run (half_gemms())
+    vectors: str = ""  # the kernels' vector code (vector_code())
     others: tuple[Pruned, ...] = ()  # the cache's builds this installation does not use
 
     @property
@@ -1061,5 +1079,5 @@ def status() -> KernelStatus:
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, _NOT_BUILT) else problem,
         prebuilt_root=root, prebuilt=found,
-        half=half_gemms(serving), others=tuple(other_builds()),
+        half=half_gemms(serving), vectors=vector_code(serving), others=tuple(other_builds()),
     )
