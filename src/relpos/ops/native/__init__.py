@@ -89,7 +89,15 @@ def _scalar_rows() -> bool:
     picks them for calls of at most :data:`SCALAR_MAX_KEYS` keys only. A constant for
     ``torch.compile``, as :func:`_state`."""
     module = build.load()
-    return module is not None and build.build_facts(module).get("vectors") == "none"
+    if module is None:
+        return False
+    info = module.build_info  # asked on every call: read once per loaded module
+    if info not in _SCALAR_ROWS:
+        _SCALAR_ROWS[info] = build.build_facts(module).get("vectors") == "none"
+    return _SCALAR_ROWS[info]
+
+
+_SCALAR_ROWS: dict[Any, bool] = {}
 
 
 # What torch.compiler.assume_constant_result(_state) does, without importing torch._dynamo (and
