@@ -496,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or 1)
     ctx = init_distributed(args.device)
     try:
-        _, metrics = train(
+        metrics = train(
             model_config,
             task,
             config,
@@ -506,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
             ctx=ctx,
             log=print,
             parallel=parallelism(args),
-        )
+        )[1]  # the model is not kept: it is freed before the process group is left
     except RuntimeError as err:
         if not _out_of_memory(err):
             raise

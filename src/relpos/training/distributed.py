@@ -12,6 +12,7 @@ evaluates, reports and writes files. ``relpos train --nproc N`` starts torchrun 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -112,8 +113,11 @@ def refuse_together(refusal: str | None, *, timeout_s: float = 120.0) -> str | N
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Leave the process group (if one was joined)."""
+    """Leave the process group (if one was joined), after freeing what nothing reaches any
+    more (a sharded model the caller dropped, whose collectives' state would otherwise be torn
+    down with the interpreter, after the group)."""
     if ctx.distributed and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
