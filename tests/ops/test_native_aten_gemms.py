@@ -6,9 +6,11 @@ the kernels read the switch once per process."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +33,10 @@ AGAINST_THE_REFERENCE = [
     "tests/ops/test_native_varlen.py::test_bitwise_the_same_at_one_and_two_threads",
     "tests/ops/test_native_varlen.py::test_half_precision_is_close_to_float64",
 ]
+
+
+# The suite's kernels directory (tests/ops/test_native_build.py builds the same, under its lock).
+PREBUILT = Path(ROOT) / "build" / "relpos-prebuilt"
 
 
 def _run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
@@ -66,3 +72,29 @@ def test_native_blas_switch_refuses_a_name_it_does_not_know() -> None:
     assert done.returncode != 0
     assert "RELPOS_NATIVE_BLAS must be aten or blas" in done.stderr, done.stderr[-2000:]
     assert "'openblas'" in done.stderr, done.stderr[-2000:]
+
+
+def test_native_baseline_variant_on_libtorchs_matrix_multiply_matches_the_reference(
+        tmp_path: Path) -> None:
+    """What a CPU other than x86-64's runs, as near as this machine gets: kernels without
+    vector code (the baseline variant, ``vectors=none``) with every GEMM on libtorch's matrix
+    multiply; the same reference comparisons (auto-selection's own check left out where the
+    call has more than 512 keys, which such kernels leave to the PyTorch backends)."""
+    from relpos.cli import main
+    from relpos.ops.native import build
+
+    assert main(["kernels", "--build", "--into", str(PREBUILT), "--variants", "baseline"]) == 0
+    (entry,) = [p for p in build.prebuilt(PREBUILT) if p.variant == "baseline"]
+    shutil.copytree(entry.library.parent, tmp_path / entry.library.parent.name)
+    env = {**ATEN, "RELPOS_KERNELS_DIR": str(tmp_path)}
+    said = _run(["-c", "from relpos.ops.native import build; m = build.load(); "
+                       "print(m.__file__); print(m.build_info())"], **env)
+    assert said.returncode == 0, said.stderr[-3000:]
+    library, info = said.stdout.splitlines()[-2:]
+    assert "-baseline-" in library and info.startswith("blas=aten "), (library, info)
+    assert " vectors=none " in info, info
+    done = _run(["-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+                 "-k", "not (test_matches_reference and 600)", *AGAINST_THE_REFERENCE], **env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+    assert "deselected" in done.stdout, done.stdout[-2000:]
