@@ -155,7 +155,7 @@ def _libtorch_cpu() -> str | None:
 @functools.cache
 def have_blas() -> bool:
     """Whether libtorch exports MKL's ``sgemm_``/``dgemm_`` (x86 wheels do), which the
-    kernels then call for their block GEMMs; without them (aarch64 and other wheels) the
+    kernels then call for their block GEMMs; without them (a wheel without MKL) the
     kernels run them on libtorch's own matrix multiply."""
     return all(_exported(s) for s in ("sgemm_", "dgemm_"))
 
