@@ -585,14 +585,22 @@ def test_the_gemm_line_names_libtorchs_matrix_multiply_without_an_exported_blas(
     ("x86_64", "avx512", "avx2", "AVX2 ("), ("aarch64", "sse", None, "none")])
 def test_the_vector_code_line_says_how_far_auto_selection_takes_kernels_without_it(
         machine: str, cpu: str, serving: str | None, named: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     v3 = {"avx", "avx2", "fma"}
     flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
     monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(build.platform, "machine", lambda: machine)
     line = build.vector_code(serving)
     assert line.startswith(named), line
-    assert ("at most 512 keys" in line) == (named == "none"), line
+    assert (line == "none (compiled C++ loops)") == (named == "none"), line
+    # relpos kernels adds how far auto-selection takes kernels without vector code
+    from relpos.cli import main
+
+    monkeypatch.setattr(build, "vector_code", lambda serving=None: line)
+    assert main(["kernels"]) == 0
+    printed = next(x for x in capsys.readouterr().out.splitlines()
+                   if x.startswith("vector code:"))
+    assert printed.endswith("at most 512 keys, the PyTorch backends beyond") == (named == "none")
 
 
 def test_the_gemm_line_refuses_a_blas_route_it_does_not_know(

@@ -97,7 +97,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"native kernels: {state}")
     print(f"cache:          {s.directory}")
     print(f"ISA:            {s.isa}")
-    print(f"vector code:    {s.vectors}")
+    if s.vectors.startswith("none"):
+        from relpos.ops.native import SCALAR_MAX_KEYS
+
+        print(f"vector code:    {s.vectors}: auto-selection takes the kernels for calls of at "
+              f"most {SCALAR_MAX_KEYS} keys, the PyTorch backends beyond")
+    else:
+        print(f"vector code:    {s.vectors}")
     print(f"torch:          {s.torch_version}")
     print(f"GEMMs:          {s.blas}")
     print(f"16-bit GEMMs:   {s.half}")

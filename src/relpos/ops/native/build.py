@@ -188,15 +188,11 @@ def _vectors(serving: str | None) -> str | None:
 
 
 def vector_code(serving: str | None = None) -> str:
-    """What ``relpos kernels`` says of the kernels' vector code (:func:`_vectors`), and for
-    kernels without it the length up to which auto-selection takes them."""
-    from relpos.ops.native import SCALAR_MAX_KEYS
-
+    """What ``relpos kernels`` says of the kernels' vector code (:func:`_vectors`)."""
     vectors = _vectors(serving)
     if vectors is not None:
         return f"{vectors} (row passes, exponentials, masks, decode attention)"
-    return (f"none (compiled C++ loops): auto-selection takes the kernels for calls of at most "
-            f"{SCALAR_MAX_KEYS} keys, the PyTorch backends beyond")
+    return "none (compiled C++ loops)"
 
 
 def float_gemms(serving: str | None = None) -> str:
