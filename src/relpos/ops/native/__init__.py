@@ -83,6 +83,13 @@ the faster PyTorch backend, forward and forward + backward, causal or not; from 
 fused backend (torch's vectorized flash kernel) was up to 1.85x faster in the forward. Longer
 calls go to the PyTorch backends' own rule."""
 
+#: Why auto-selection passes such kernels by (``S``: the call's keys, or a packed call's longest
+#: sequence's).
+SCALAR_REASON = ("the native kernels here have no vector code (a build for a CPU other than "
+                 "x86-64's, or the baseline variant) and the call has S={S} keys, more than "
+                 f"the {SCALAR_MAX_KEYS} up to which they kept pace with the PyTorch backends; "
+                 "implementation='native' still runs them")
+
 
 def _scalar_rows() -> bool:
     """Whether the loaded kernels have no vector code (``vectors=none``): auto-selection then
@@ -141,11 +148,6 @@ def auto_reason(call: AttentionCall) -> Reason | str | None:
         return Reason.of(SCALAR_REASON, S=call.key_len)
     return None
 
-
-SCALAR_REASON = ("the native kernels here have no vector code (a build for a CPU other than "
-                 "x86-64's, or the baseline variant) and the call has S={S} keys, more than "
-                 f"the {SCALAR_MAX_KEYS} up to which they kept pace with the PyTorch backends; "
-                 "implementation='native' still runs them")
 
 
 def masks(call: AttentionCall) -> tuple[Tensor | None, Tensor | None]:
