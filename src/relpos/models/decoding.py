@@ -113,9 +113,9 @@ def _vectorized(module: Any) -> bool:
     other architectures) the decode kernels are plain loops: on an AMD EPYC the baseline
     variant's decode attention took 5-10x SDPA's time, its panels 1.2-1.7x MKL's at one row
     and 7-9x oneDNN's at eight, so by default the step does not use them there."""
-    from relpos.ops.native.build import build_facts
+    from relpos.ops.native.build import has_vectors
 
-    return build_facts(module).get("vectors", "none") != "none"
+    return has_vectors(module)
 
 
 def decode_packing() -> str:

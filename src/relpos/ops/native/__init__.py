@@ -100,7 +100,7 @@ def _scalar_rows() -> bool:
         return False
     info = module.build_info  # asked on every call: read once per loaded module
     if info not in _SCALAR_ROWS:
-        _SCALAR_ROWS[info] = build.build_facts(module).get("vectors") == "none"
+        _SCALAR_ROWS[info] = not build.has_vectors(module)
     return _SCALAR_ROWS[info]
 
 

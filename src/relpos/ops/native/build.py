@@ -93,6 +93,7 @@ __all__ = [
     "disabled",
     "failure",
     "failure_log",
+    "has_vectors",
     "library_path",
     "load",
     "megabytes",
@@ -164,6 +165,13 @@ def build_facts(module: ModuleType) -> dict[str, str]:
     """A loaded kernels module's ``build_info()`` as a dict: ``"blas=mkl sgemm=vec
     vectors=avx512 ..."`` gives ``{"blas": "mkl", "sgemm": "vec", "vectors": "avx512", ...}``."""
     return dict(t.partition("=")[::2] for t in module.build_info().split() if "=" in t)
+
+
+def has_vectors(module: ModuleType) -> bool:
+    """Whether loaded kernels were built with their float32 vector code (AVX-512 or AVX2:
+    ``vectors=`` in ``build_info()``); without it (the x86-64 ``baseline`` variant, builds for
+    other architectures) their row passes and decode kernels are compiled C++ loops."""
+    return build_facts(module).get("vectors", "none") != "none"
 
 
 SGEMM_ENV = "RELPOS_NATIVE_SGEMM"  # =blas: float32 GEMMs on the BLAS (read once per process)
