@@ -238,7 +238,7 @@ def flash_backward(
     bias: Tensor | None,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Flash backward with a caller-chosen ``out`` and ``lse`` (see DESIGN.md §3).
+    """Flash backward with a caller-chosen ``out`` and ``lse`` (see docs/design.md §3).
 
     With ``P_ij = exp(scale * q_i . k_j - lse_i)`` and ``delta_i = grad_out_i . out_i`` it
     returns ``dq = scale * dS k``, ``dk = scale * dS^T q``, ``dv = P^T grad_out`` for

@@ -2,7 +2,7 @@
 
 A query row's keys split into regions ``X``; each contributes its plain output ``o^X`` and its
 log-mass ``z^X`` (the logsumexp of its scores, plus any constant the region adds to every
-score), and the whole row is (DESIGN.md §3)::
+score), and the whole row is (docs/design.md §3)::
 
     LSE = logsumexp_X z^X,   m^X = exp(z^X - LSE),   out = sum_X m^X o^X
 

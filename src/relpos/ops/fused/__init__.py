@@ -1,6 +1,6 @@
 """Fused backend: exact clipped relative attention at about the cost of one flash attention.
 
-Exact region decomposition (DESIGN.md §3): for query ``i`` at position ``p_i`` every key with
+Exact region decomposition (docs/design.md §3): for query ``i`` at position ``p_i`` every key with
 ``j - p_i <= -K`` sees the relative row ``-K`` and every key with ``j - p_i >= K`` the row
 ``+K``, so those two far regions are plain attention plus one constant per row, served by a
 flash kernel that returns its logsumexp (O(n) memory); the band ``|j - p_i| < K`` is computed

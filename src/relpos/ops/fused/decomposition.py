@@ -1,4 +1,4 @@
-"""The exact region decomposition (DESIGN.md §3), forward and backward.
+"""The exact region decomposition (docs/design.md §3), forward and backward.
 
 Every key ``j`` of query ``i`` (position ``p_i = query_start + i``, offset ``d = j - p_i``)
 lies in exactly one region:

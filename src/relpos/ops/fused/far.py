@@ -3,7 +3,7 @@
 Every key at offset ``j - p_i <= -K`` (far-left) sees the relative row ``-K``, every key at
 ``j - p_i >= max(K, 1)`` (far-right) the row ``+K``; within a region the relative key term is
 one constant per query row, so the region is plain attention with a shifted causal mask
-(DESIGN.md §3). A region is "query ``i`` sees key ``j <= i + c``" in region coordinates: the
+(docs/design.md §3). A region is "query ``i`` sees key ``j <= i + c``" in region coordinates: the
 original ones for far-left, reversed ones (``i' = L - 1 - i``, ``j' = S - 1 - j``) for
 far-right. :class:`FarRegion` cuts it into blocks of ``FAR_BLOCK`` queries; each block is a
 non-causal piece over a contiguous key range, which needs no reordering (attention does not
@@ -182,7 +182,7 @@ def far_backward(
 
     The flash backward is handed the GLOBAL output minus the region's relative value row and
     the global logsumexp minus the region's constant key term, so its probabilities and its
-    ``delta`` are the global ones (DESIGN.md §3). Non-causal pieces are cut into key ranges of
+    ``delta`` are the global ones (docs/design.md §3). Non-causal pieces are cut into key ranges of
     at most ``max(FAR_BLOCK, FAR_KEY_ELEMS / (N * D))`` keys, which bounds the kernel's
     key and value gradients.
 

@@ -3,7 +3,7 @@
 A far region ``X`` of a query row adds one constant to every score, ``scale * q . aK^X``, and
 one value row ``aV^X`` to its output: the table's first row (offset ``-left``, far-left) or
 its last (``+right``, far-right). Merged by logsumexp (:mod:`relpos.ops._lse`) with the
-region's log-mass ``z^X`` and mass ``m^X`` (DESIGN.md §3)::
+region's log-mass ``z^X`` and mass ``m^X`` (docs/design.md §3)::
 
     out = sum_X m^X (o^X + aV^X)
 

@@ -1,4 +1,4 @@
-"""Triton backend: the fused kernel of DESIGN.md §6 for CUDA GPUs, written in Triton.
+"""Triton backend: the fused kernel of docs/design.md §6 for CUDA GPUs, written in Triton.
 
 Flash attention with Toeplitz buckets: each tile of scores adds the relative key term from
 ``QA = scale * q @ aK^T`` (gathered only where the tile crosses the band, a per-row constant

@@ -1,4 +1,4 @@
-"""The Triton kernels: flash attention with Toeplitz buckets (DESIGN.md §6).
+"""The Triton kernels: flash attention with Toeplitz buckets (docs/design.md §6).
 
 One program handles one (batch·head, query block) in the forward and in the ``dq`` pass, one
 (batch·head, key block) in the ``dk, dv`` pass. With ``VARLEN`` (a packed batch, laid out
