@@ -6,9 +6,10 @@ Three backends run as custom ops (``relpos::fused_attention``, ``relpos::native_
 Each op takes ``query, key, value, rel_keys, rel_values`` and then inputs of its own (masks, a
 dropout seed, cumulative sequence lengths: none of them gets a gradient), keyword options
 (``left``, ``right``, ``is_causal``, ...), and returns ``out``, the logsumexp, then whatever else
-its backward needs. A backend's ``op.py`` keeps what is its own: the forward, the fake (its
-outputs' shapes) and the backward's computation; :func:`register_attention_autograd` builds the
-rest from them:
+its backward needs. :func:`define_op` registers an op (in place of ``torch.library.custom_op``,
+whose eager path imports the compile stack: see its docstring). A backend's ``op.py`` keeps what
+is its own: the forward, the fake (its outputs' shapes) and the backward's computation;
+:func:`register_attention_autograd` builds the rest from them:
 
 - the backward op ``<name>_backward``: ``grad_out``, the forward's inputs and outputs and the
   same options in, the five gradients out (an empty tensor for an absent table), with a fake;
@@ -32,8 +33,8 @@ from torch import Tensor
 from relpos.ops.call import AttentionCall
 
 __all__ = [
-    "Gradients", "empty_gradients", "empty_outputs", "is_empty", "register_attention_autograd",
-    "run_key_mask_op",
+    "AttentionOp", "Gradients", "define_op", "empty_gradients", "empty_outputs", "is_empty",
+    "register_attention_autograd", "run_key_mask_op",
 ]
 
 Gradients = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
@@ -41,6 +42,61 @@ Gradients = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
 
 _TABLES = 5  # query, key, value, rel_keys, rel_values: the inputs every op starts with
 _Outputs = TypeVar("_Outputs", bound=tuple[Tensor, ...])
+
+
+#: The ``relpos`` namespace of ops; kept alive for the process (its ops die with it).
+_LIBRARY = torch.library.Library("relpos", "FRAGMENT")
+
+
+class AttentionOp:
+    """An op registered by :func:`define_op`: call it like the function it was defined from.
+
+    Attributes:
+        qualname: ``"relpos::<name>"``.
+        default: the op's overload, ``torch.ops.relpos.<name>.default``.
+    """
+
+    def __init__(self, qualname: str, fn: Callable[..., Any]) -> None:
+        self.qualname = qualname
+        namespace, name = qualname.split("::")
+        self.default: torch._ops.OpOverload = getattr(getattr(torch.ops, namespace), name).default
+        self.__doc__ = fn.__doc__
+        self.__name__ = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.default(*args, **kwargs)
+
+    def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
+        """Give the op its fake (the outputs' shapes, for ``torch.compile`` and
+        ``torch.export``); returns ``fake``."""
+        torch.library.register_fake(self.qualname, fake, lib=_LIBRARY)
+        return fake
+
+
+def define_op(qualname: str, fn: Callable[..., Any] | None = None, *,
+              schema: str | None = None) -> Any:
+    """Register ``fn`` as the op ``qualname`` (``"relpos::<name>"``), its only kernel, for every
+    device (``CompositeExplicitAutograd``); usable as a decorator. The schema is inferred from
+    ``fn``'s annotations unless given (``(<arguments>) -> <returns>``); no argument is mutated.
+
+    This is ``torch.library.custom_op`` without its eager cost: custom_op wraps every kernel in
+    ``torch._disable_dynamo``, which imports the whole compile stack (``torch._dynamo``,
+    ``torch._inductor``, sympy: about 900 modules, 150 MiB and 1.8 s) on a process's first call
+    that reaches the kernel, i.e. its first training step. Registered here with the library's
+    own ``define`` / ``impl``, the op dispatches straight to ``fn``; ``torch.compile`` and
+    ``torch.export`` still trace it as one op through its fake, and ``torch.library.opcheck``
+    checks it as before (tests/ops/test_custom_op.py asserts the eager path imports none of
+    that).
+    """
+    if fn is None:
+        return lambda f: define_op(qualname, f, schema=schema)
+    namespace, name = qualname.split("::")
+    assert namespace == "relpos", qualname
+    if schema is None:
+        schema = torch.library.infer_schema(fn, mutates_args=())
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
+    return AttentionOp(qualname, fn)
 
 
 def is_empty(query: Tensor, key: Tensor) -> bool:
@@ -111,7 +167,7 @@ def _backward_schema(forward: torch._ops.OpOverload, saved_outputs: Sequence[str
 def register_attention_autograd(
     qualname: str, backward: Callable[..., Gradients], *, saved_outputs: Sequence[str],
     empty: Callable[[Tensor, Tensor], bool] = is_empty,
-) -> torch.library.CustomOpDef:
+) -> AttentionOp:
     """Give the attention op ``qualname`` its backward op and its autograd formula.
 
     Args:
@@ -143,10 +199,8 @@ def register_attention_autograd(
         return (dq, dk, dv, _table_gradient(drk, rel_keys, query),
                 _table_gradient(drv, rel_values, query))
 
-    backward_op = torch.library.custom_op(
-        f"{qualname}_backward", run, mutates_args=(),
-        schema=_backward_schema(forward, saved_outputs),
-    )
+    backward_op = define_op(f"{qualname}_backward", run,
+                            schema=_backward_schema(forward, saved_outputs))
 
     @backward_op.register_fake
     def _(grad_out: Tensor, *saved: Any, **options: Any) -> tuple[Tensor, ...]:
@@ -169,5 +223,6 @@ def register_attention_autograd(
         return (dq, dk, dv, None if rel_keys is None else drk,
                 None if rel_values is None else drv, *[None] * (n_inputs - _TABLES))
 
-    torch.library.register_autograd(qualname, differentiate, setup_context=setup_context)
+    torch.library.register_autograd(qualname, differentiate, setup_context=setup_context,
+                                    lib=_LIBRARY)
     return backward_op

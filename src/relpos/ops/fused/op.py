@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from relpos.ops._custom_op import Gradients, empty_outputs, is_empty, register_attention_autograd
+from relpos.ops._custom_op import (
+    Gradients,
+    define_op,
+    empty_outputs,
+    is_empty,
+    register_attention_autograd,
+)
 from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.fused.decomposition import fused_backward, fused_forward
 
@@ -32,7 +37,7 @@ def _fake(query: Tensor, key: Tensor, value: Tensor, *_tables: object, **_option
     return out, lse, query.new_empty(B, H, L, Dv), query.new_empty(B, H, L, 2, dtype=acc)
 
 
-@torch.library.custom_op("relpos::fused_attention", mutates_args=())
+@define_op("relpos::fused_attention")
 def fused_attention(
     query: Tensor,
     key: Tensor,

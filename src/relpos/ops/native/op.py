@@ -26,7 +26,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from relpos.ops._custom_op import Gradients, empty_outputs, is_empty, register_attention_autograd
+from relpos.ops._custom_op import (
+    Gradients,
+    define_op,
+    empty_outputs,
+    is_empty,
+    register_attention_autograd,
+)
 from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.native.build import load
 
@@ -111,7 +117,7 @@ def forward(
     return out.to(query.dtype), lse
 
 
-@torch.library.custom_op("relpos::native_attention", mutates_args=())
+@define_op("relpos::native_attention")
 def native_attention(
     query: Tensor,
     key: Tensor,
@@ -223,7 +229,7 @@ def forward_varlen(
     return out.to(query.dtype), lse
 
 
-@torch.library.custom_op("relpos::native_attention_varlen", mutates_args=())
+@define_op("relpos::native_attention_varlen")
 def native_attention_varlen(
     query: Tensor,
     key: Tensor,

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from relpos.ops._custom_op import Gradients, empty_outputs, is_empty, register_attention_autograd
+from relpos.ops._custom_op import (
+    Gradients,
+    define_op,
+    empty_outputs,
+    is_empty,
+    register_attention_autograd,
+)
 from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.native.op import is_empty_varlen
 
@@ -33,7 +38,7 @@ def _fake(query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
             query.new_empty(pb_shape, dtype=acc))
 
 
-@torch.library.custom_op("relpos::triton_attention", mutates_args=())
+@define_op("relpos::triton_attention")
 def triton_attention(
     query: Tensor,
     key: Tensor,
@@ -97,7 +102,7 @@ def _fake_varlen(query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | N
             query.new_empty(pb_shape, dtype=acc))
 
 
-@torch.library.custom_op("relpos::triton_attention_varlen", mutates_args=())
+@define_op("relpos::triton_attention_varlen")
 def triton_attention_varlen(
     query: Tensor,
     key: Tensor,
