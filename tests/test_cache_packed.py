@@ -109,3 +109,106 @@ def test_packed_language_model_steps_equal_the_full_pass() -> None:
     with pytest.raises(ValueError, match="the cache holds 2 layers of 3 sequences"):
         model(ids[:2], cu_seqlens=_cu([1, 1]), cache=cache)
     assert isinstance(cache, PackedKVCache) and cache.lengths == (6, 2, 9)
+
+
+def _lm(num_layers: int = 3) -> RelativeTransformerLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=13, d_model=16, num_heads=2, num_layers=num_layers,
+                      max_distance=2)
+    return RelativeTransformerLM(cfg).double().eval()
+
+
+def test_a_packed_step_that_fails_mid_way_leaves_every_layer_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _lm()
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 13, (7,), generator=g)
+    step = torch.randint(0, 13, (2,), generator=g)
+    linear1 = model.layers[1].linear1  # the feed-forward of the middle layer
+    assert isinstance(linear1, torch.nn.Linear)
+    original, armed = linear1.forward, [True]
+
+    def feed_forward(x: torch.Tensor) -> torch.Tensor:  # runs out of memory while armed
+        if armed[0]:
+            raise RuntimeError("out of memory (injected)")
+        return original(x)
+
+    monkeypatch.setattr(linear1, "forward", feed_forward)
+    cache = model.new_packed_cache(2, capacity=4)
+    # A failed prefill forgets what the first layers stored (their dtype and head shapes too).
+    with pytest.raises(RuntimeError, match="injected"):
+        model(prompt, cu_seqlens=_cu([3, 4]), cache=cache)
+    assert [layer.lengths for layer in cache] == [(0, 0)] * 3 and cache.lengths == (0, 0)
+    armed[0] = False
+    model(prompt, cu_seqlens=_cu([3, 4]), cache=cache)
+    # A failed step (which grew the first two layers' regions, 4 -> 8) is undone everywhere.
+    armed[0] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        model(step, cu_seqlens=_cu([1, 1]), cache=cache)
+    assert [layer.lengths for layer in cache] == [(3, 4)] * 3 and cache.lengths == (3, 4)
+    armed[0] = False
+    retry = model(step, cu_seqlens=_cu([1, 1]), cache=cache)
+    uninterrupted = model.new_packed_cache(2, capacity=4)
+    model(prompt, cu_seqlens=_cu([3, 4]), cache=uninterrupted)
+    want = model(step, cu_seqlens=_cu([1, 1]), cache=uninterrupted)
+    torch.testing.assert_close(retry, want, rtol=0, atol=1e-12)
+    assert [layer.lengths for layer in cache] == [(4, 5)] * 3
+
+
+def test_a_packed_step_is_refused_when_the_layers_hold_different_lengths() -> None:
+    model = _lm()
+    cache = model.new_packed_cache(2)
+    model(torch.arange(5), cu_seqlens=_cu([2, 3]), cache=cache)
+    kv = torch.zeros(1, 2, 8, dtype=torch.float64)
+    cache[1].append(kv, kv, _cu([0, 1]))  # one layer stepped alone
+    with pytest.raises(ValueError, match=r"different lengths \[\(2, 3\), \(2, 4\)\]"):
+        model(torch.arange(2), cu_seqlens=_cu([1, 1]), cache=cache)
+    assert [layer.lengths for layer in cache] == [(2, 3), (2, 4), (2, 3)]
+    with pytest.raises(ValueError, match="different lengths"):
+        cache.check_step([1, 1])
+
+
+def test_a_packed_append_refuses_mismatched_dtypes_up_front() -> None:
+    cache = PackedLayerCache(2)
+    k32, k64 = torch.randn(3, 2, 8), torch.randn(3, 2, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"share dtype and device, got torch\.float32 on cpu "
+                                        r"and torch\.float64 on cpu"):
+        cache.append(k32, k64, _cu([1, 2]))
+    assert cache.lengths == (0, 0) and repr(cache).endswith("capacity=64)")
+    cache.append(k64, k64, _cu([1, 2]))  # the refused append fixed no dtype
+    with pytest.raises(TypeError, match=r"the cache holds torch\.float64, got torch\.float32"):
+        cache.append(k32, k32, _cu([1, 2]))
+    with pytest.raises(TypeError, match="value must be a floating point tensor, got dtype "
+                                        r"torch\.int64"):
+        cache.append(k64, torch.zeros(3, 2, 8, dtype=torch.long), _cu([1, 2]))
+    with pytest.raises(TypeError, match=r"key must be a torch\.Tensor, got list"):
+        cache.append([0.0], k64, _cu([1, 2]))  # type: ignore[arg-type]
+    assert cache.lengths == (1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_a_packed_append_refuses_boundaries_that_are_not_integers(dtype: torch.dtype) -> None:
+    cache = PackedLayerCache(2, capacity=4, growable=False)
+    kv = torch.randn(3, 2, 8)
+    with pytest.raises(TypeError, match=rf"cu_seqlens must be int32 or int64 .*, got dtype "
+                                        rf"{dtype}"):
+        cache.append(kv, kv, torch.tensor([0, 1, 3]).to(dtype))
+    with pytest.raises(TypeError, match=r"cu_seqlens must be a torch\.Tensor, got list"):
+        cache.append(kv, kv, [0, 1, 3])  # type: ignore[arg-type]
+    assert cache.lengths == (0, 0)
+
+
+def test_a_packed_attention_step_that_fails_after_its_append_leaves_the_layer_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mha = relpos.RelativeMultiheadAttention(8, 2, max_distance=2, dtype=torch.float64)
+    cache = PackedLayerCache(2)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    mha(x, cu_seqlens=_cu([1, 2]), is_causal=True, cache=cache)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError("refused (injected)")
+
+    monkeypatch.setattr(relpos.varlen, "relative_attention_varlen", refuse)
+    with pytest.raises(ValueError, match="injected"):
+        mha(x, cu_seqlens=_cu([2, 1]), is_causal=True, cache=cache)
+    assert cache.lengths == (1, 2)

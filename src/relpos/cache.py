@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import numbers
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -49,6 +50,23 @@ def _check_capacity(capacity: object, growable: object) -> tuple[int | None, boo
     if int(capacity) <= 0:
         raise ValueError(f"capacity must be a positive int or None, got {capacity}")
     return int(capacity), growable
+
+
+class _Transactional(Protocol):
+    def _mark(self) -> Any: ...
+    def _rollback(self, mark: Any) -> None: ...
+
+
+@contextlib.contextmanager
+def _rollback_on_error(caches: Sequence[_Transactional]) -> Iterator[None]:
+    """Restore every cache to its state on entry if the ``with`` block raises, then re-raise."""
+    marks = [cache._mark() for cache in caches]
+    try:
+        yield
+    except Exception:
+        for cache, mark in zip(caches, marks, strict=True):
+            cache._rollback(mark)
+        raise
 
 
 def _check_indices(batch_indices: object, batch_size: int, device: torch.device) -> Tensor:
@@ -371,12 +389,8 @@ class LayerCache:
             >>> cache.length, cache.keys is None
             (0, True)
         """
-        mark = self._mark()
-        try:
+        with _rollback_on_error([self]):
             yield self
-        except Exception:
-            self._rollback(mark)
-            raise
 
     def _mark(self) -> tuple[bool, int]:
         """What :meth:`_rollback` restores: (never filled, length)."""
@@ -526,13 +540,8 @@ class KVCache:
         A model step that fails part-way (after some layers appended) leaves every layer as it
         was; see :meth:`LayerCache.rollback_on_error`.
         """
-        marks = [layer._mark() for layer in self.layers]
-        try:
+        with _rollback_on_error(self.layers):
             yield self
-        except Exception:
-            for layer, mark in zip(self.layers, marks, strict=True):
-                layer._rollback(mark)
-            raise
 
     def reorder(self, batch_indices: Tensor | Sequence[int]) -> None:
         """Select batch rows in every layer (beam search); see :meth:`LayerCache.reorder`."""
@@ -602,32 +611,67 @@ class PackedLayerCache:
 
     def _step_lengths(self, key: Tensor, value: Tensor, cu_seqlens: Tensor) -> list[int]:
         """The new tokens per sequence of a valid append (checked before anything changes)."""
+        for name, x in (("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if name != "cu_seqlens" and not x.is_floating_point():
+                raise TypeError(f"{name} must be a floating point tensor, got dtype {x.dtype}")
+        if key.dtype != value.dtype or key.device != value.device:
+            raise TypeError(f"key and value must share dtype and device, got {key.dtype} on "
+                            f"{key.device} and {value.dtype} on {value.device}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be int32 or int64 (cumulative sequence lengths), "
+                            f"got dtype {cu_seqlens.dtype}")
         if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
             raise ValueError(f"a packed append takes key (T, H, D) and value (T, H, Dv), got "
                              f"{tuple(key.shape)} and {tuple(value.shape)}")
-        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or (
-                cu_seqlens.shape[0] != self.num_sequences + 1):
-            got = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, Tensor) else cu_seqlens
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != self.num_sequences + 1:
             raise ValueError(f"cu_seqlens must be ({self.num_sequences + 1},), one entry per "
-                             f"cached sequence and a leading 0, got {got!r}")
+                             f"cached sequence and a leading 0, got {tuple(cu_seqlens.shape)}")
         bounds = cu_seqlens.tolist()
         new = [b - a for a, b in itertools.pairwise(bounds)]
         if bounds[0] != 0 or min(new) < 0 or bounds[-1] != key.shape[0]:
             raise ValueError(f"cu_seqlens must start at 0, not decrease and end at "
                              f"{key.shape[0]} (the new tokens), got {bounds}")
         if self._keys is not None:
+            if key.dtype != self._keys.dtype:
+                raise TypeError(f"dtype mismatch: the cache holds {self._keys.dtype}, got "
+                                f"{key.dtype}")
             held = (self._keys.transpose(0, 1).shape[1:],
                     self._values.transpose(0, 1).shape[1:],  # type: ignore[union-attr]
-                    self._keys.dtype, self._keys.device)
-            given = (key.shape[1:], value.shape[1:], key.dtype, key.device)
+                    self._keys.device)
+            given = (key.shape[1:], value.shape[1:], key.device)
             if held != given:
-                raise ValueError(f"the cache holds (H, D), (H, Dv), dtype, device = {held}; "
+                raise ValueError(f"the cache holds (H, D), (H, Dv), device = {held}; "
                                  f"the append has {given}")
+        self.check_room(new)
+        return new
+
+    def check_room(self, new: Sequence[int]) -> None:
+        """Raise ValueError if ``new[s]`` more tokens for each sequence ``s`` do not fit a
+        fixed-size cache."""
         need = max(c + t for c, t in zip(self._lengths, new, strict=True))
         if need > self._capacity and not self.growable:
             raise ValueError(f"the fixed-size cache holds {self._capacity} positions per "
                              f"sequence; this step needs {need}")
-        return new
+
+    @contextlib.contextmanager
+    def rollback_on_error(self) -> Iterator[PackedLayerCache]:
+        """Undo whatever the ``with`` block appended if it raises, then re-raise (as
+        :meth:`LayerCache.rollback_on_error`: a cache that was empty forgets the shapes and
+        dtype the append fixed, a filled one keeps its regions and its earlier lengths)."""
+        with _rollback_on_error([self]):
+            yield self
+
+    def _mark(self) -> tuple[bool, tuple[int, ...], int]:
+        return self._keys is None, tuple(self._lengths), self._capacity
+
+    def _rollback(self, mark: tuple[bool, tuple[int, ...], int]) -> None:
+        was_empty, lengths, capacity = mark
+        if was_empty:
+            self._keys = self._values = None
+            self._capacity = capacity
+        self._lengths = list(lengths)
 
     def append(self, key: Tensor, value: Tensor, cu_seqlens: Tensor
                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -646,7 +690,10 @@ class PackedLayerCache:
             :func:`relpos.relative_attention_varlen` takes them.
 
         Raises:
-            ValueError: on a mismatched shape, dtype or device, or when a fixed-size cache is
+            TypeError: on a dtype that is not floating point (key, value), differs between
+                them or from the cache's, or is not int32/int64 (cu_seqlens); the cache is
+                unchanged.
+            ValueError: on a mismatched shape or device, or when a fixed-size cache is
                 full; the cache is unchanged.
         """
         new = self._step_lengths(key, value, cu_seqlens)
@@ -718,6 +765,9 @@ class PackedKVCache:
     def __getitem__(self, layer: int) -> PackedLayerCache:
         return self.layers[layer]
 
+    def __iter__(self) -> Iterator[PackedLayerCache]:
+        return iter(self.layers)
+
     @property
     def num_layers(self) -> int:
         return len(self.layers)
@@ -728,8 +778,26 @@ class PackedKVCache:
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        """The filled length of every sequence (the first layer's)."""
+        """The filled length of every sequence (the same in every layer between steps)."""
         return self.layers[0].lengths
+
+    def check_step(self, new: Sequence[int]) -> None:
+        """Raise ValueError if a step bringing ``new[s]`` tokens to each sequence ``s`` would
+        be refused (as :meth:`KVCache.check_step`: before any layer changes its cache)."""
+        lengths = sorted({layer.lengths for layer in self.layers})
+        if len(lengths) != 1:
+            raise ValueError(f"the layers of this cache hold different lengths {lengths}")
+        if len(new) != self.num_sequences or min(new, default=0) < 0:
+            raise ValueError(f"a step brings t >= 0 new tokens to each of the "
+                             f"{self.num_sequences} sequences, got {list(new)}")
+        self.layers[0].check_room(new)
+
+    @contextlib.contextmanager
+    def rollback_on_error(self) -> Iterator[PackedKVCache]:
+        """Undo whatever the ``with`` block appended to any layer if it raises, then re-raise:
+        a packed step that fails part-way leaves every layer as it was."""
+        with _rollback_on_error(self.layers):
+            yield self
 
     def __repr__(self) -> str:
         return (f"PackedKVCache(num_layers={self.num_layers}, "

@@ -344,9 +344,13 @@ class RelativeTransformerLM(_Backbone):
                         f"sequences; the model has {len(self.layers)} layers and the step "
                         f"{len(cu) - 1} sequences")
                 new = (cu[1:] - cu[:-1]).tolist()
+                cache.check_step(new)
                 self.check_length(0, max((c + t for c, t in zip(cache.lengths, new,
                                                                 strict=True)), default=0))
-            return self.logits(self.hidden_packed(ids, cu, is_causal=True, cache=cache))
+                # A step that fails part-way (in any layer) leaves every layer as it was.
+                with cache.rollback_on_error():
+                    return self.logits(self.hidden_packed(ids, cu, is_causal=True, cache=cache))
+            return self.logits(self.hidden_packed(ids, cu, is_causal=True))
         ids = self.check_ids(ids, key_mask)
         if cache is None:
             return self.logits(self.hidden(ids, key_mask, None, is_causal=True))

@@ -492,14 +492,17 @@ class RelativeMultiheadAttention(nn.Module):
         q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in (q, k, v))
         cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
         used = None
-        if isinstance(cache, PackedLayerCache):
-            k, v, cu_k, used = cache.append(k, v, cu_seqlens)
-        out = relative_attention_varlen(
-            q, k, v, cu_seqlens, cu_k, max_distance=self.max_distance, rel_keys=self.rel_keys,
-            rel_values=self.rel_values, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            implementation=self.implementation, seqused_k=used,
-        )  # (Tq, H, D)
+        # With a cache, a refused step (e.g. by attention) leaves the cache as it was.
+        with (cache.rollback_on_error() if isinstance(cache, PackedLayerCache)
+              else contextlib.nullcontext()):
+            if isinstance(cache, PackedLayerCache):
+                k, v, cu_k, used = cache.append(k, v, cu_seqlens)
+            out = relative_attention_varlen(
+                q, k, v, cu_seqlens, cu_k, max_distance=self.max_distance,
+                rel_keys=self.rel_keys, rel_values=self.rel_values, is_causal=is_causal,
+                dropout_p=self.dropout if self.training else 0.0,
+                implementation=self.implementation, seqused_k=used,
+            )  # (Tq, H, D)
         return self.out_proj(out.flatten(1)), None
 
     def _batch_first(self, x: Tensor, batched: bool) -> Tensor:
