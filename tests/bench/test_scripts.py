@@ -156,3 +156,24 @@ def test_kernel_variants_refuses_a_variant_it_does_not_know(tmp_path, capsys) ->
     assert caught.value.code == 2
     assert "--variants: unknown ['avx9']; allowed: [" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_first_step_measures_each_variant_in_a_fresh_process(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from relpos.bench import first_step
+
+    cells = []
+
+    def one_cell(variant, n, causal, threads):  # type: ignore[no-untyped-def]
+        cells.append(variant)
+        return first_step._cell(variant, n, causal, threads)  # in this process: quick
+
+    monkeypatch.setattr(first_step, "measure", one_cell)
+    assert first_step.main(["--sizes", "80", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert cells == list(first_step.VARIANTS) * 2  # non-causal, causal
+    report = (tmp_path / "first_step.md").read_text()
+    assert "| 80 | yes | relpos packed (" in report and "peak MiB SDPA / relpos" in report
+    rows = (tmp_path / "first_step.csv").read_text().splitlines()
+    assert len(rows) == 1 + 6 and rows[0].startswith("n,causal,variant,peak_mib")
+    fresh = first_step.measure("relpos", 80, True, 1)  # a real spawn: every field there
+    assert set(first_step.FIELDS) <= set(fresh), fresh
+    assert fresh["saved_mib"] > 0 and fresh["first_ms"] > 0
