@@ -200,6 +200,32 @@ def test_patch_on_build_patches_the_models_eole_builds(monkeypatch):
     assert not rp_eole.is_patched(_model("seq2seq", position="Rotary"))  # built as before
 
 
+def _call(f, x):
+    """eole's ``maybe_ckpt`` without checkpointing, as a function pickle can name."""
+    return f(x)
+
+
+def test_torch_save_and_load_keep_the_patch(tmp_path):
+    """A patched model pickles and loads back patched, with the same numbers. Stock eole 0.6.4
+    models do not pickle at all (each attention and MLP holds a lambda, ``maybe_ckpt``): those
+    are replaced by a named function first, so that only relpos's part is tested."""
+    stock, patched = _pair("seq2seq", 3)
+    for m in patched.modules():
+        if "maybe_ckpt" in vars(m):
+            m.maybe_ckpt = _call
+    src, tgt = _seq2seq_inputs()
+    with torch.no_grad():
+        before = patched(src, tgt, None).dec_out
+    torch.save(patched, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    attention = loaded.encoder.transformer_layers[0].self_attn
+    assert rp_eole.is_patched(attention) and attention.forward.func is rp_eole._relpos_forward
+    with torch.no_grad():
+        after = loaded(src, tgt, None).dec_out
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+        torch.testing.assert_close(after, stock(src, tgt, None).dec_out, rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward and backward: eole's numbers
 

@@ -14,7 +14,9 @@ through :func:`relpos.relative_attention`, in place, in training and in eole's o
 Parameters, buffers and the state dict are untouched (only each attention module's ``forward``
 is replaced), so eole checkpoints, eole's CTranslate2 converter and everything else keep
 working; patch a model again after building or loading it, or call :func:`patch_on_build` once
-so that every eole model built afterwards in the process is patched.
+so that every eole model built afterwards in the process is patched. The patch itself pickles
+(``torch.save`` of a patched model loads back patched), though stock eole 0.6.4 models do not
+(each attention and MLP holds a lambda, ``maybe_ckpt``).
 
 eole's scores are ``scale · q·k + q·aK``: the relative key term uses the unscaled query
 (OpenNMT-py and CTranslate2 scale both terms; eole's CTranslate2 converter multiplies the
