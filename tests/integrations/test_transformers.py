@@ -99,8 +99,11 @@ def test_state_dict_and_save_load_round_trip(tmp_path):
     a, b = stock.state_dict(), patched.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     patched.save_pretrained(tmp_path)
+    stock.save_pretrained(tmp_path / "stock")
+    # The stock checkpoint: its config says nothing of relpos (loadable without it) ...
+    assert (tmp_path / "config.json").read_text() == (tmp_path / "stock/config.json").read_text()
     loaded = Wav2Vec2BertModel.from_pretrained(tmp_path, torch_dtype=F64).eval()
-    assert not hf.is_patched(loaded)  # a fresh model: patch it again after loading
+    assert not hf.is_patched(loaded)  # ... so a stock model: patch it again after loading
     assert hf.patch(loaded) == 2 and hf.is_patched(loaded)
     x, mask = _inputs()
     torch.testing.assert_close(loaded(x, attention_mask=mask).last_hidden_state,
@@ -118,20 +121,107 @@ def test_attention_weights_when_asked():
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
 
 
-def test_seamless_m4t_v2_speech_encoder():
+def _seamless_encoder(**overrides: object):
     from transformers import SeamlessM4Tv2Config
     from transformers.models.seamless_m4t_v2.modeling_seamless_m4t_v2 import (
         SeamlessM4Tv2SpeechEncoder,
     )
 
     torch.manual_seed(0)
-    config = SeamlessM4Tv2Config(
+    options = dict(
         hidden_size=32, speech_encoder_layers=2, speech_encoder_attention_heads=4,
         speech_encoder_intermediate_size=64, feature_projection_input_dim=16,
         conv_depthwise_kernel_size=3, position_embeddings_type="relative_key",
         left_max_position_embeddings=5, right_max_position_embeddings=2,
         speech_encoder_dropout=0.0, dropout=0.0, add_adapter=False, speech_encoder_layerdrop=0.0)
-    stock = SeamlessM4Tv2SpeechEncoder(config).to(F64).eval()
+    options.update(overrides)
+    return SeamlessM4Tv2SpeechEncoder(SeamlessM4Tv2Config(**options)).to(F64).eval()
+
+
+@pytest.mark.parametrize("model", ["w2v-bert", "seamless-m4t-v2"])
+@pytest.mark.parametrize("asked_by", ["config", "call"])
+def test_attention_outputs(model, asked_by):
+    """transformers' own test_attention_outputs: one map per layer, (B, H, L, S), asked for by
+    the config (transformers 5.x records them with hooks and does not pass the flag down) or
+    by the call; the same maps as stock eager attention."""
+    stock = _w2v_bert("eager") if model == "w2v-bert" else _seamless_encoder(
+        attn_implementation="eager")
+    patched = copy.deepcopy(stock)
+    assert hf.patch(patched) == 2
+    x, mask = _inputs()
+    if model != "w2v-bert":
+        # Stock SeamlessM4T v2 eager attention (transformers 5.25) adds its bool padding mask
+        # to the scores (+1 where visible) instead of hiding the padded keys: no padding here.
+        mask = torch.ones_like(mask)
+    kw: dict = dict(attention_mask=mask)
+    if asked_by == "config":
+        stock.config.output_attentions = patched.config.output_attentions = True
+    else:
+        kw["output_attentions"] = True
+    want, got = stock(x, **kw).attentions, patched(x, **kw).attentions
+    assert len(got) == len(want) == 2
+    for w, g in zip(want, got, strict=True):
+        assert g.shape == (3, 4, 23, 23)
+        real = mask.bool()  # rows of real frames (padded queries: see the chunked test)
+        torch.testing.assert_close(g.transpose(1, 2)[real], w.transpose(1, 2)[real],
+                                   rtol=0, atol=1e-10)
+    # The call's False wins over the config's True, as in transformers.
+    if asked_by == "config":
+        assert not patched(x, attention_mask=mask, output_attentions=False).attentions
+
+
+def test_retain_grad_hidden_states_attentions():
+    """transformers' own test: with the config asking for hidden states and attentions, both
+    are part of the graph and get gradients."""
+    model = _w2v_bert("eager").train()
+    hf.patch(model)
+    model.config.output_hidden_states = True
+    model.config.output_attentions = True
+    x, _ = _inputs()
+    outputs = model(x)
+    hidden_states, attentions = outputs.hidden_states[0], outputs.attentions[0]
+    hidden_states.retain_grad()
+    attentions.retain_grad()
+    outputs.last_hidden_state.flatten()[0].backward(retain_graph=True)
+    assert hidden_states.grad is not None and attentions.grad is not None
+    assert attentions.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("model", ["w2v-bert", "seamless-m4t-v2"])
+def test_transformers_before_5_16_without_scaling(model):
+    """transformers 5.0-5.15 attention modules have no ``scaling`` (they divide both score
+    terms by sqrt(head_size)): a patched one computes that scale and gives stock's numbers."""
+    stock = _w2v_bert() if model == "w2v-bert" else _seamless_encoder()
+    patched = copy.deepcopy(stock)
+    assert hf.patch(patched) == 2
+    for module in patched.modules():
+        if hf.is_patched(module) and "scaling" in vars(module):
+            del module.scaling  # as built by transformers 5.0-5.15
+    assert not any(hasattr(m, "scaling") for m in patched.modules())
+    x, mask = _inputs()
+    torch.testing.assert_close(patched(x, attention_mask=mask).last_hidden_state,
+                               stock(x, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-10)
+
+
+def test_torch_save_and_load_keep_the_patch(tmp_path):
+    stock = _w2v_bert()
+    patched = copy.deepcopy(stock)
+    hf.patch(patched)
+    x, mask = _inputs()
+    before = patched(x, attention_mask=mask).last_hidden_state
+    torch.save(patched, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert hf.is_patched(loaded)
+    attention = loaded.encoder.layers[0].self_attn
+    assert attention.forward.func is hf._relpos_forward and attention.forward.args == (attention,)
+    after = loaded(x, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    torch.testing.assert_close(after, stock(x, attention_mask=mask).last_hidden_state,
+                               rtol=0, atol=1e-10)
+
+
+def test_seamless_m4t_v2_speech_encoder():
+    stock = _seamless_encoder()
     patched = copy.deepcopy(stock)
     assert hf.patch(patched) == 2
     x, mask = _inputs()

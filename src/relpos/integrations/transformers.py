@@ -10,10 +10,18 @@ the released checkpoints), both score terms scaled by ``head_size ** -0.5``. Tha
 relpos's math with ``max_distance=(left, right)``, ``rel_keys=distance_embedding.weight``.
 
 ``transformers`` builds an ``(L, S, head_size)`` embedding and a dense ``(B, H, L, S)`` bias in
-every layer; relpos serves the same numbers with the fused backend's O(n) memory. Parameters,
-buffers and the state dict are untouched (only each attention module's ``forward`` is
-replaced), so ``save_pretrained`` / ``from_pretrained`` round trips are as before; patch a
-model again after loading it.
+every layer; relpos serves the same numbers with the fused backend's O(n) memory. Attention maps
+come back when asked for as ``transformers`` asks: by the call's ``output_attentions`` or,
+without it, by ``config.output_attentions``. Every ``transformers`` the extra allows (5.x) is
+served: before 5.16 the attention modules have no ``scaling`` and the patch uses theirs,
+``head_size ** -0.5``.
+
+Parameters, buffers, the config and the state dict are untouched (only each attention module's
+``forward`` is replaced). ``torch.save`` / ``torch.load`` (``weights_only=False``) keep the
+patch (the pickle names relpos's forward, so relpos must be installed where it is loaded).
+``save_pretrained`` writes the stock checkpoint (the weights and config ``transformers``
+writes, loadable without relpos) and ``from_pretrained`` builds a stock model: patch it again
+after loading.
 
 Example::
 
@@ -94,6 +102,27 @@ def _key_mask(attention_mask: Tensor | None, B: int, L: int) -> tuple[Tensor | N
     return None, visible
 
 
+def _scale(module: Any) -> float:
+    """The attention's scale: ``module.scaling`` (transformers 5.16 and later), or what earlier
+    versions divide both score terms by, ``sqrt(head_size)``."""
+    scaling = getattr(module, "scaling", None)
+    return float(module.head_size**-0.5 if scaling is None else scaling)
+
+
+def _wants_weights(module: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether this call returns the attention probabilities, as transformers decides it.
+
+    Up to 5.x's output hooks, each layer passes ``output_attentions`` down (the call's value, or
+    the config's); with them (``capture_outputs``), the call's ``output_attentions`` reaches the
+    attention only when the caller passed it, and the hooks otherwise read
+    ``config.output_attentions``: the same precedence here, the call's value first, then the
+    config's.
+    """
+    if "output_attentions" in kwargs:
+        return bool(kwargs["output_attentions"])
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
 def _relpos_forward(
     self: Any,  # a supported transformers attention module
     hidden_states: Tensor,
@@ -116,10 +145,10 @@ def _relpos_forward(
         max_distance=(self.left_max_position_embeddings, self.right_max_position_embeddings),
         rel_keys=self.distance_embedding.weight.to(q.dtype), key_mask=key_mask,
         attn_mask=attn_mask, dropout_p=self.dropout.p if self.training else 0.0,
-        scale=self.scaling,
+        scale=_scale(self),
     )
     weights: Tensor | None = None
-    if kwargs.get("output_attentions"):
+    if _wants_weights(self, kwargs):
         out, weights = relative_attention_with_weights(q, k, v, **options)
     else:
         out = relative_attention(q, k, v, **options)
