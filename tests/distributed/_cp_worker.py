@@ -154,7 +154,7 @@ def refusals(rank: int, world: int) -> list[str]:
         context_parallel_attention(x, x, x, max_distance=1)
         fails.append("uneven shards were not refused")
     except ValueError as e:
-        if "n_local by rank" not in str(e):
+        if "the ranks disagree on n_local (the shard length): rank 0 4, rank 1 3" not in str(e):
             fails.append(f"uneven shards: unclear error {e}")
     # Odd head_tail shard.
     x = torch.randn(1, 1, 3, 2, dtype=torch.float64)
@@ -304,23 +304,108 @@ def traffic_cases(rank: int, world: int) -> list[str]:
     return fails
 
 
+def disagreements(rank: int, world: int) -> list[tuple[str, dict[str, object], list[str]]]:
+    """(what, this rank's arguments, what every rank's error must say): ranks that differ
+    in one option (rank 0 against the others)."""
+    first = rank == 0
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randn(4, D, generator=g, dtype=torch.float64)  # K=(2, 1): 4 rows
+    per_head = torch.randn(H, 4, D, generator=g, dtype=torch.float64)
+    return [
+        ("layout", dict(layout="head_tail" if first else "contiguous"),
+         ["disagree on layout: rank 0 'head_tail', rank 1 'contiguous'"]),
+        ("mode", dict(mode="ring" if first else "all_gather"),
+         ["disagree on mode: rank 0 'ring', rank 1 'all_gather'"]),
+        ("head_group", dict(head_group=1 if first else None),
+         ["disagree on head_group: rank 0 1, rank 1 None"]),
+        ("is_causal", dict(is_causal=first), ["disagree on is_causal: rank 0 True, rank 1 False"]),
+        ("max_distance", dict(max_distance=(2, 1) if first else (1, 2)),
+         ["disagree on max_distance: rank 0 (2, 1), rank 1 (1, 2)"]),
+        ("scale", dict(scale=None if first else 0.5),
+         ["disagree on scale: rank 0 None", "rank 1 0.5"]),
+        ("table shapes", dict(rel_keys=shared if first else per_head),
+         [f"disagree on rel_keys: rank 0 (4, {D}), rank 1 ({H}, 4, {D})"]),
+        ("table present", dict(rel_values=None if first else shared[:, :DV]),
+         [f"disagree on rel_values: rank 0 None, rank 1 (4, {DV})"]),
+        ("dropout_p", dict(dropout_p=0.25 if first else 0.0, mode="ring"),
+         ["disagree on dropout_p: rank 0 0.25, rank 1 0.0"]),
+        ("gradients", dict(grad=first),
+         ["disagree on requires_grad", "rank 0 key/value", "rank 1 none"]),
+        # Arguments only rank 0 refuses: its own error there, the others name it.
+        ("refused on rank 0", dict(mode="ring", head_group=1 if first else None),
+         ["head_group bounds what mode='all_gather' gathers"]),
+    ]
+
+
+def mismatch_cases(rank: int, world: int, only: list[str]) -> list[str]:
+    """Ranks that disagree on an option: every rank raises one ValueError naming the option
+    and each rank's value (no hang, no abort, no rows), and the group still works after."""
+    fails: list[str] = []
+    g = torch.Generator().manual_seed(rank)
+    for what, kwargs, says in disagreements(rank, world):
+        if only and what not in only:
+            continue
+        q, k, v = (torch.randn(1, H, 4, d, generator=g, dtype=torch.float64)
+                   for d in (D, D, DV))
+        args: dict[str, object] = {"max_distance": (2, 1), **kwargs}
+        if args.pop("grad", False):
+            k.requires_grad_()
+        try:
+            context_parallel_attention(q, k, v, **args)  # type: ignore[arg-type]
+            outcome = "returned"
+        except ValueError as e:
+            outcome = str(e)
+        except Exception as e:  # a collective out of step (timeout): stop here
+            return [*fails, f"ranks that disagree on {what}: raised {type(e).__name__}: {e}"]
+        outcomes: list[str] = [""] * world
+        dist.all_gather_object(outcomes, outcome)
+        if not all(s in outcome for s in says):
+            fails.append(f"ranks that disagree on {what}: {outcome}")
+        elif not what.startswith("refused") and len(set(outcomes)) > 1:
+            fails.append(f"ranks that disagree on {what}: different errors {outcomes}")
+    # unshard_sequence alike: the layout (the shapes match, the order would not).
+    if not only:
+        try:
+            unshard_sequence(torch.arange(4), dim=0,
+                             layout="head_tail" if rank == 0 else "contiguous")
+            fails.append("unshard_sequence: ranks that disagree on layout were not refused")
+        except ValueError as e:
+            if "unshard_sequence: the ranks disagree on layout: rank 0 'head_tail', rank 1 " \
+                    "'contiguous'" not in str(e):
+                fails.append(f"unshard_sequence, layouts that differ: unclear error {e}")
+    # Still in step: a call that all ranks agree on equals the single-process call.
+    n = 4 * world
+    x = torch.randn(1, H, n, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    want = relative_attention(x, x, x, max_distance=1, is_causal=True)
+    mine = shard_sequence(x, dim=2)
+    _close("after the refusals", context_parallel_attention(
+        mine, mine, mine, max_distance=1, is_causal=True), shard_sequence(want, dim=2), fails)
+    return fails
+
+
+def equal_one_process(rank: int, world: int) -> list[str]:
+    fails: list[str] = []
+    for case in cases(world):
+        try:
+            fails += [f"{case}: {f}" for f in run_case(rank, world, **case)]  # type: ignore[arg-type]
+        except Exception:
+            fails.append(f"{case}: raised\n{traceback.format_exc()}")
+            return fails  # the ranks may be out of step now: stop before a collective hangs
+    return fails + refusals(rank, world) + module_cases(rank, world) + traffic_cases(rank, world)
+
+
 def main() -> int:
+    """``RANK WORLD PORT``: every case against one process; ``... mismatch [WHAT...]``: ranks
+    that disagree (only the options named, if any)."""
     rank, world, port = (int(a) for a in sys.argv[1:4])
     torch.set_num_threads(1)
+    mismatches = sys.argv[4:5] == ["mismatch"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
-    fails: list[str] = []
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=20 if mismatches else 60))
     try:
-        for case in cases(world):
-            try:
-                fails += [f"{case}: {f}" for f in run_case(rank, world, **case)]  # type: ignore[arg-type]
-            except Exception:
-                fails.append(f"{case}: raised\n{traceback.format_exc()}")
-                break  # the ranks may be out of step now: stop before a collective hangs
-        else:
-            fails += refusals(rank, world)
-            fails += module_cases(rank, world)
-            fails += traffic_cases(rank, world)
+        fails = (mismatch_cases(rank, world, sys.argv[5:]) if mismatches
+                 else equal_one_process(rank, world))
     finally:
         dist.destroy_process_group()
     for f in fails:

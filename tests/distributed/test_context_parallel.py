@@ -1,6 +1,6 @@
 """Context parallelism (relpos.distributed): 2, 3 and 4 CPU ranks (gloo, 127.0.0.1) equal one
 process to 1e-10, forward and backward, on every layout, clip distance, window, table kind
-and key mask; the refusals; shard/unshard round trips.
+and key mask; the refusals; ranks that disagree on an option; shard/unshard round trips.
 
 The ranks are subprocesses running ``_cp_worker.py``, each joined under a timeout and killed
 after it: a test may fail, never hang.
@@ -29,6 +29,15 @@ def _run_ranks(world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_equal_one_process(world: int) -> None:
     _run_ranks(world)
+
+
+def test_ranks_that_disagree_raise_one_error() -> None:
+    """Two ranks that differ in one option each (layout, mode, head_group, is_causal,
+    max_distance, scale, table shapes, a table given on one rank only, dropout_p, gradients,
+    arguments one rank refuses), in one pair of processes: every rank raises one ValueError
+    naming the option and each rank's value, none hangs or aborts, and the group still
+    computes right after."""
+    run_ranks(str(WORKER), 2, "mismatch", timeout_s=90.0)
 
 
 def _qkv(n: int = 4) -> torch.Tensor:

@@ -36,94 +36,42 @@ gradient).
 
 from __future__ import annotations
 
-import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relpos.functional import relative_attention, validate_call
+from relpos.distributed._checks import (
+    CALL_OPTIONS,
+    LAYOUTS,
+    MODES,
+    _check_device,
+    _check_layout,
+    _chunks,
+    _code,
+    _gather_meta,
+    _initialized_group,
+    _native_for,
+    _ranks,
+    agree,
+    call_values,
+    check_arguments,
+    meta_device,
+)
+from relpos.functional import relative_attention
 from relpos.ops._lse import merge_rows
 from relpos.ops._numerics import accumulation_dtype
 from relpos.positions import check_window
 
 __all__ = ["LAYOUTS", "MODES", "context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
-#: The layouts of a sharded sequence.
-LAYOUTS: tuple[str, ...] = ("contiguous", "head_tail")
-#: The modes of :func:`context_parallel_attention`.
-MODES: tuple[str, ...] = ("all_gather", "ring")
-
-#: Device types each backend serves (a backend not named here is not checked).
-_BACKEND_DEVICES: dict[str, frozenset[str]] = {
-    "gloo": frozenset({"cpu"}),
-    "mpi": frozenset({"cpu"}),
-    "nccl": frozenset({"cuda"}),
-    "xccl": frozenset({"xpu"}),
-}
-
 _MAX_DIMS = 10  # dims of a tensor that unshard_sequence checks across ranks
-
-
-def _check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return str(layout)
-
-
-def _chunks(layout: str, world: int) -> int:
-    return world if layout == "contiguous" else 2 * world
 
 
 def _local_chunks(layout: str, rank: int, world: int) -> tuple[int, ...]:
     """The global chunk indices this rank holds, in the order it holds them."""
     return (rank,) if layout == "contiguous" else (rank, 2 * world - 1 - rank)
-
-
-def _initialized_group(group: Any) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed is not initialized: call torch.distributed.init_process_group "
-            "first (or pass rank= and world_size= to shard_sequence)"
-        )
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _check_device(t: Tensor, group: Any) -> None:
-    backend = str(dist.get_backend(group))
-    allowed: set[str] = set()
-    for part in backend.split(","):
-        if ":" in part:  # "cpu:gloo,cuda:nccl"
-            allowed.add(part.split(":", 1)[0].strip())
-        elif part.strip() in _BACKEND_DEVICES:
-            allowed |= _BACKEND_DEVICES[part.strip()]
-        else:
-            return  # a backend this module does not know: let it answer
-    if t.device.type not in allowed:
-        raise ValueError(
-            f"tensors are on {t.device}, but the process group's backend {backend!r} serves "
-            f"only {sorted(allowed)} tensors"
-        )
-
-
-def _code(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
-#: Integers each rank contributes to the small all-gather that checks the shards first
-#: (``_gather_meta`` in :func:`context_parallel_attention`).
-META_INTS = 9
-
-
-def _gather_meta(values: list[int], device: torch.device, group: Any, world: int) -> list[
-    list[int]
-]:
-    """One small all_gather of a few integers per rank (shapes, dtypes), before a big one."""
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return [p.tolist() for p in parts]
 
 
 class _AllGather(torch.autograd.Function):
@@ -200,8 +148,9 @@ def unshard_sequence(
     """The full sequence from every rank's shard ``x`` (the inverse of :func:`shard_sequence`):
     one all-gather, then the chunks in global order. Differentiable for floating point
     tensors (the backward returns this rank's slice of the gradient summed over ranks); bool
-    tensors (padding masks) are gathered as uint8. Every rank must pass the same shape and
-    dtype (checked with one small all-gather first, so no rank hangs)."""
+    tensors (padding masks) are gathered as uint8. Every rank must pass the same shape,
+    dtype, ``dim`` and ``layout`` (checked with one small all-gather first, so no rank hangs
+    and every rank raises)."""
     layout = _check_layout(layout)
     rank, world = _initialized_group(group)
     if x.dim() > _MAX_DIMS:
@@ -211,7 +160,14 @@ def unshard_sequence(
     if world == 1:
         return x
     shape = list(x.shape) + [0] * (_MAX_DIMS - x.dim())
-    meta = _gather_meta([x.dim(), _code(str(x.dtype)), *shape], x.device, group, world)
+    meta = _gather_meta([LAYOUTS.index(layout), dim, x.dim(), _code(str(x.dtype)), *shape],
+                        x.device, group, world)
+    for at, name, show in ((0, "layout", lambda m: repr(LAYOUTS[m[0]])),
+                           (1, "dim", lambda m: str(m[1]))):
+        if any(m[at] != meta[0][at] for m in meta):
+            raise ValueError(f"unshard_sequence: the ranks disagree on {name}: "
+                             f"{_ranks([show(m) for m in meta])}; every rank must pass the same")
+    meta = [m[2:] for m in meta]
     if any(m != meta[0] for m in meta):
         got = {r: (m[0], m[2:2 + m[0]]) for r, m in enumerate(meta)}
         raise ValueError(
@@ -226,23 +182,6 @@ def unshard_sequence(
     else:
         parts = _AllGather.apply(x, group, rank, world)
     return _reorder(parts, dim=dim, layout=layout, world=world)
-
-
-def _native_for(query: Tensor, what: str) -> None:
-    """Refuse ``what`` unless relpos's native CPU kernels serve ``query``."""
-    from relpos.ops import native
-    from relpos.ops.native import build as native_build
-
-    if query.device.type != "cpu":
-        raise ValueError(
-            f"{what} runs on relpos's native CPU kernels, but the tensors are on "
-            f"{query.device}: use mode='all_gather' without dropout there"
-        )
-    if not native.available():
-        raise RuntimeError(
-            f"{what} needs relpos's native CPU kernels, which are not available here: "
-            f"{native_build.failure() or 'RELPOS_NATIVE=0'}"
-        )
 
 
 class _Plan:
@@ -422,68 +361,61 @@ def context_parallel_attention(
     like any other weight.
     A group of one rank runs the local call.
 
+    Before computing, the ranks agree in one small all-gather: ranks that differ in the shard
+    shapes or in any option that must match (layout, mode, ``head_group``, ``is_causal``,
+    ``max_distance``, ``scale``, ``dropout_p``, the tables' shapes, dtype, which inputs need
+    gradients) all raise one ValueError naming it and each rank's value; a rank that refuses
+    its own arguments raises its error and the others a ValueError quoting it (none hangs).
+
     Raises:
-        ValueError: an unknown mode or layout, shards that differ across ranks or that the
+        ValueError: an unknown mode or layout, ranks that disagree (above), shards that the
             layout cannot split, tensors on a device the group's backend does not serve (or,
             for ring mode and dropout, not on the CPU), and every bad input that
             ``relative_attention`` refuses.
         RuntimeError: torch.distributed not initialized; ring mode or dropout without the
             native kernels.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    layout = _check_layout(layout)
+    args: dict[str, Any] = dict(max_distance=max_distance, rel_keys=rel_keys,
+                                rel_values=rel_values, is_causal=is_causal, key_mask=key_mask,
+                                dropout_p=dropout_p, scale=scale)
+    # Every local argument checked before any collective; a rank that refuses its arguments
+    # still joins the agreement's gather below, so the other ranks raise too.
+    refused: Exception | None = None
+    try:
+        check_arguments(query, key, value, layout=layout, mode=mode, head_group=head_group,
+                        **args)
+    except (TypeError, ValueError) as e:
+        refused = e
+    if refused is not None and not (dist.is_available() and dist.is_initialized()):
+        raise refused
     rank, world = _initialized_group(group)
-    # Every local argument checked before any collective (is_causal, tables, shapes, dtypes).
-    validate_call(query, key, value, max_distance=max_distance, rel_keys=rel_keys,
-                  rel_values=rel_values, key_mask=key_mask, is_causal=is_causal,
-                  dropout_p=dropout_p, scale=scale)
-    if query.shape[2] != key.shape[2]:
-        raise ValueError(
-            f"context_parallel_attention is self-attention: query and key shards need one "
-            f"length, got {query.shape[2]} and {key.shape[2]}"
-        )
-    _check_device(query, group)
-    dropout = float(dropout_p) > 0.0
-    if head_group is not None:
-        if isinstance(head_group, bool) or not isinstance(head_group, int) or head_group < 1:
-            raise ValueError(f"head_group must be an int >= 1 or None, got {head_group!r}")
-        if mode != "all_gather":
-            raise ValueError(f"head_group bounds what mode='all_gather' gathers; mode={mode!r} "
-                             "holds a few shards at a time already: leave head_group=None")
-        if dropout:
-            raise ValueError("head_group with dropout_p > 0 is not supported (the dropout "
-                             "stream is keyed by head): use head_group=None or mode='ring'")
-    if world > 1 and (mode == "ring" or dropout):
-        _native_for(query, "mode='ring'" if mode == "ring" else "dropout under context parallelism")
+    dropout = refused is None and float(dropout_p) > 0.0
+    if refused is None:
+        try:
+            _check_device(query, group)
+            if world > 1 and (mode == "ring" or dropout):
+                _native_for(query, "mode='ring'" if mode == "ring"
+                            else "dropout under context parallelism")
+        except (ValueError, RuntimeError) as e:
+            refused = e
     kwargs: dict[str, Any] = dict(max_distance=max_distance, rel_keys=rel_keys,
                                   rel_values=rel_values, is_causal=is_causal, scale=scale)
     if world == 1:
+        if refused is not None:
+            raise refused
         return relative_attention(query, key, value, key_mask=key_mask, dropout_p=dropout_p,
                                   **kwargs)
 
     from relpos.ops import native
 
-    B, H, n_local, D = query.shape
-    Dv = value.shape[3]
+    # One small all-gather: every rank raises alike unless all agree on every option that
+    # must match (CALL_OPTIONS) and none refused; it carries rank 0's dropout seed too.
     seed = native.draw_seed() if dropout else torch.zeros(2, dtype=torch.int64)
-    meta = _gather_meta(
-        [n_local, B, H, D, Dv, key_mask is not None, _code(str(query.dtype)), *seed.tolist()],
-        query.device, group, world,
-    )
-    lengths = [m[0] for m in meta]
-    if len(set(lengths)) > 1:
-        raise ValueError(
-            f"layout {layout!r} needs one shard length on every rank, got n_local by rank "
-            f"{lengths}: pad the sequence to a multiple of {_chunks(layout, world)} (mask the "
-            f"padding with key_mask) and shard it with shard_sequence"
-        )
-    if any(m[:7] != meta[0][:7] for m in meta):
-        dtypes = "equal" if len({m[6] for m in meta}) == 1 else "differ"
-        raise ValueError(
-            "the ranks' shards differ in (n_local, B, H, D, Dv, key_mask given): "
-            f"{[m[:6] for m in meta]} by rank (dtypes {dtypes}); all must match"
-        )
+    meta = agree("context_parallel_attention", CALL_OPTIONS, None if refused is not None else
+                 call_values(query, key, value, layout=layout, mode=mode, head_group=head_group,
+                             seed=seed, **args),
+                 refused, device=meta_device(query, group), group=group, world=world)
+    H, n_local, D = query.shape[1:]
     if layout == "head_tail" and n_local % 2:
         raise ValueError(
             f"layout 'head_tail' holds two equal chunks per rank, got odd n_local={n_local}: "
@@ -500,7 +432,8 @@ def context_parallel_attention(
     D_scale = float(D) ** -0.5 if scale is None else float(scale)
     plan = _Plan(layout=layout, rank=rank, world=world, n_local=n_local, left=lo, right=hi,
                  is_causal=is_causal, scale=D_scale, dropout_p=float(dropout_p),
-                 seed=torch.tensor(meta[0][7:9], dtype=torch.int64) if dropout else None,
+                 seed=torch.tensor(meta["dropout seed"], dtype=torch.int64) if dropout
+                 else None,
                  group=group)
     if mode == "ring":
         acc = accumulation_dtype(query.dtype)
@@ -508,7 +441,6 @@ def context_parallel_attention(
         rk, rv = (None if t is None else t.to(acc) for t in tables)
         out = _Ring.apply(q, k, v, rk, rv, _key_bias(key_mask, acc), plan)
         return out.to(query.dtype)
-    H = query.shape[1]
     if head_group is None or head_group >= H:
         return _all_gather_attention(query, key, value, key_mask, tables, plan, kwargs)
     return _all_gather_by_heads(query, key, value, key_mask, tables, plan, kwargs, head_group)

@@ -17,12 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from relpos.distributed.context_parallel import (
-    MODES,
-    _check_layout,
-    _initialized_group,
-    context_parallel_attention,
-)
+from relpos.distributed._checks import MODES, _check_layout, _initialized_group
+from relpos.distributed.context_parallel import context_parallel_attention
 from relpos.modules.attention import RelativeMultiheadAttention
 
 __all__ = ["context_parallel", "is_context_parallel"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from relpos.distributed.context_parallel import META_INTS, MODES
+from relpos.distributed._checks import META_INTS, MODES
 from relpos.ops._numerics import accumulation_dtype
 
 __all__ = ["Traffic", "TrafficCounter", "count_traffic", "traffic"]
@@ -59,8 +59,8 @@ def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head
       backward ``(P-1)·(E + M) + P·E`` (the shards go round again, and their gradients go
       round a second ring: ``P`` hops, the last one home).
 
-    Both add one all-gather of ``9`` int64 per rank first (shapes, dtypes, the dropout seed),
-    ``(P-1)·72`` bytes.
+    Both add one all-gather of ``META_INTS`` (30) int64 per rank first (the shapes and every
+    option the ranks must agree on, the dropout seed), ``(P-1)·240`` bytes.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
