@@ -38,7 +38,12 @@ def _cell(variant: str, n: int, causal: bool, threads: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    import relpos
+    from relpos.functional import relative_attention, select_backend
+    from relpos.varlen import (
+        cu_seqlens_from_lengths,
+        relative_attention_varlen,
+        select_backend_varlen,
+    )
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -56,10 +61,10 @@ def _cell(variant: str, n: int, causal: bool, threads: int) -> dict[str, Any]:
         if variant == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         if packed:
-            cu = relpos.cu_seqlens_from_lengths([q.shape[0]])
-            return relpos.relative_attention_varlen(q, k, v, cu, cu, max_distance=K,
+            cu = cu_seqlens_from_lengths([q.shape[0]])
+            return relative_attention_varlen(q, k, v, cu, cu, max_distance=K,
                                                     is_causal=causal, **tables)
-        return relpos.relative_attention(q, k, v, max_distance=K, is_causal=causal, **tables)
+        return relative_attention(q, k, v, max_distance=K, is_causal=causal, **tables)
 
     q, k, v = inputs(n, True)
     grad_out = torch.randn((*q.shape[:-1], D), generator=g)
@@ -67,10 +72,10 @@ def _cell(variant: str, n: int, causal: bool, threads: int) -> dict[str, Any]:
         attend(*inputs(WARMUP, False))
     backend = "sdpa"
     if variant == "relpos":
-        backend = relpos.select_backend(q, k, v, max_distance=K, is_causal=causal, **tables)
+        backend = select_backend(q, k, v, max_distance=K, is_causal=causal, **tables)
     elif packed:
-        cu = relpos.cu_seqlens_from_lengths([n])
-        backend = relpos.select_backend_varlen(q, k, v, cu, cu, max_distance=K,
+        cu = cu_seqlens_from_lengths([n])
+        backend = select_backend_varlen(q, k, v, cu, cu, max_distance=K,
                                                is_causal=causal, **tables)
     gc.collect()
     memory.reset_peak()
