@@ -609,6 +609,15 @@ class PackedLayerCache:
         """Rows per sequence (its region)."""
         return self._capacity
 
+    @property
+    def storage(self) -> tuple[Tensor, Tensor] | None:
+        """The key and value storage as ``(H, N, capacity, D)`` and ``(H, N, capacity, Dv)``
+        views (sequence ``s`` fills ``[:, s, :lengths[s]]``), or None before the first append."""
+        if self._keys is None or self._values is None:
+            return None
+        N, C = self.num_sequences, self._capacity
+        return (self._keys.unflatten(1, (N, C)), self._values.unflatten(1, (N, C)))
+
     def _step_lengths(self, key: Tensor, value: Tensor, cu_seqlens: Tensor) -> list[int]:
         """The new tokens per sequence of a valid append (checked before anything changes)."""
         for name, x in (("key", key), ("value", value), ("cu_seqlens", cu_seqlens)):

@@ -54,6 +54,13 @@ def sinusoidal_positions(
 ) -> Tensor:
     """Vaswani et al.'s positions ``start .. start+length-1`` as ``(length, dim)``."""
     pos = torch.arange(start, start + length, device=device, dtype=torch.float64)  # (L,)
+    return _sinusoidal(pos, dim, dtype)
+
+
+def _sinusoidal(pos: Tensor, dim: int, dtype: torch.dtype) -> Tensor:
+    """The sinusoidal embeddings ``(L, dim)`` of float64 positions ``(L,)`` (the same bits
+    for a position wherever it sits in ``pos``)."""
+    device = pos.device
     half = (dim + 1) // 2
     freq = torch.exp(
         -math.log(10000.0) * torch.arange(half, device=device, dtype=torch.float64) * 2 / dim
@@ -426,25 +433,33 @@ class StepDecoder:
         return tuple(lc.version for lc in cache)  # unique across caches
 
     @torch.no_grad()
-    def __call__(self, token: Tensor, cache: KVCache) -> Tensor:
+    def __call__(self, token: Tensor, cache: KVCache, positions: Tensor | None = None) -> Tensor:
         """Logits ``(B, V)`` of one new token per sequence, appended to ``cache``.
 
         Args:
             token: ``(B,)`` token ids (validated by the caller).
             cache: the model's cache, holding the prompt (and earlier steps); fixed-size
                 or growable.
+            positions: ``(B,)`` integer: each row's absolute position of the new token, for
+                rows whose positions are not the cache's (left-padded prompts of different
+                lengths, each from position 0: ``RelativeTransformerLM.generate_packed``);
+                None = ``cache.length`` for every row. Only models with absolute positions
+                (``positions="learned"`` or ``"sinusoidal"``) read it; validated by the caller.
         """
         if getattr(self, "_seen", None) != self._versions(cache):
             self.start(cache)  # a new cache, or one changed since the last step
         B = token.shape[0]
         E, H, D = self.E, self.H, self.D
-        p = cache.length  # position of the new token
+        p = cache.length  # position of the new token in the cache
         S = p + 1
         x = F.embedding(token, self.embed).mul_(self.emb_scale)  # (B, E)
         if self.pos_embed is not None:
-            x = x + self.pos_embed[p]
+            x = x + (self.pos_embed[p] if positions is None
+                     else F.embedding(positions, self.pos_embed))
         elif self.sinusoidal:
-            x = x + sinusoidal_positions(p, 1, E, device=x.device, dtype=x.dtype)[0]
+            at = (torch.tensor([p], dtype=torch.float64, device=x.device) if positions is None
+                  else positions.to(torch.float64))
+            x = x + _sinusoidal(at, E, x.dtype)
         left = self.left
         m = min(S, left + 1)  # the band: keys whose table row changes from step to step
         band = slice(S - m, S)

@@ -18,13 +18,20 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relpos._sysinfo import available_memory
 from relpos.cache import KVCache, PackedKVCache
 from relpos.models.config import ModelConfig
 from relpos.models.decoding import StepDecoder, sinusoidal_positions
+from relpos.models.generation import (
+    check_generation_memory,
+    check_max_new_tokens,
+    check_sampling,
+    check_tokens,
+    packed_steps,
+    padded_from_packed,
+    sample,
+)
 from relpos.modules.transformer import RelativeTransformerEncoderLayer
 from relpos.varlen import cu_seqlens_from_lengths
 
@@ -231,12 +238,22 @@ class RelativeTransformerLM(_Backbone):
         eos_token_id: int | Sequence[int] | None = None,
         generator: torch.Generator | None = None,
     ) -> list[Tensor]:
-        """Continue prompts of different lengths together, without padding: one packed
-        prefill pass over every prompt, then one packed step a token over a
-        :class:`relpos.PackedKVCache`. A sequence that produced an end token leaves the
-        steps (it appends nothing more). Each sequence's tokens are those of
-        :meth:`generate` on that prompt alone (greedy; sampling draws from one generator in
-        another order).
+        """Continue prompts of different lengths together: one packed prefill pass over every
+        prompt (no padding, through a :class:`relpos.PackedKVCache`), then one token a step on
+        :meth:`generate`'s fast decoder (:class:`relpos.models.decoding.StepDecoder`), the
+        prompts left-padded to the longest in its static cache with a key mask over the
+        padding (queries align to the end of the keys: each prompt keeps its own relative
+        offsets, and its own absolute positions). A sequence that produced an end token
+        appends nothing more; finished sequences leave the step cache when that halves a
+        step's attention work.
+
+        Greedy, each sequence's tokens are those of :meth:`generate` on that prompt alone.
+        Sampling draws what :meth:`generate` draws for the N prompts as one batch (a row per
+        prompt, in order, finished ones included), so the same generator gives the tokens of
+        :meth:`generate` on the stacked prompts when they have equal lengths, and on the
+        left-padded batch with its ``key_mask`` when they do not and the model has no
+        absolute positions (left padding shifts :meth:`generate`'s absolute positions);
+        end tokens or not. (The packed prefill equals the padded one up to rounding.)
 
         Args:
             prompts: N ``(P_s,)`` token id tensors, ``P_s >= 1``.
@@ -262,41 +279,27 @@ class RelativeTransformerLM(_Backbone):
                 got = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
                 raise ValueError(f"prompts[{s}] must be a (P,) tensor of token ids with P >= 1, "
                                  f"got {got}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = _check_sampling(temperature, top_k, top_p, generator)
-        stop = set(_check_tokens("eos_token_id", eos_token_id, self.config.vocab_size))
-        N, n_max = len(prompts), int(max_new_tokens)
-        lengths = [int(p.numel()) for p in prompts]
-        self.check_length(0, max(lengths) + n_max)
-        out: list[list[int]] = [[] for _ in range(N)]
+        n_max = check_max_new_tokens(max_new_tokens)
+        sampling = check_sampling(temperature, top_k, top_p, generator)
+        stop = check_tokens("eos_token_id", eos_token_id, self.config.vocab_size)
+        N, lengths = len(prompts), [int(p.numel()) for p in prompts]
+        P = max(lengths)
+        self.check_length(0, P + n_max)
         if n_max == 0:
-            return [torch.tensor(o, dtype=torch.long) for o in out]
+            return [torch.zeros(0, dtype=torch.long) for _ in range(N)]
+        check_generation_memory(self, N, P, n_max)
         ids = torch.cat([p.to(self.embed.weight.device) for p in prompts])
         cu = cu_seqlens_from_lengths(lengths)
-        cache = self.new_packed_cache(N, capacity=max(lengths) + n_max, growable=False)
+        packed = self.new_packed_cache(N, capacity=P, growable=False)
         was_training = self.training
         self.eval()
         try:
-            logits = self(ids, cu_seqlens=cu, cache=cache)[cu[1:] - 1]  # (N, V)
-            live = list(range(N))
-            for n in range(n_max):
-                token = _sample(logits, *sampling)  # (len(live),)
-                still = []
-                for row, s in enumerate(live):
-                    out[s].append(int(token[row]))
-                    if out[s][-1] not in stop:
-                        still.append(row)
-                if n + 1 == n_max or not still:
-                    break
-                live = [live[row] for row in still]
-                steps = [0] * N
-                for s in live:
-                    steps[s] = 1
-                step_cu = cu_seqlens_from_lengths(steps)
-                logits = self(token[still], cu_seqlens=step_cu, cache=cache)  # (len(live), V)
+            logits = self(ids, cu_seqlens=cu, cache=packed)[cu[1:] - 1]  # (N, V)
+            cache = padded_from_packed(packed, lengths, P + n_max - 1)
+            del packed
+            absolute = self.config.positions in ("learned", "sinusoidal")
+            out = packed_steps(StepDecoder(self), cache, logits, lengths, n_max, sampling, stop,
+                               absolute)
         finally:
             self.train(was_training)
         return [torch.tensor(o, dtype=torch.long) for o in out]
@@ -366,21 +369,6 @@ class RelativeTransformerLM(_Backbone):
         with cache.rollback_on_error():  # leave the cache as it was before a refused step
             return self.logits(self.hidden(ids, key_mask, cache, is_causal=True))
 
-    def _check_generation_memory(self, ids: Tensor, P: int, N: int) -> None:
-        """Refuse a generation whose cache (allocated up front) does not fit in memory."""
-        cfg = self.config
-        item = self.embed.weight.element_size()
-        # keys and values per layer, plus the step decoder's copies with their table rows
-        copies = 2 * (1 + int(cfg.uses_relative))
-        need = cfg.num_layers * copies * ids.shape[0] * (P + N) * cfg.d_model * item
-        free = available_memory(self.embed.weight.device)
-        if free is not None and need > free:
-            raise ValueError(
-                f"max_new_tokens={N}: a cache of {P} + {N} positions needs "
-                f"{need / 2**30:.3g} GiB, more than the {free / 2**30:.3g} GiB of memory "
-                "available; allowed: fewer new tokens"
-            )
-
     @torch.no_grad()
     def generate(
         self,
@@ -431,23 +419,20 @@ class RelativeTransformerLM(_Backbone):
                 f"this model has num_classes={self.config.num_classes}"
             )
         ids = self.check_ids(prompt_ids, key_mask)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-            raise TypeError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        sampling = _check_sampling(temperature, top_k, top_p, generator)
-        stop = _check_tokens("eos_token_id", eos_token_id, self.config.vocab_size)
+        N = check_max_new_tokens(max_new_tokens)
+        sampling = check_sampling(temperature, top_k, top_p, generator)
+        stop = check_tokens("eos_token_id", eos_token_id, self.config.vocab_size)
         if pad_token_id is not None and (
             isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
         ):
             raise TypeError(f"pad_token_id must be one int token id, got {pad_token_id!r}")
-        pads = _check_tokens("pad_token_id", pad_token_id, self.config.vocab_size)
+        pads = check_tokens("pad_token_id", pad_token_id, self.config.vocab_size)
         if not isinstance(new_tokens_only, bool):
             raise TypeError(f"new_tokens_only must be a bool, got {new_tokens_only!r}")
         pad = pads[0] if pads else (stop[0] if stop else None)
-        P, N = ids.shape[1], int(max_new_tokens)
+        P = ids.shape[1]
         self.check_length(0, P + N)
-        self._check_generation_memory(ids, P, N)
+        check_generation_memory(self, ids.shape[0], P, N)
         if N == 0:
             return ids[:, :0] if new_tokens_only else ids
         cache = self.new_cache(capacity=P + N, growable=False)
@@ -461,7 +446,7 @@ class RelativeTransformerLM(_Backbone):
             done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
             out: list[Tensor] = []
             for n in range(N):
-                token = _sample(logits, *sampling)  # (B,)
+                token = sample(logits, *sampling)  # (B,)
                 if stop_ids is not None:
                     if pad is not None:
                         token = token.masked_fill(done, pad)
@@ -474,81 +459,6 @@ class RelativeTransformerLM(_Backbone):
             self.train(was_training)
         new = torch.stack(out, dim=1)  # (B, n)
         return new if new_tokens_only else torch.cat([ids, new], dim=1)
-
-
-def _check_sampling(
-    temperature: object, top_k: object, top_p: object, generator: object
-) -> tuple[float, int | None, float | None, torch.Generator | None]:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float >= 0, got {temperature!r}")
-    temp = float(temperature)
-    if not (math.isfinite(temp) and temp >= 0):
-        raise ValueError(f"temperature must be a finite float >= 0, got {temperature}")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-            raise TypeError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
-            raise TypeError(f"top_p must be a float in (0, 1] or None, got {top_p!r}")
-        if not 0.0 < float(top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    return (
-        temp,
-        None if top_k is None else int(top_k),
-        None if top_p is None else float(top_p),
-        generator,
-    )
-
-
-def _check_tokens(name: str, value: object, vocab_size: int) -> tuple[int, ...]:
-    """``eos_token_id``/``pad_token_id`` as a tuple of ids in ``[0, vocab_size)``."""
-    if value is None:
-        return ()
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        tokens: tuple[object, ...] = (value,)
-    elif isinstance(value, (list, tuple)) and value:
-        tokens = tuple(value)
-    else:
-        raise TypeError(f"{name} must be an int token id (or a non-empty list of them), got "
-                        f"{value!r}")
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise TypeError(f"{name} must hold int token ids, got {t!r}")
-        if not 0 <= int(t) < vocab_size:
-            raise ValueError(f"{name} {t} is outside [0, vocab_size={vocab_size})")
-    return tuple(int(t) for t in tokens)  # type: ignore[call-overload]
-
-
-def _sample(
-    logits: Tensor,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """Next token ``(B,)`` from ``(B, V)`` logits."""
-    if temperature == 0.0 or top_k == 1:
-        return logits.argmax(dim=-1)
-    # In float64, with the top logit at 0: no overflow, and a temperature too small to tell
-    # from 0 gives the top token all the probability (greedy), never inf / inf.
-    logits = logits.double()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # drop a token when the ones before it already reach top_p (the first always stays)
-        drop = (cum - F.softmax(sorted_logits, dim=-1)) >= top_p
-        drop[:, 0] = False  # also when top_p rounds to 0 against the probabilities
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 class RelativeTransformerEncoderModel(_Backbone):
