@@ -1,5 +1,6 @@
 """The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
-encoder_variants, kernel_variants, varlen, half_precision, last_mile): they import no optional
+encoder_variants, kernel_variants, varlen, half_precision, last_mile,
+generate_packed): they import no optional
 package until they run, and the launchers in ``benchmarks/`` still start them with the same
 options."""
 
@@ -23,6 +24,7 @@ SCRIPTS = {
     "varlen.py": "relpos.bench.varlen",
     "half_precision.py": "relpos.bench.half_precision",
     "last_mile.py": "relpos.bench.last_mile",
+    "generate_packed.py": "relpos.bench.generate_packed",
 }
 OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
 

@@ -30,6 +30,8 @@ packages they compare against load only when they run:
         kernels --build --into``) against this CPU's own build.
     :mod:`relpos.bench.varlen`: packed variable-length batches against padded ones (one
         attention call, a 6-layer encoder step) at the standard library's function lengths.
+    :mod:`relpos.bench.generate_packed`: ``RelativeTransformerLM.generate_packed`` against
+        ``generate``, end to end, on prompts of equal and of different lengths.
 
 Benchmarks are not tests. The names below load on first use (PEP 562): importing
 ``relpos.bench`` or :mod:`relpos.bench.common` does not import torch.
