@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -49,3 +51,131 @@ def test_convention_matrices_match_relative_position_index():
     torch.testing.assert_close(symmetric, relpos.relative_position_index(6, 6, 2) - 2)
     torch.testing.assert_close(window, relpos.relative_position_index(6, 6, (2, 1)) - 2)
     assert "K = 2: [-2, +2], 5 rows" in README and "(2, 1): [-2, +1], 4 rows" in README
+
+
+# --- Stated times: each from its measurement in relpos._timings -------------------------
+
+DEVELOPERS = (ROOT / "DEVELOPERS.md").read_text()
+DEPLOYMENT = (ROOT / "docs" / "deployment.md").read_text()
+#: Times stated beside the measured ones, not measured here: the benchmark harness's own
+#: estimate of a run, and the long study's extrapolation of when pysrc would plateau.
+NOT_FROM_THE_SOURCE = ("about 15 minutes on 2 cores", "about 55 hours of this machine")
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _min_s(seconds: float) -> str:
+    """``12 min 42 s``."""
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
+def _stated_times() -> dict[str, list[str]]:
+    """Every time the README and docs state, as the one source (``relpos._timings``) writes
+    it, by document."""
+    from relpos._timings import (
+        ALL_VARIANTS_SECONDS,
+        EXPERIMENT,
+        FIRST_COMPILE_SECONDS,
+        TEST_SUITE_SECONDS,
+        VARIANT_SECONDS,
+        duration_text,
+        range_text,
+    )
+    from relpos.training.experiment import ExperimentConfig
+    from relpos.training.experiment.calibrate import reference_seconds
+
+    compile_ = duration_text(FIRST_COMPILE_SECONDS)
+    suite = duration_text(max(TEST_SUITE_SECONDS))
+    fresh = duration_text(reference_seconds(ExperimentConfig()) + FIRST_COMPILE_SECONDS)
+    default, quick, full, long = (EXPERIMENT[p] for p in ("default", "quick", "full", "long"))
+    return {
+        "README.md": [
+            # the main job on a fresh machine; the tests; the native kernels' first compile
+            f"{fresh} on 2 CPU cores, of which {compile_} compile the native kernels",
+            f"Run the tests ({suite} on 2 cores, the native kernels' first compile included",
+            f"once per machine, {compile_} on 2 cores",
+            # the measurements themselves, and the studies' headings
+            f"the default {_min_s(default.seconds)} wall with `--jobs {default.jobs}`",
+            f"{_min_s(default.compile)} of it the native kernels' first compile",
+            f"`--quick` {_min_s(quick.seconds)} and `--full` {_min_s(full.seconds)} with "
+            f"`--jobs {quick.jobs}`",
+            f"`--long` {round(long.seconds / 60)} min with {long.jobs} jobs",
+            f"(`relpos experiment --long`, 20 seeds, {round(long.seconds / 60)} min on",
+            f"(`relpos experiment --full`, 3 seeds, {round(full.seconds / 60)} min with "
+            f"`--jobs {full.jobs}`",
+        ],
+        "DEVELOPERS.md": [f"the whole suite, {suite} on 2 cores"],
+        "docs/deployment.md": [
+            f"{range_text(*VARIANT_SECONDS)} a variant on 2 cores",
+            f"(all five: {duration_text(ALL_VARIANTS_SECONDS)} on 2 cores)",
+        ],
+    }
+
+
+def test_every_stated_time_is_its_measurement():
+    """The README, DEVELOPERS.md and the deployment page state each time as its measurement
+    in ``relpos._timings`` says it (tests/training/experiment/test_times.py does the same
+    for each ``relpos experiment`` preset), and no other time in minutes or hours: a new
+    measurement there fails here until every text that states it follows."""
+    texts = {"README.md": README, "DEVELOPERS.md": DEVELOPERS,
+             "docs/deployment.md": DEPLOYMENT}
+    stated = _stated_times()
+    for name, phrases in stated.items():
+        flat = _flat(texts[name])
+        for phrase in phrases:
+            assert phrase in flat, f"{name} does not state {phrase!r}"
+    # Any other duration in minutes or hours is one of these phrases (or said not measured).
+    from relpos.cli.experiment import PRESET_TIMES
+
+    known = [*(p for ps in stated.values() for p in ps), *PRESET_TIMES.values(),
+             *NOT_FROM_THE_SOURCE]
+    duration = re.compile(r"\b\d[\d.]*(?:-[\d.]+)? (?:minutes?|min|hours?)\b")
+    for name, text in texts.items():
+        flat = _flat(text)
+        for found in duration.finditer(flat):
+            around = flat[max(0, found.start() - 120):found.end() + 120]
+            assert any(found.group() in k and k in around for k in known), (
+                f"{name} states {found.group()!r} ({around!r}), which relpos._timings does "
+                "not hold")
+
+
+def test_the_readme_names_the_measurements_machines():
+    from relpos._timings import EXPERIMENT, REFERENCE_MACHINE
+
+    assert "2-core AMD EPYC (Zen 4) VM" in REFERENCE_MACHINE
+    assert EXPERIMENT["default"].machine == REFERENCE_MACHINE
+    assert "quiet 2-core AMD EPYC (Zen 4) VM" in _flat(README)
+    assert "Intel Xeon" in EXPERIMENT["full"].machine and "nice -n 19" in _flat(README)
+
+
+# The build's message and ``relpos kernels --help`` live in files being reworked (issue 55,
+# item 5): until they read their times from relpos._timings, these say so; once they do,
+# strict xfail fails, and the marks go.
+_OWN_TIMES = ("the native build's message (BUILD_SECONDS in "
+              "src/relpos/ops/native/compiling.py) and relpos kernels --help "
+              "(src/relpos/cli/kernels.py) still state times of their own")
+
+
+@pytest.mark.xfail(strict=True, reason=_OWN_TIMES)
+def test_the_build_message_states_the_first_compile():
+    from relpos._timings import FIRST_COMPILE_SECONDS
+    from relpos.ops.native import compiling
+
+    assert compiling.BUILD_SECONDS == FIRST_COMPILE_SECONDS
+
+
+@pytest.mark.xfail(strict=True, reason=_OWN_TIMES)
+def test_relpos_kernels_help_states_the_measured_builds():
+    import argparse
+
+    from relpos._timings import FIRST_COMPILE_SECONDS, VARIANT_SECONDS, duration_text, range_text
+    from relpos.cli import kernels
+
+    parser = argparse.ArgumentParser()
+    kernels.add_arguments(parser)
+    helps = {a.dest: _flat(a.help or "") for a in parser._actions}
+    assert duration_text(FIRST_COMPILE_SECONDS) in helps["build"]
+    assert range_text(*VARIANT_SECONDS) in helps["into"]

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from relpos._timings import FIRST_COMPILE_SECONDS, duration_text
 from relpos.cli import CLIError, _args
 
 # The tasks the sweep knows.
@@ -51,16 +52,18 @@ def _models(text: str) -> tuple[str, ...]:
     return names
 
 
-#: How long each preset takes on the reference machine: the strings
-#: ``relpos.training.experiment.calibrate.time_claim`` makes of each preset's plan of runs,
-#: written out here because that module loads torch and ``--help`` must not (a test checks
-#: that they agree, and the README's with them).
+#: How long each preset takes on the reference machine with a job per core: the strings
+#: ``relpos.training.experiment.calibrate.time_claim`` makes of each preset's measured time
+#: (``relpos._timings``), written out here because that module loads torch and ``--help``
+#: must not (a test checks that they agree, and the README's with them).
 PRESET_TIMES = {
-    "default": "about 6 minutes on 2 CPU cores",
+    "default": "about 5 minutes on 2 CPU cores",
     "quick": "about 1 minute on 2 CPU cores",
     "full": "about 20 minutes on 2 CPU cores",
-    "long": "about 6.5 hours on 2 CPU cores with 2 jobs",
+    "long": "about 6.5 hours on 2 CPU cores",
 }
+#: The native kernels' first compile on a machine, which the first sweep there waits for.
+FIRST_COMPILE = duration_text(FIRST_COMPILE_SECONDS)
 
 SUMMARY = "sweep the clip distance K: where does it matter?"
 DESCRIPTION = f"""\
@@ -71,8 +74,10 @@ length, closing-bracket accuracy by opener distance, the training signal per tab
 print an up-front time estimate for this machine and progress; write results.json.gz,
 figures and a report with 95% intervals to --out, and print a summary: the verdict on each
 claim, which K to choose, where the report and figures are. The default study takes
-{PRESET_TIMES["default"]} (one torch thread, nothing else running). An --out that holds an
-experiment is refused unless --reuse keeps its finished runs or --overwrite replaces it.
+{PRESET_TIMES["default"]} (a job of one torch thread per core, nothing else running), and
+{FIRST_COMPILE} more the first time on a machine, compiling the native kernels. An --out
+that holds an experiment is refused unless --reuse keeps its finished runs or --overwrite
+replaces it.
 """
 
 
@@ -118,8 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _args.add_threads(p, "torch CPU threads per job (default 1; fixed so reruns give the same "
                          "numbers)")
     p.add_argument("--jobs", type=_args.positive_int, metavar="N",
-                   help="runs trained at once, one process each (default 1; --long: 2); "
-                        "the numbers do not depend on it")
+                   help="runs trained at once, one process each (default: one per usable "
+                        "CPU core, divided by --threads); the numbers do not depend on it")
     used = p.add_mutually_exclusive_group()
     used.add_argument("--reuse", action="store_true",
                       help="keep finished runs already in --out (continue an interrupted or "
@@ -209,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
             config = replace(config, **changes, preset=preset)
         except ValueError as err:
             raise CLIError(str(err)) from None
+    if args.jobs is None:  # one job a core (--jobs alone changes no number: not "custom")
+        from relpos.training.experiment.calibrate import default_jobs
+
+        config = replace(config, jobs=default_jobs(config.threads))
     import sys
 
     command = "relpos " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == [

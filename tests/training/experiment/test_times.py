@@ -1,6 +1,6 @@
-"""How long a sweep takes is stated from one source, ``calibrate.time_claim``: ``relpos
-experiment --help`` and the README say what it says for each preset, and the report says it
-for its own sweep."""
+"""How long a sweep takes is stated from one source, ``calibrate.time_claim`` (a preset's
+measured time in ``relpos._timings``, at one job a core): ``relpos experiment --help`` and the
+README say what it says for each preset, and the report says it for its own sweep."""
 
 from __future__ import annotations
 
@@ -12,13 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from relpos._timings import EXPERIMENT, FIRST_COMPILE_SECONDS
 from relpos.cli import experiment as cli
 from relpos.training.experiment import ExperimentConfig, make_report, plan
 from relpos.training.experiment.calibrate import (
     REFERENCE_OVERHEAD,
     REFERENCE_UNIT,
     cost,
+    default_jobs,
     duration_text,
+    measured,
+    reference_jobs,
     reference_seconds,
     sweep_seconds,
     time_claim,
@@ -62,9 +66,11 @@ def test_readme_states_each_presets_estimate(preset):
         runs = re.search(r"(\d+) runs", comment)
         if runs:
             assert int(runs.group(1)) == len(plan(config)), comment
-    if preset == "default":
+    if preset == "default":  # a fresh machine: the kernels' first compile too
         setup = README.split("## Set up a fresh machine", 1)[1].split("```", 1)[0]
-        assert claim in " ".join(setup.split())
+        fresh = duration_text(reference_seconds(config) + FIRST_COMPILE_SECONDS)
+        assert (f"{fresh} on 2 CPU cores, of which {duration_text(FIRST_COMPILE_SECONDS)} "
+                "compile the native kernels") in " ".join(setup.split())
 
 
 def test_no_other_time_is_stated_for_a_preset():
@@ -73,6 +79,9 @@ def test_no_other_time_is_stated_for_a_preset():
         a.help or "" for a in _actions())))
     for claim in cli.PRESET_TIMES.values():
         text = text.replace(claim, "")
+    # ... and the first compile's, which the first sweep on a machine waits for
+    assert f"{cli.FIRST_COMPILE} more the first time" in " ".join(text.split())
+    text = text.replace(cli.FIRST_COMPILE, "")
     assert not TIME.search(text), TIME.search(text)
 
 
@@ -82,17 +91,61 @@ def _actions() -> list[argparse.Action]:
     return parser._actions
 
 
-def test_reference_seconds_is_the_plan_at_the_reference_rate():
-    config = ExperimentConfig()
-    costs = [cost(s, config) for s in plan(config)]
-    assert reference_seconds(config) == pytest.approx(
+def test_a_presets_time_is_its_measured_time_at_one_job_a_core():
+    """The stated time of a preset is its measurement (the first compile taken out) where it
+    was measured with a job per core, and scaled by the cost model's parallel share where it
+    was measured with fewer."""
+    for preset, make in PRESETS.items():
+        config = make()
+        found = EXPERIMENT[preset]
+        assert measured(config) == found and measured(replace(config, jobs=7)) == found
+        assert reference_seconds(config, found.jobs) == pytest.approx(found.sweep)
+        if found.jobs < reference_jobs(config):
+            assert reference_seconds(config) < found.sweep
+    default = ExperimentConfig()
+    assert reference_jobs(default) == 2 and reference_jobs(default, 1) == 1
+    assert reference_seconds(default) == pytest.approx(
+        EXPERIMENT["default"].sweep * _model(default, 2) / _model(default, 1))
+    # Another sweep than a preset's: the cost model alone.
+    custom = replace(default, seeds=(0,), preset="custom")
+    assert measured(custom) is None and measured(replace(default, steps=7)) is None
+    costs = [cost(s, custom) for s in plan(custom)]
+    assert reference_seconds(custom, 1) == pytest.approx(
         REFERENCE_OVERHEAD + REFERENCE_UNIT * sum(costs))
+
+
+def _model(config: ExperimentConfig, jobs: int) -> float:
+    costs = [cost(s, config) for s in plan(config)]
+    return REFERENCE_OVERHEAD + sweep_seconds(costs, REFERENCE_UNIT, jobs)
+
+
+def test_the_default_jobs_are_one_a_usable_core():
+    assert default_jobs(1, 2) == 2 and default_jobs(2, 2) == 1 and default_jobs(4, 2) == 1
+    assert default_jobs(1, 16) == 16 and default_jobs(3, 16) == 5
+
+
+def test_relpos_experiment_runs_a_job_a_usable_core(tmp_path, monkeypatch):
+    """Without --jobs the sweep runs one job per usable core (its affinity), divided by
+    --threads, and keeps its preset's name; --jobs still says how many."""
+    import relpos.training.experiment as experiment
+    import relpos.training.experiment.calibrate as calibrate
+    from relpos.cli import main
+
+    seen = []
+    monkeypatch.setattr(experiment, "run_experiment", lambda config, *a, **k: seen.append(
+        config))
+    monkeypatch.setattr(calibrate, "usable_cores", lambda: 6)
+    for extra, jobs, preset in (([], 6, "quick"), (["--threads", "2"], 3, "custom"),
+                                (["--jobs", "1"], 1, "quick")):
+        assert main(["experiment", "--quick", "--out", str(tmp_path / str(len(seen))),
+                     *extra]) == 0
+        assert (seen[-1].jobs, seen[-1].preset) == (jobs, preset)
     # Two jobs share the runs out, but none ends before its own longest run.
     assert sweep_seconds([4.0, 1.0, 1.0], 1.0, 2) == 4.0
     assert sweep_seconds([2.0, 2.0, 2.0, 2.0], 1.0, 2) == 4.0
     assert sweep_seconds([3.0], 1.0, 2) == 3.0 and sweep_seconds([], 1.0, 1) == 0.0
     long = ExperimentConfig.long()
-    assert reference_seconds(long) < reference_seconds(replace(long, jobs=1))
+    assert reference_seconds(long) < reference_seconds(long, 1)
 
 
 @pytest.mark.parametrize(("seconds", "text"), [

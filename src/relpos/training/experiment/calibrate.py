@@ -1,17 +1,20 @@
 """The sweep's time estimates: the relative cost of each run (:func:`cost`), seconds per unit
-of it on this machine from a few timed training steps (:func:`calibrate`), and the one source
-of every stated time of a sweep, its time on the reference machine (:func:`reference_seconds`,
-written by :func:`time_claim`): ``relpos experiment --help``, the report and the README say
-that."""
+of it on this machine from a few timed training steps (:func:`calibrate`), and every stated
+time of a sweep, its time on the reference machine (:func:`reference_seconds`, written by
+:func:`time_claim`): ``relpos experiment --help``, the report and the README say that. A
+preset's time is its measured one (:data:`relpos._timings.EXPERIMENT`, the one source of the
+measured times), scaled by the cost model where it was measured with other jobs."""
 
 from __future__ import annotations
 
-import math
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
+from relpos._timings import EXPERIMENT, REFERENCE_CORES, Measured, duration_text
 from relpos.training.experiment.config import CODE_TASK, ExperimentConfig
 from relpos.training.experiment.sweep import RunSpec, budget, model_config, plan, train_config
 from relpos.training.tasks import Task
@@ -21,15 +24,16 @@ __all__ = [
     "REFERENCE_UNIT",
     "calibrate",
     "cost",
+    "default_jobs",
     "duration_text",
+    "measured",
+    "reference_jobs",
     "reference_seconds",
     "sweep_seconds",
     "time_claim",
+    "usable_cores",
 ]
 
-#: The reference machine: this many CPU cores, one torch thread per job, nothing else
-#: running.
-REFERENCE_CORES = 2
 #: Seconds per unit of :func:`cost` for one job on the reference machine. Measured by the
 #: committed long study (``benchmarks/experiment-long``: the whole ``--long`` preset, 470
 #: runs, 2 jobs of one thread on 2-core x86 VMs with AVX-512, an Intel Xeon and an AMD EPYC,
@@ -67,40 +71,67 @@ def sweep_seconds(costs: Sequence[float], unit: float, jobs: int) -> float:
     return unit * max(sum(costs) / max(1, min(jobs, len(costs))), max(costs))
 
 
-def reference_seconds(config: ExperimentConfig) -> float:
-    """Seconds the sweep ``config`` takes on the reference machine (:data:`REFERENCE_CORES`
-    cores, one torch thread per job, nothing else running): every run of its plan at
-    :data:`REFERENCE_UNIT`, in ``jobs`` parallel jobs (at most one per core's worth of
-    threads), plus :data:`REFERENCE_OVERHEAD`."""
-    jobs = max(1, min(config.jobs, REFERENCE_CORES // max(1, config.threads)))
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of them where the platform
+    has no affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def default_jobs(threads: int, cores: int | None = None) -> int:
+    """The jobs ``relpos experiment`` runs without ``--jobs``: one per ``threads`` of the
+    ``cores`` (None: :func:`usable_cores`), at least one."""
+    return max(1, (usable_cores() if cores is None else cores) // max(1, threads))
+
+
+def reference_jobs(config: ExperimentConfig, jobs: int | None = None) -> int:
+    """The jobs of a sweep on the reference machine: ``jobs`` (None: ``relpos experiment``'s
+    default there, :func:`default_jobs`), at most one per core's worth of threads."""
+    most = default_jobs(config.threads, REFERENCE_CORES)
+    return most if jobs is None else max(1, min(jobs, most))
+
+
+def _model_seconds(config: ExperimentConfig, jobs: int) -> float:
     costs = [cost(spec, config) for spec in plan(config)]
     return REFERENCE_OVERHEAD + sweep_seconds(costs, REFERENCE_UNIT, jobs)
 
 
-def duration_text(seconds: float) -> str:
-    """A duration as a stated estimate: ``about 1 minute`` (``under a minute`` below 30 s),
-    whole minutes below 10 minutes, 5 minutes apart below an hour, then half hours
-    (``about 6.5 hours``)."""
-    if math.isnan(seconds) or seconds < 30:
-        return "under a minute"
-    minutes = seconds / 60
-    if minutes < 1.5:
-        return "about 1 minute"
-    if minutes < 9.5:
-        return f"about {round(minutes)} minutes"
-    if minutes < 57.5:
-        return f"about {5 * round(minutes / 5)} minutes"
-    hours = round(2 * seconds / 3600) / 2
-    return "about 1 hour" if hours == 1 else f"about {hours:g} hours"
+def measured(config: ExperimentConfig) -> Measured | None:
+    """The measured time of ``config``'s preset (:data:`relpos._timings.EXPERIMENT`) when
+    ``config`` is that preset (with any jobs), else None."""
+    presets = {"default": ExperimentConfig, "quick": ExperimentConfig.quick,
+               "full": ExperimentConfig.full, "long": ExperimentConfig.long}
+    if config.preset not in presets or config.preset not in EXPERIMENT:
+        return None
+    if replace(config, jobs=1) != replace(presets[config.preset](), jobs=1):
+        return None
+    return EXPERIMENT[config.preset]
+
+
+def reference_seconds(config: ExperimentConfig, jobs: int | None = None) -> float:
+    """Seconds the sweep ``config`` takes on the reference machine (:data:`REFERENCE_CORES`
+    cores, one torch thread per job, nothing else running) with ``jobs`` jobs (None: one a
+    core, as ``relpos experiment`` runs there; see :func:`reference_jobs`), the kernels'
+    first compile not included. A preset's is its measured time (:func:`measured`), scaled
+    by the cost model (:data:`REFERENCE_UNIT` seconds a unit of :func:`cost`, plus
+    :data:`REFERENCE_OVERHEAD`) from the jobs it was measured with; another sweep's is the
+    cost model's."""
+    jobs = reference_jobs(config, jobs)
+    found = measured(config)
+    if found is None:
+        return _model_seconds(config, jobs)
+    if found.jobs == jobs:
+        return found.sweep
+    return found.sweep * _model_seconds(config, jobs) / _model_seconds(config, found.jobs)
 
 
 def time_claim(config: ExperimentConfig) -> str:
     """How long the sweep takes, as every stated time of it says it (``relpos experiment
-    --help``, the report, the README): ``about 6 minutes on 2 CPU cores`` (``... with 2
-    jobs`` for a sweep of parallel jobs), from :func:`reference_seconds`."""
-    jobs = max(1, min(config.jobs, REFERENCE_CORES // max(1, config.threads)))
-    return (f"{duration_text(reference_seconds(config))} on {REFERENCE_CORES} CPU cores"
-            + (f" with {jobs} jobs" if jobs > 1 else ""))
+    --help``, the report, the README): ``about 5 minutes on 2 CPU cores``, from
+    :func:`reference_seconds` with ``relpos experiment``'s default jobs (one a core)."""
+    return f"{duration_text(reference_seconds(config))} on {REFERENCE_CORES} CPU cores"
 
 
 def calibrate(config: ExperimentConfig, tasks: dict[str, Task]) -> float:

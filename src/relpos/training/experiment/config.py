@@ -63,7 +63,8 @@ class ExperimentConfig:
     corpus_root: str | None = None
     threads: int = 1
     #: Runs trained at once, each in its own process with ``threads`` threads (the numbers
-    #: do not depend on it).
+    #: do not depend on it); ``relpos experiment`` without ``--jobs`` runs one per usable
+    #: core (:func:`~relpos.training.experiment.calibrate.default_jobs`).
     jobs: int = 1
     #: Learning curves: the synthetic tasks' ``curve_ks`` and ``pysrc``'s ``code_curve_ks``
     #: are also trained, for ``curve_seeds``, at each other budget of ``curve_steps`` /

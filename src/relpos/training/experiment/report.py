@@ -471,8 +471,8 @@ def _reference_time(cfg: dict[str, Any]) -> str:
         claim = time_claim(ExperimentConfig.from_dict(cfg))
     except (TypeError, ValueError):
         return ""
-    return (f"This sweep takes {claim} (one torch thread per job, nothing else running; "
-            "the estimate printed up front is timed on the machine at hand). ")
+    return (f"This sweep takes {claim} (a job of one torch thread per core, nothing else "
+            "running; the estimate printed up front is timed on the machine at hand). ")
 
 
 def _tally(mine: list[dict[str, Any]]) -> str:

@@ -19,7 +19,6 @@ part of the new sweep are removed afterwards) or the old experiment replaced
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ import torch
 from relpos._io import atomic_write_bytes, atomic_write_text
 from relpos._sysinfo import environment
 from relpos.training.checkpoint import atomic_write_json
-from relpos.training.experiment.calibrate import calibrate, cost, sweep_seconds
+from relpos.training.experiment.calibrate import calibrate, cost, sweep_seconds, usable_cores
 from relpos.training.experiment.config import CODE_TASK, ExperimentConfig, default_command
 from relpos.training.experiment.evaluate import chance, evaluate_code
 from relpos.training.experiment.figures import write_figures
@@ -154,7 +153,7 @@ def _sweep(config: ExperimentConfig, tasks: dict[str, Task], out: Path, *, progr
         estimate = 0.0
         if left:
             unit = calibrate(config, tasks)
-            jobs = max(1, min(config.jobs, (os.cpu_count() or 1) // config.threads))
+            jobs = max(1, min(config.jobs, usable_cores() // config.threads))
             estimate = sweep_seconds(left, unit, jobs)
         curves = sum(1 for s in specs if s.steps)
         extra = config.code_extra_seeds if CODE_TASK in config.tasks else ()
