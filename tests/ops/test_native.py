@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from torch import Tensor
 
 import relpos
 from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
+from relpos import _env
 from relpos.ops import native
-from relpos.ops.native import build
+from relpos.ops.native import build, engines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -435,10 +437,26 @@ def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> N
         assert main(["kernels"]) == 0
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
         assert named in line, line
-    monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", "tpu")  # named as refused, no traceback
+    monkeypatch.delenv("RELPOS_NATIVE_BF16_GEMM")
+    assert main(["kernels"]) == 0
+    default = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
+    # a name it does not know: ignored with one warning that names those allowed, the
+    # default engine serves (as the kernels then run it)
+    monkeypatch.setattr(_env, "_warned", set())
+    monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", " TPU ")
+    with pytest.warns(RuntimeWarning) as caught:
+        assert main(["kernels"]) == 0
+        assert main(["kernels"]) == 0
+    said = [str(w.message) for w in caught if "BF16_GEMM" in str(w.message)]
+    assert said == ["relpos: RELPOS_NATIVE_BF16_GEMM=' TPU ' is none of amx, avx512bf16, mkl, "
+                    "widened (or unset); it is ignored: bfloat16 calls run on the default "
+                    "engine."], said
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit")]
+    assert lines == [default, default], (lines, default)
+    monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", " Widened ")  # spaces and capitals: read
     assert main(["kernels"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-    assert "refused" in line and "'tpu'" in line, line
+    assert "bfloat16 tiles widened to float32" in line, line
 
 
 def test_relpos_kernels_cli_refuses_to_build_when_off(no_native: None, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -508,12 +526,12 @@ def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(
              "zen4": v4 | {"avx512_bf16"}, "avx512": v4}[cpu]
     for name in ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(build, "have_blas", lambda: True)
-    monkeypatch.setattr(build, "_exported", lambda symbol: True)
-    monkeypatch.setattr(build, "_amx_granted", lambda: True)
-    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(build.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(engines, "have_blas", lambda: True)
+    monkeypatch.setattr(engines, "_exported", lambda symbol: True)
+    monkeypatch.setattr(engines, "_amx_granted", lambda: True)
+    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(engines.platform, "system", lambda: "Linux")
     line = build.half_gemms(serving)
     assert line.startswith(named), line
     assert line.endswith("; float16 tiles widened to float32"), line
@@ -529,7 +547,8 @@ def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(
     ("sse", None, "", "float32 MKL's sgemm_;"),
     ("avx512", None, "blas", "float32 MKL's sgemm_;"),
     ("avx512", None, "vec", "float32 on the kernels' AVX-512 vectors"),
-    ("avx512", None, "mkl", "float32 calls refused: RELPOS_NATIVE_SGEMM='mkl'"),
+    ("avx512", None, " Blas", "float32 MKL's sgemm_;"),  # spaces and capitals: read
+    ("avx512", None, "mkl", "float32 on the kernels' AVX-512 vectors"),  # unknown: the default
 ])
 def test_the_gemm_line_names_where_the_native_float32_gemms_run(
         cpu: str, serving: str | None, want: str, named: str,
@@ -537,18 +556,25 @@ def test_the_gemm_line_names_where_the_native_float32_gemms_run(
     """What ``relpos kernels`` predicts for the float32 GEMMs without loading the kernels: the
     kernels' own vectors where the build serving this CPU has AVX-512 (AVX2's only under
     RELPOS_NATIVE_SGEMM=vec), MKL's sgemm_ under RELPOS_NATIVE_SGEMM=blas or without them;
-    float64 always on MKL's dgemm_."""
+    float64 always on MKL's dgemm_. A value it does not know is ignored with one warning."""
+    monkeypatch.setattr(_env, "_warned", set())
     v3 = {"avx", "avx2", "fma"}
     flags = {"avx512": v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
              "avx2": v3, "sse": {"sse4_2"}}[cpu]
     monkeypatch.setenv("RELPOS_NATIVE_SGEMM", want)
-    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(build, "have_blas", lambda: True)
-    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
-    line = build.float_gemms(serving)
+    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(engines, "have_blas", lambda: True)
+    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = build.float_gemms(serving)
+        build.float_gemms(serving)
     assert line.startswith(named), line
-    if not line.startswith("float32 calls refused"):
-        assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
+    assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
+    said = [str(w.message) for w in caught]
+    assert said == ([] if want.strip().lower() in ("", "vec", "blas") else
+                    [f"relpos: RELPOS_NATIVE_SGEMM={want!r} is none of vec, blas (or unset); it "
+                     "is ignored: float32 GEMMs run where this build runs them by default."]), said
 
 
 @pytest.mark.parametrize(("cpu", "serving", "exported", "route", "vectors"), [
@@ -566,9 +592,9 @@ def test_the_gemm_line_names_libtorchs_matrix_multiply_without_an_exported_blas(
     flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
     monkeypatch.delenv("RELPOS_NATIVE_SGEMM", raising=False)
     monkeypatch.setenv("RELPOS_NATIVE_BLAS", route)
-    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(build, "have_blas", lambda: exported)
-    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(engines, "have_blas", lambda: exported)
+    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
     line = build.float_gemms(serving)
     aten = "libtorch's matrix multiply (at::addmm, the BLAS torch.mm runs on)"
     if route == "blas":
@@ -588,8 +614,8 @@ def test_the_vector_code_line_says_how_far_auto_selection_takes_kernels_without_
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     v3 = {"avx", "avx2", "fma"}
     flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
-    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(build.platform, "machine", lambda: machine)
+    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(engines.platform, "machine", lambda: machine)
     line = build.vector_code(serving)
     assert line.startswith(named), line
     assert (line == "none (compiled C++ loops)") == (named == "none"), line
@@ -603,18 +629,25 @@ def test_the_vector_code_line_says_how_far_auto_selection_takes_kernels_without_
     assert printed.endswith("at most 512 keys, the PyTorch backends beyond") == (named == "none")
 
 
-def test_the_gemm_line_refuses_a_blas_route_it_does_not_know(
+def test_the_gemm_line_ignores_a_blas_route_it_does_not_know_with_one_warning(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_env, "_warned", set())
+    monkeypatch.delenv("RELPOS_NATIVE_BLAS", raising=False)
+    default = build.float_gemms()
     monkeypatch.setenv("RELPOS_NATIVE_BLAS", "openblas")
-    assert build.float_gemms() == ("every call refused: RELPOS_NATIVE_BLAS='openblas' is "
-                                   "neither aten nor blas")
+    with pytest.warns(RuntimeWarning, match="RELPOS_NATIVE_BLAS='openblas' is none of aten, "
+                                            "blas \\(or unset\\); it is ignored: the GEMMs run on "
+                                            "MKL's sgemm_/dgemm_ where libtorch exports them"):
+        assert build.float_gemms() == default
+    monkeypatch.setenv("RELPOS_NATIVE_BLAS", "ATEN ")  # spaces and capitals: read
+    assert "float64 libtorch's matrix multiply" in build.float_gemms()
 
 
 def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_asked() -> None:
     """The loaded kernels' build_info names the float32 GEMMs ``relpos kernels`` predicts;
     under RELPOS_NATIVE_SGEMM=blas they run on MKL (build_info says so) and the float32 call
     stays within float32's error of the float64 reference, both directions; a name that is
-    neither is refused with the names allowed."""
+    neither is ignored with one warning naming those allowed."""
     code = """
         import torch, relpos
         from relpos.ops.native import build
@@ -645,11 +678,13 @@ def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_ask
     blas = _python(code, RELPOS_NATIVE_SGEMM="blas")
     assert blas.returncode == 0, blas.stderr
     assert "sgemm=blas" in blas.stdout and "close" in blas.stdout, blas.stdout
-    refused = _python(code.replace("print(info)", "").replace("info = build", "build"),
-                      RELPOS_NATIVE_SGEMM="mkl")
-    assert refused.returncode != 0
-    assert "RELPOS_NATIVE_SGEMM must be vec or blas" in refused.stderr, refused.stderr[-2000:]
-    assert "'mkl'" in refused.stderr, refused.stderr[-2000:]
+    # a name that is neither: ignored with one warning, the default GEMMs serve (the kernels
+    # never see it: before, every float32 call raised)
+    unknown = _python(code, RELPOS_NATIVE_SGEMM="mkl")
+    assert unknown.returncode == 0, unknown.stderr[-3000:]
+    assert unknown.stdout.splitlines()[0] == info and "close" in unknown.stdout, unknown.stdout
+    assert unknown.stderr.count("RELPOS_NATIVE_SGEMM='mkl' is none of vec, blas") == 1, \
+        unknown.stderr[-2000:]
 
 
 def test_native_build_info_names_the_vector_code_built_for_this_cpu() -> None:

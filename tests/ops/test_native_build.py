@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from relpos.ops.native import build
+from relpos.ops.native import build, compiling, kernels_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds any child process of these tests may take: a call that hangs (waiting on a baton
@@ -78,7 +78,7 @@ CALL = textwrap.dedent("""
     ref = relpos.relative_attention(q, k, v, max_distance=2, rel_keys=t, rel_values=t,
                                     implementation="reference")
     assert torch.allclose(out, ref, rtol=0, atol=1e-12), (out - ref).abs().max()
-    from relpos.ops.native import build
+    from relpos.ops.native import build, compiling, kernels_dir
     module = build.load(quiet=True)
     library = module.__file__ if module is not None and backend == "native" else None
     print(json.dumps({"backend": backend, "warnings": [str(w.message) for w in caught],
@@ -251,7 +251,7 @@ def test_a_rebuild_is_announced_like_a_first_build(
         shutil.copy2(library, build.library_path(into))
         return "a faked build\n"
 
-    monkeypatch.setattr(build, "_compile", compile_)
+    monkeypatch.setattr(compiling, "_compile", compile_)
     assert build.load() is not None
     err = capsys.readouterr().err
     assert compiled == [directory]
@@ -270,7 +270,7 @@ def test_a_build_beside_older_ones_says_how_to_remove_them(
         shutil.copy2(library, build.library_path(into))
         return "a faked build\n"
 
-    monkeypatch.setattr(build, "_compile", compile_)
+    monkeypatch.setattr(compiling, "_compile", compile_)
     assert build.load() is not None
     err = capsys.readouterr().err
     assert ("; the cache holds 1 other build (1.5 MB; `relpos kernels --prune` removes them)"
@@ -478,8 +478,8 @@ def test_the_cause_of_a_failed_build_is_its_first_error() -> None:
             "it)",
     }
     for output, cause in cases.items():
-        assert build._cause(output) == cause
-    assert len(build._cause("x.cpp:1:1: error: " + "y" * 2000)) <= 500
+        assert compiling._cause(output) == cause
+    assert len(compiling._cause("x.cpp:1:1: error: " + "y" * 2000)) <= 500
 
 
 # ------------------------------------------------------------------------------------------
@@ -542,7 +542,7 @@ def test_a_relative_kernels_directory_reaches_the_builder_as_an_absolute_path(
     kernels`` (a relative directory) must name it absolute, or the builder looks for
     kernels/<variant>/ inside itself and the build fails."""
     monkeypatch.chdir(tmp_path)
-    spec = build._spec(Path("kernels") / "v", build.Target("baseline"))
+    spec = compiling._spec(Path("kernels") / "v", build.Target("baseline"))
     assert spec["directory"] == str(tmp_path / "kernels" / "v")
 
 
@@ -638,7 +638,7 @@ def test_the_best_variant_this_cpu_runs_serves_and_a_damaged_better_one_is_said(
         shipped: Path, built: Path, monkeypatch: pytest.MonkeyPatch,
         in_process_cache: Path) -> None:
     # As on a CPU that runs every variant: avx512 is damaged, avx2 absent, baseline sound.
-    monkeypatch.setattr(build, "runnable", lambda variant: True)
+    monkeypatch.setattr(kernels_dir, "runnable", lambda variant: True)
     avx512 = build.Target("avx512")
     damaged = build.library_path(shipped / avx512.directory_name, avx512)
     damaged.parent.mkdir()
@@ -858,4 +858,4 @@ def test_a_lock_on_a_file_system_whose_inodes_move_is_kept_after_its_tries(
     lock = build._FileLock(tmp_path / "build.lock")
     with lock:
         assert lock.exclusive or not LINUX
-    assert len(checks) == build._LOCK_ATTEMPTS or not LINUX
+    assert len(checks) == compiling._LOCK_ATTEMPTS or not LINUX

@@ -35,7 +35,9 @@ removes every cached build this installation does not use (with --build --into D
 builds in DIR of other relpos or torch versions). Another environment sharing the cache
 rebuilds its own on first use; a build a process is compiling or loading stays. In a cache
 that machines with different CPUs share (a home directory on NFS), --prune 7 keeps every
-build some process loaded in the last 7 days.
+build some process loaded in the last 7 days. Loads never write to DIR: there a variant's last
+load is its library's access time (to within a day) or this user's own record of it, and
+--prune DAYS is refused where DIR's file system records no access times (noatime).
 """
 
 
@@ -72,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError("--variants goes with --into DIR (the user cache holds one build, for "
                        "this CPU)")
     if args.into:
+        if args.prune:  # (before building: a refusal after a long build helps nobody)
+            from relpos.ops.native.pruning import last_use_unknown
+
+            unknown = last_use_unknown(Path(args.into))
+            if unknown is not None:
+                raise CLIError(f"--prune {args.prune:g}: {unknown}; use --prune without DAYS "
+                               "once no environment reads the other versions' variants")
         return _build_into(Path(args.into), list(args.variants) if args.variants else None,
                            prune=args.prune)
     if args.build:
@@ -158,7 +167,11 @@ def _build_into(root: Path, names: list[str] | None, *, prune: float | None = No
     except OSError as error:
         raise CLIError(f"--into {root}: {error.strerror or error}") from None
     if prune is not None:
-        _say_pruned(build.prune(root, unused_days=prune), str(root))
+        try:
+            pruned = build.prune(root, unused_days=prune)
+        except ValueError as error:
+            raise CLIError(f"--prune {prune:g}: {error}") from None
+        _say_pruned(pruned, str(root))
     print(f"prebuilt kernels: {root}")
     for p in found:
         print(f"  {p.variant + ':':15s} {p.state}")

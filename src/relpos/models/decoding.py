@@ -33,7 +33,6 @@ than Intel's, its linears (``panel_linear``, :func:`decode_packing`).
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from relpos import _env
 from relpos._sysinfo import cpuinfo
 from relpos.cache import KVCache
 
@@ -143,17 +143,11 @@ def decode_packing() -> str:
     512 weights at 22-26 GB/s there, 1.2-2.2x the rate of MKL's matrix-vector product in the
     better of its two layouts; the AVX2 build's panels took 0.97-1.09x the AVX-512 build's
     time at one row, 1.15-1.25x at eight (0.76-0.94x oneDNN's). The panels are not measured
-    on an Intel CPU.
-
-    Raises:
-        ValueError: ``RELPOS_DECODE_PACKING`` is set to none of ``relpos``, ``onednn``,
-            ``mkl``, ``none``.
+    on an Intel CPU. A value that is none of those is ignored with one warning (the default
+    serves; :mod:`relpos._env` reads every switch so).
     """
-    want = os.environ.get(PACKING_ENV, "")
-    if want and want not in PACKINGS:
-        raise ValueError(
-            f"{PACKING_ENV} must be one of {', '.join(PACKINGS)} (or unset), got {want!r}"
-        )
+    want = _env.choice(PACKING_ENV, PACKINGS, fallback="the default packing for this CPU "
+                       "serves")
     have = {"relpos": lambda: _native_decode_ops() is not None, "onednn": _onednn_packing,
             "mkl": _mkl_packing, "none": lambda: True}
     if want:
