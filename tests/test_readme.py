@@ -179,3 +179,84 @@ def test_relpos_kernels_help_states_the_measured_builds():
     helps = {a.dest: _flat(a.help or "") for a in parser._actions}
     assert duration_text(FIRST_COMPILE_SECONDS) in helps["build"]
     assert range_text(*VARIANT_SECONDS) in helps["into"]
+
+
+# --- The main job installs only what it needs -------------------------------------------
+
+#: What a fresh virtual environment holds besides the packages pip installs into it.
+_VENV = ("pip", "setuptools")
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalized (``Jinja2>=3`` -> ``jinja2``)."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    assert match, requirement
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def _closure(extras: set[str]) -> set[str]:
+    """The installed distributions ``relpos[extras]`` pulls in, transitively (requirements
+    under a platform marker count; those of an extra not asked for do not)."""
+    from importlib import metadata
+
+    wanted, todo = set(), ["relpos", *_VENV]
+    while todo:
+        name = todo.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        for requirement in metadata.requires(name) or []:
+            marker = requirement.partition(";")[2]
+            asked = re.findall(r"""extra\s*==\s*["']([^"']+)["']""", marker)
+            if asked and not (name == "relpos" and set(asked) & extras):
+                continue
+            todo.append(_name(requirement))
+    return wanted - {"relpos"}
+
+
+def _view(distributions: set[str], where: Path) -> Path:
+    """A directory of links to the files of ``distributions`` alone (their top-level packages,
+    modules and metadata): the site-packages of an environment holding nothing else."""
+    from importlib import metadata
+
+    where.mkdir()
+    for name in sorted(distributions):
+        dist = metadata.distribution(name)
+        assert dist.files, f"{name} lists no files"
+        for top in {f.parts[0] for f in dist.files if f.parts[0] != ".."}:
+            link = where / top
+            if not link.exists() and not top.endswith(".pth"):
+                link.symlink_to(Path(str(dist.locate_file(top))).resolve())
+    return where
+
+
+def test_the_main_job_needs_only_its_extras(tmp_path):
+    """The README's main-job command installs ``.[train,plot]``: the study runs (at tiny
+    sizes: both kinds of task, its progress bar, figures and report) where only those
+    distributions are importable, as in a fresh environment made by that command."""
+    import subprocess
+    import sys
+
+    setup = README.split("## Set up a fresh machine", 1)[1]
+    line = next(x for x in setup.splitlines() if x.endswith("&& relpos experiment"))
+    extras = set(re.search(r'pip install -q -e "\.\[([a-z,]+)\]"', line).group(1).split(","))
+    assert extras == {"train", "plot"}, line
+    view = _view(_closure(extras), tmp_path / "site-packages")
+    assert not (view / "pytest").exists() and not (view / "triton").exists()
+    corpus = tmp_path / "Lib"
+    corpus.mkdir()
+    for i in range(30):
+        body = "".join(f"def f{i}_{j}(a, b=[1, 2]):\n    return {{'k': (a + b[0]) * {j}}}\n\n"
+                       for j in range(12))
+        (corpus / f"mod{i:02d}.py").write_text(body)
+    argv = ["experiment", "--quick", "--tasks", "recall,pysrc", "--seeds", "0", "--ks", "2",
+            "--code-ks", "2", "--steps", "2", "--code-steps", "2", "--jobs", "1",
+            "--corpus-root", str(corpus), "--out", str(tmp_path / "out")]
+    code = (f"import sys; sys.path[:0] = [{str(view)!r}, {str(ROOT / 'src')!r}]; "
+            f"from relpos.cli import main; sys.exit(main({argv!r}))")
+    # -S: no site-packages but the view (nor the editable install's finder).
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "report.md").is_file()
+    assert list((tmp_path / "out").glob("*.png"))
