@@ -278,6 +278,7 @@ def traffic_cases(rank: int, world: int) -> list[str]:
     for mode, mask, dtype, head_group in [
             *itertools.product(("all_gather", "ring"), (False, True),
                                (torch.float64, torch.float32), (None,)),
+            ("ring", True, torch.bfloat16, None), ("ring", False, torch.bfloat16, None),
             ("all_gather", True, torch.float64, 2), ("all_gather", False, torch.float32, 1)]:
         g = torch.Generator().manual_seed(7 + rank)
         q, k = (torch.randn(Bt, Ht, n_local, Dt, generator=g, dtype=dtype,
@@ -301,6 +302,19 @@ def traffic_cases(rank: int, world: int) -> list[str]:
             fails.append(f"traffic {mode} mask={mask} {dtype} head_group={head_group}: "
                          f"counted {got}, formula "
                          f"{expected}")
+        if dtype == torch.bfloat16:  # sent as bfloat16, computed as on float32 copies
+            wide = [t.detach().float().requires_grad_() for t in (q, k, v, tk)]
+            out32 = context_parallel_attention(*wide[:3], group=None, max_distance=2,
+                                               rel_keys=wide[3], is_causal=True,
+                                               key_mask=key_mask, mode=mode)
+            out32.to(dtype).float().square().sum().backward()
+            pairs = [("out", out, out32), *(
+                (f"d{name}", mine.grad, w.grad) for name, mine, w in
+                zip(("q", "k", "v", "rel_keys"), (q, k, v, tk), wide, strict=True))]
+            for name, mine, want in pairs:
+                if not torch.equal(mine, want.to(dtype)):
+                    fails.append(f"ring bfloat16 mask={mask}: {name} differs from the call on "
+                                 f"float32 copies")
     return fails
 
 

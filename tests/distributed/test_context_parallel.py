@@ -123,3 +123,19 @@ def test_import_relpos_does_not_load_it() -> None:
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=60).stdout.strip()
     assert loaded == "False"
+
+
+def test_ring_sends_bfloat16_shards_as_bfloat16() -> None:
+    """Half the bytes of float32 for the shards; the gradients ride in float32 either way."""
+    import torch
+
+    from relpos.distributed import traffic
+
+    shape = dict(world=4, batch=2, heads=3, n_local=16, head_dim=8, key_mask=True)
+    f32, bf16 = (traffic("ring", dtype=dtype, **shape) for dtype in (torch.float32,
+                                                                     torch.bfloat16))
+    meta = traffic("ring", dtype=torch.float32, **{**shape, "n_local": 0}).forward_bytes
+    assert bf16.forward_bytes - meta == (f32.forward_bytes - meta) // 2
+    E = 2 * 3 * 16 * 16  # keys and values of one shard
+    grads = 4 * E * 4  # P hops of float32 gradients
+    assert bf16.backward_bytes - grads == (f32.backward_bytes - grads) // 2

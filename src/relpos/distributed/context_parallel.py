@@ -22,7 +22,7 @@ of the whole sequence: the key/value shards travel around the ranks by point-to-
 (``batch_isend_irecv``, the next shard posted before this one is computed), each step runs one
 native kernel call per (local query chunk, visiting key chunk) at that pair's offset, and the
 partial results merge by logsumexp; the backward hands every call the global output and
-logsumexp (DESIGN.md section 3) while the key/value gradients ride a second ring back to their
+logsumexp (docs/design.md §3) while the key/value gradients ride a second ring back to their
 owners. Chunks are never concatenated, so a far chunk costs plain attention plus one constant
 per row (the kernel's far regions), and only neighbouring chunks touch the band.
 
@@ -245,7 +245,11 @@ def _key_bias(key_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class _Ring(torch.autograd.Function):
-    """Ring attention over the shards (inputs already in the accumulation dtype)."""
+    """Ring attention over the shards: queries and tables in the accumulation dtype, keys,
+    values and key bias in the input dtype, as they travel (a bfloat16 shard is sent as
+    bfloat16: half the bytes of float32), widened to the accumulation dtype where computed
+    (exactly: every bfloat16 and float16 value is a float32 one). The key/value gradients ride
+    their ring in the accumulation dtype, so their sums over the ranks round once."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, rk: Tensor | None,
@@ -254,6 +258,7 @@ class _Ring(torch.autograd.Function):
 
         B, H, n_local = q.shape[:3]
         Dv = v.shape[3]
+        acc = q.dtype
         out = q.new_zeros(B, H, n_local, Dv)
         z = q.new_full((B, H, n_local), -torch.inf)  # log-mass so far
         filled: set[int] = set()
@@ -263,10 +268,11 @@ class _Ring(torch.autograd.Function):
             owner = (plan.rank - step) % plan.world
             if step < plan.world - 1:
                 coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
+            wide = [t.to(acc) for t in held]
             for qs, gq, ks, gk in plan.pairs(owner):
                 o, lse = op.forward(
-                    q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], rk, rv,
-                    None if kb is None else held[2][:, ks], None, plan.seed_at(gq, gk),
+                    q[:, :, qs], wide[0][:, :, ks], wide[1][:, :, ks], rk, rv,
+                    None if kb is None else wide[2][:, ks], None, plan.seed_at(gq, gk),
                     query_start=gq - gk, **plan.options)
                 log_mass = lse.masked_fill(lse == torch.inf, -torch.inf)  # empty rows: no mass
                 merge_rows(out, z, qs, o, log_mass, first=gq not in filled)
@@ -289,17 +295,20 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros_like(q)
         drk = None if rk is None else torch.zeros_like(rk)
         drv = None if rv is None else torch.zeros_like(rv)
+        acc = q.dtype
         held = [k.contiguous(), v.contiguous()] + ([] if kb is None else [kb.contiguous()])
         # The gradient of the visiting shard's keys and values, riding along with it.
-        dkv = [torch.zeros_like(held[0]), torch.zeros_like(held[1])]
+        dkv = [held[0].new_zeros(held[0].shape, dtype=acc),
+               held[1].new_zeros(held[1].shape, dtype=acc)]
         for step in range(plan.world):
             owner = (plan.rank - step) % plan.world
             if step < plan.world - 1:
                 coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
+            wide = [t.to(acc) for t in held]
             for qs, gq, ks, gk in plan.pairs(owner):
                 g = op._backward(
-                    grad_out[:, :, qs], q[:, :, qs], held[0][:, :, ks], held[1][:, :, ks], rk,
-                    rv, None if kb is None else held[2][:, ks], None, plan.seed_at(gq, gk),
+                    grad_out[:, :, qs], q[:, :, qs], wide[0][:, :, ks], wide[1][:, :, ks], rk,
+                    rv, None if kb is None else wide[2][:, ks], None, plan.seed_at(gq, gk),
                     out[:, :, qs], lse[:, :, qs], query_start=gq - gk, **plan.options)
                 dq[:, :, qs] += g[0]
                 dkv[0][:, :, ks] += g[1]
@@ -316,7 +325,7 @@ class _Ring(torch.autograd.Function):
                 held = coming
             _wait(grad_requests)
             del sent
-        return (dq, dkv[0], dkv[1], drk, drv, None, None)
+        return (dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), drk, drv, None, None)
 
 
 def context_parallel_attention(
@@ -436,10 +445,10 @@ def context_parallel_attention(
                  else None,
                  group=group)
     if mode == "ring":
-        acc = accumulation_dtype(query.dtype)
-        q, k, v = (t.to(acc) for t in (query, key, value))
+        acc = accumulation_dtype(query.dtype)  # queries and tables; shards travel as given
+        q = query.to(acc)
         rk, rv = (None if t is None else t.to(acc) for t in tables)
-        out = _Ring.apply(q, k, v, rk, rv, _key_bias(key_mask, acc), plan)
+        out = _Ring.apply(q, key, value, rk, rv, _key_bias(key_mask, key.dtype), plan)
         return out.to(query.dtype)
     if head_group is None or head_group >= H:
         return _all_gather_attention(query, key, value, key_mask, tables, plan, kwargs)

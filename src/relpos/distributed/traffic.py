@@ -45,7 +45,8 @@ def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head
             head_group: int | None = None) -> Traffic:
     """The :class:`Traffic` of one call of ``mode`` on ``world`` ranks, each holding
     ``(batch, heads, n_local, head_dim)`` queries and keys and ``value_dim`` values, in
-    ``dtype`` (ring mode sends in the accumulation dtype: float32 for half precision).
+    ``dtype`` (the shards travel in it; ring mode's key/value gradients in the accumulation
+    dtype: float32 for half precision).
 
     With ``E = batch·heads·n_local·(head_dim + value_dim)`` elements of keys and values per
     rank, ``P = world``:
@@ -57,7 +58,9 @@ def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head
       (``(P-1)·E'`` more, in as many calls).
     - ``ring``: forward ``(P-1)·(E + M)``, ``M = batch·n_local`` with a key mask, else 0;
       backward ``(P-1)·(E + M) + P·E`` (the shards go round again, and their gradients go
-      round a second ring: ``P`` hops, the last one home).
+      round a second ring: ``P`` hops, the last one home). Shards are sent in ``dtype``, the
+      gradients in its accumulation dtype (float32 for bfloat16 and float16: the ``P·E``
+      term's elements are twice as large as the shards').
 
     Both add one all-gather of ``META_INTS`` (30) int64 per rank first (the shapes and every
     option the ranks must agree on, the dropout seed), ``(P-1)·240`` bytes.
@@ -81,11 +84,12 @@ def traffic(mode: str, *, world: int, batch: int, heads: int, n_local: int, head
         if groups > 1:  # the backward gathers each group again first
             back, back_calls = back + (P - 1) * piece, {"all_gather": groups, **back_calls}
         return Traffic({"all_gather": 1 + groups}, back_calls, meta + (P - 1) * piece, back)
-    size = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    grad_size = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
     hop = (E + (batch * n_local if key_mask else 0)) * size
     return Traffic({"all_gather": 1, "batch_isend_irecv": P - 1},
                    {"batch_isend_irecv": 2 * P - 1},
-                   meta + (P - 1) * hop, (P - 1) * hop + P * E * size)
+                   meta + (P - 1) * hop, (P - 1) * hop + P * E * grad_size)
 
 
 class TrafficCounter:
