@@ -3,7 +3,7 @@
 For ``t`` queries at the end of ``S`` keys (``query_start = S - t``, the bottom-right
 alignment of a KV-cache step) every key before the last ``W = min(S, max(K, 1) + t - 1)`` is
 at offset ``<= -K`` from every query and visible to every query, so it sees the one relative
-row ``-K`` (DESIGN.md §3/§4; for a window ``(left, right)`` read ``left`` for ``K`` here: only
+row ``-K`` (docs/design.md §3, §4; for a window ``(left, right)`` read ``left`` for ``K`` here: only
 the left bound matters for keys before the queries). With ``q' = scale * q``::
 
     scores = q' @ k.T                                  # (t, S): the content work, O(t·S·D)

@@ -1,6 +1,6 @@
 """Native backend: exact clipped relative attention in one fused C++ kernel per direction, on CPU.
 
-Flash attention with Toeplitz buckets (DESIGN.md section 6): per query block and key block,
+Flash attention with Toeplitz buckets (docs/design.md §6): per query block and key block,
 ``scale * q @ k^T`` plus the relative key term gathered from ``QA = scale * q @ aK^T``
 (``(L, R)``, one small GEMM; key blocks wholly beyond the band add one constant per row), an
 online softmax, ``P @ V`` and per-row bucket masses ``Pb`` (``(L, R)``) for the value term,
