@@ -60,3 +60,82 @@ def pytest_collection_modifyitems(config, items):
         for prefix, reason in _TRITON_SKIPS.items():
             if item.nodeid.startswith(prefix):
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+
+# Signs of life: before its first result the suite starts its workers (each imports torch and
+# collects every test) and may compile the native kernels, minutes of silence on a small
+# machine; the controller (not a pytest-xdist worker) says what it is doing, a line a phase.
+_LIFE: dict = {}
+_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def _say(line: str) -> None:
+    reporter = _LIFE["config"].pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(f"relpos tests: {line}")
+
+
+def _kernels_built() -> bool | None:
+    """Whether the native kernels are built in the suite's cache (None: cannot tell)."""
+    try:
+        from relpos.ops.native import build
+
+        return None if build.disabled() else build.status().built
+    except Exception:
+        return None
+
+
+def pytest_configure(config):
+    _LIFE["config"] = config
+    if not _WORKER and config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(_XdistLife(), "relpos-signs-of-life")
+
+
+def pytest_sessionstart(session):
+    import time
+
+    from relpos._timings import FIRST_COMPILE_SECONDS, TEST_SUITE_SECONDS, duration_text
+
+    if _WORKER:
+        return
+    _LIFE.update(start=time.monotonic(), checked=time.monotonic(), built=_kernels_built())
+    workers = getattr(session.config.option, "numprocesses", None)
+    _say(f"the whole suite takes {duration_text(max(TEST_SUITE_SECONDS))} on 2 cores; "
+         + (f"starting {workers} worker{'s' if workers != 1 else ''}, each importing torch "
+            "and collecting the tests before the first result" if workers
+            else "collecting the tests"))
+    if _LIFE["built"] is False:
+        _say("the native kernels are not built in build/relpos-cache: the first test that "
+             f"needs them compiles them, {duration_text(FIRST_COMPILE_SECONDS)} on 2 cores, "
+             "once (the tests that need them wait meanwhile)")
+
+
+def _collected(count: int) -> None:
+    import time
+
+    if "collected" not in _LIFE:
+        _LIFE["collected"] = True
+        _say(f"collected {count} tests in {time.monotonic() - _LIFE['start']:.0f} s; running")
+
+
+def pytest_collection_finish(session):
+    if not _WORKER and not getattr(session.config.option, "numprocesses", None):
+        _collected(len(session.items))
+
+
+def pytest_runtest_logreport(report):
+    import time
+
+    if not _WORKER and _LIFE.get("built") is False and time.monotonic() - _LIFE["checked"] > 10:
+        _LIFE["checked"] = time.monotonic()
+        if _kernels_built():
+            _LIFE["built"] = True
+            _say(f"the native kernels are built ({time.monotonic() - _LIFE['start']:.0f} s "
+                 "after the start)")
+
+
+class _XdistLife:
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        _collected(len(ids))

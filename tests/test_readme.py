@@ -260,3 +260,27 @@ def test_the_main_job_needs_only_its_extras(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "out" / "report.md").is_file()
     assert list((tmp_path / "out").glob("*.png"))
+
+
+def test_the_test_command_says_what_it_is_doing_before_its_first_result():
+    """The suite's controller says how long the suite takes and what it is doing while its
+    workers start and collect, before the first result (tests/conftest.py)."""
+    import subprocess
+    import sys
+
+    from relpos._timings import TEST_SUITE_SECONDS, duration_text
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
+         "tests/test_positions.py::test_bad_clip_relative_position"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [x for x in done.stdout.splitlines() if x.strip()]
+    assert lines[0] == (f"relpos tests: the whole suite takes "
+                        f"{duration_text(max(TEST_SUITE_SECONDS))} on 2 cores; starting 1 "
+                        "worker, each importing torch and collecting the tests before the "
+                        "first result"), lines[:3]
+    said = next(i for i, x in enumerate(lines) if re.match(
+        r"relpos tests: collected \d+ tests in \d+ s; running$", x))
+    first_result = next(i for i, x in enumerate(lines) if x.startswith("."))
+    assert said < first_result, lines
