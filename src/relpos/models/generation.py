@@ -160,9 +160,11 @@ def padded_from_packed(packed: PackedKVCache, lengths: list[int], capacity: int)
         if mask is None:
             k, v = keys[:, :, :P].transpose(0, 1), values[:, :, :P].transpose(0, 1)
         else:
-            k = keys.new_zeros(N, keys.shape[0], P, keys.shape[3])
-            v = values.new_zeros(N, values.shape[0], P, values.shape[3])
+            k = keys.new_empty(N, keys.shape[0], P, keys.shape[3])
+            v = values.new_empty(N, values.shape[0], P, values.shape[3])
             for s, n in enumerate(lengths):
+                k[s, :, :lead[s]] = 0  # masked, but never uninitialized memory
+                v[s, :, :lead[s]] = 0
                 k[s, :, lead[s]:] = keys[:, s, :n]
                 v[s, :, lead[s]:] = values[:, s, :n]
         lc.append(k, v, mask)
