@@ -96,9 +96,28 @@ def test_named_backend_that_cannot_serve_raises_runtime_error(monkeypatch):
         _call(implementation="bucketed")
 
 
+def test_integer_like_arguments_are_ints_across_the_api():
+    # Anything with __index__ (NumPy integers, integer tensors of one element), as PyTorch
+    # takes it: the functional call, a window, query_start, the modules' sizes.
+    import numpy as np
 
+    import relpos
 
-
-
-
-
+    q, k, v = _qkv(L=3)
+    table = torch.randn(5, 5, dtype=F64)
+    want = relative_attention(q, k, v, max_distance=2, rel_keys=table, query_start=1)
+    for two, one in ((np.int64(2), np.int32(1)), (torch.tensor(2), torch.tensor(1))):
+        got = relative_attention(q, k, v, max_distance=two, rel_keys=table, query_start=one)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        window = relative_attention(q, k, v, max_distance=(two, np.uint8(2)), rel_keys=table,
+                                    query_start=one)
+        torch.testing.assert_close(window, want, rtol=0, atol=0)
+    mha = relpos.RelativeMultiheadAttention(np.int64(8), torch.tensor(2),
+                                            max_distance=np.int64(3), kdim=np.int32(8))
+    assert (mha.embed_dim, mha.num_heads, mha.kdim) == (8, 2, 8)
+    assert all(type(x) is int for x in (mha.embed_dim, mha.num_heads, mha.kdim))
+    for bad in (torch.tensor(True), np.float64(2.0), torch.tensor(2.0)):
+        with pytest.raises(TypeError, match="max_distance must be a non-negative int"):
+            relative_attention(q, k, v, max_distance=bad)
+        with pytest.raises(TypeError, match="num_heads must be a positive int"):
+            relpos.RelativeMultiheadAttention(8, bad, max_distance=2)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 import relpos
 from relpos import relative_position_index
+from relpos.positions import check_int
 
 
 @pytest.mark.parametrize("args,exc,fragment", [
@@ -37,3 +40,33 @@ def test_huge_windows_index_like_the_clip(window):
     want = [[relpos.clip_relative_position(j, i + 2, window) + left for j in range(5)]
             for i in range(3)]
     assert index.tolist() == want
+
+
+class _Index:
+    """Anything with ``__index__`` is an int to PyTorch and NumPy."""
+
+    def __index__(self) -> int:
+        return 3
+
+    def __repr__(self) -> str:
+        return "_Index()"
+
+
+@pytest.mark.parametrize("value", [3, np.int64(3), np.int32(3), np.uint8(3), torch.tensor(3),
+                                   torch.tensor([3], dtype=torch.int32), _Index()], ids=repr)
+def test_integer_like_values_are_ints(value):
+    got = check_int(value, "n")
+    assert got == 3 and type(got) is int
+    assert relative_position_index(value, value, value).tolist() == \
+        relative_position_index(3, 3, 3).tolist()
+    assert relpos.clip_relative_position(value, 0, (value, 1)) == 1
+
+
+@pytest.mark.parametrize("value", [True, np.True_, torch.tensor(True), 3.0, np.float64(3.0),
+                                   torch.tensor(3.0), "3", None, torch.tensor([1, 2])],
+                         ids=repr)
+def test_bools_floats_and_others_are_not_ints(value):
+    with pytest.raises(TypeError, match=r"^n must be a count, got .* of type "):
+        check_int(value, "n", "a count")
+    with pytest.raises(TypeError, match="query_start must be an int or None"):
+        relative_position_index(3, 5, 1, query_start=value if value is not None else 1.5)

@@ -23,32 +23,50 @@ offset ``r``; ``K`` is the same as ``(K, K)``.
 
 from __future__ import annotations
 
-import numbers
+import operator
 
 import torch
 
-# A length or position: a Python int, or a symbolic size under torch.compile / torch.export
-# (kept symbolic: converting it with int() would specialize the graph to one length).
-_SIZE_TYPES = (numbers.Integral, torch.SymInt)
-
-
 _MAX_ROW = 2**63 - 1  # the largest torch.long
 
-
-def _is_size(v: object) -> bool:
-    return not isinstance(v, bool) and isinstance(v, _SIZE_TYPES)
-
-
-def _as_size(v: object) -> int:
-    return v if isinstance(v, torch.SymInt) else int(v)  # type: ignore[return-value, call-overload]
-
 __all__ = [
+    "check_int",
     "check_max_distance",
     "check_window",
     "clip_relative_position",
     "relative_position_index",
     "resolve_query_start",
 ]
+
+
+def check_int(value: object, name: str, allowed: str = "an int") -> int:
+    """``value`` as a Python ``int`` if it is integer-like, as PyTorch and NumPy take one:
+    anything with ``__index__`` (``int``, NumPy's integer scalars, an integer tensor of one
+    element), but not a bool (nor a NumPy or tensor bool) and not a float. A ``torch.SymInt``
+    (a size under ``torch.compile`` or ``torch.export``) is returned as it is: converting it
+    would specialize the graph to one length. The one check of every int argument of relpos.
+
+    Raises:
+        TypeError: naming ``name``, what was received and what is ``allowed``.
+
+    Example:
+        >>> import numpy as np
+        >>> check_int(np.int64(240), "max_seqlen_q")
+        240
+    """
+    if isinstance(value, torch.SymInt):
+        return value  # type: ignore[return-value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        # (Under torch.compile a symbolic size is an int here: __index__ would specialize it.)
+        return value
+    boolean = isinstance(value, bool) or type(value).__name__ in ("bool", "bool_") or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    if not boolean:
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be {allowed}, got {value!r} of type {type(value).__name__}")
 
 
 def check_max_distance(max_distance: object, name: str = "max_distance") -> int:
@@ -58,12 +76,7 @@ def check_max_distance(max_distance: object, name: str = "max_distance") -> int:
         TypeError: if it is a bool or not an integer.
         ValueError: if it is negative.
     """
-    if isinstance(max_distance, bool) or not isinstance(max_distance, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a non-negative int (the clip distance K), "
-            f"got {max_distance!r} of type {type(max_distance).__name__}"
-        )
-    value = int(max_distance)
+    value = check_int(max_distance, name, "a non-negative int (the clip distance K)")
     if value < 0:
         raise ValueError(f"{name} must be a non-negative int (the clip distance K), got {value}")
     return value
@@ -84,11 +97,7 @@ def check_window(max_distance: object, name: str = "max_distance") -> tuple[int,
             )
         return (check_max_distance(max_distance[0], f"{name}[0] (left)"),
                 check_max_distance(max_distance[1], f"{name}[1] (right)"))
-    if isinstance(max_distance, bool) or not isinstance(max_distance, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a non-negative int K or a pair (left, right) of them, "
-            f"got {max_distance!r} of type {type(max_distance).__name__}"
-        )
+    check_int(max_distance, name, "a non-negative int K or a pair (left, right) of them")
     k = check_max_distance(max_distance, name)
     return k, k
 
@@ -110,10 +119,7 @@ def clip_relative_position(j: int, i: int, max_distance: int | tuple[int, int]) 
         [-4, -4, -3, -2, -1, 0, 1, 2, 3, 4]
     """
     left, right = check_window(max_distance)
-    for name, v in (("j", j), ("i", i)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{name} must be an int position, got {v!r}")
-    rel = int(j) - int(i)
+    rel = check_int(j, "j", "an int position") - check_int(i, "i", "an int position")
     return max(-left, min(right, rel))
 
 
@@ -131,9 +137,7 @@ def resolve_query_start(query_len: int, key_len: int, query_start: int | None) -
                 f"positions need query_len <= key_len (got L={query_len}, S={key_len})"
             )
         return key_len - query_len
-    if not _is_size(query_start):
-        raise TypeError(f"query_start must be an int or None, got {query_start!r}")
-    start = _as_size(query_start)
+    start = check_int(query_start, "query_start", "an int or None")
     if start < 0 or start + query_len > key_len:
         raise ValueError(
             f"query_start={start} puts queries at positions {start}..{start + query_len - 1}, "
@@ -180,10 +184,11 @@ def relative_position_index(
             f"max_distance={max_distance!r} has table rows up to left + right = {left + right}, "
             f"more than a torch.long index holds; allowed: left + right <= {_MAX_ROW}"
         )
-    for name, v in (("query_len", query_len), ("key_len", key_len)):
-        if not _is_size(v) or v < 0:
+    L = check_int(query_len, "query_len", "a non-negative int")
+    S = check_int(key_len, "key_len", "a non-negative int")
+    for name, v in (("query_len", L), ("key_len", S)):
+        if v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-    L, S = _as_size(query_len), _as_size(key_len)
     start = resolve_query_start(L, S, query_start)
     pos_q = torch.arange(start, start + L, device=device)  # (L,)
     pos_k = torch.arange(S, device=device)  # (S,)

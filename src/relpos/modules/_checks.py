@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from relpos.functional import available_backends
-from relpos.positions import check_window
+from relpos.positions import check_int, check_window
 
 __all__ = [
     "MAX_TABLE_ELEMENTS",
@@ -55,12 +55,10 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def _positive_int(name: str, value: object, allowed: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be {allowed}, got {value!r} of type "
-                        f"{type(value).__name__}")
-    if int(value) <= 0:
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    return int(value)
+    number = check_int(value, name, allowed)
+    if number <= 0:
+        raise ValueError(f"{name} must be {allowed}, got {number}")
+    return number
 
 
 def check_positive_int(name: str, value: object) -> int:
