@@ -11,8 +11,8 @@ within the last ``DAYS`` days stays. When that was:
   that stamp: their newest file);
 - in a kernels directory, which loads never write to: the newest of the variant's build,
   its library's access time (every load reads the library whole to check it; file systems
-  record that lazily, within a day under Linux's default ``relatime``, so a day is taken
-  off), and the stamps of this user's loads (``<cache>/prebuilt-loads/``,
+  record that lazily, within a day under Linux's default ``relatime``, so a variant stays a
+  day longer by it), and the stamps of this user's loads (``<cache>/prebuilt-loads/``,
   :mod:`.kernels_dir`). Where the file system records no access times (mounted
   ``noatime``), other users' loads cannot be seen, and pruning with ``DAYS`` is refused.
 """
@@ -63,9 +63,11 @@ class Pruned:
                        if hours < 48 else (round(self.unused_days), "day"))
         return f"{count} {unit}{'' if count == 1 else 's'} ago"
 
-def _size_and_age(directory: Path, *, kernels_dir: bool = False) -> tuple[int, float]:
+def _size_and_age(directory: Path, *, kernels_dir: bool = False, lag: float = 0.0
+                  ) -> tuple[int, float]:
     """The bytes under ``directory`` and the days since a process last loaded it (see the
-    module's docstring; ``kernels_dir``: a variant in a kernels directory)."""
+    module's docstring; ``kernels_dir``: a variant in a kernels directory, whose library's
+    access time may be ``lag`` seconds behind its last read)."""
     total, newest, accessed = 0, 0.0, 0.0
     for folder, _, files in os.walk(directory):
         for name in files:
@@ -74,7 +76,7 @@ def _size_and_age(directory: Path, *, kernels_dir: bool = False) -> tuple[int, f
                 total += st.st_size
                 newest = max(newest, st.st_mtime)
                 if name.endswith(_LIBRARY_SUFFIXES):
-                    accessed = max(accessed, st.st_atime - _DAY)
+                    accessed = max(accessed, st.st_atime + lag)
     if kernels_dir:
         newest = max(newest, accessed)
         with contextlib.suppress(OSError):
@@ -157,7 +159,10 @@ def prune(root: Path | None = None, *, unused_days: float = 0.0) -> list[Pruned]
     done = []
     for found in other_builds(root):
         directory = (kernels_root() if root is None else root) / found.name
-        if found.unused_days < unused_days and not found.name.startswith(_PRUNING):
+        unused = found.unused_days
+        if root is not None:  # the access time may lag a day behind the last load
+            unused = _size_and_age(directory, kernels_dir=True, lag=_DAY)[1]
+        if unused < unused_days and not found.name.startswith(_PRUNING):
             done.append(replace(found, kept=f"loaded {found.last_used}"))
             continue
         aside = directory if found.name.startswith(_PRUNING) else _move_aside(directory)
