@@ -420,15 +420,22 @@ def test_native_panels_and_float32_layouts_follow_the_packing_and_the_batch(
     assert decoding._linear_layout(tall.double(), 1, True) == (decoding._PLAIN, None)
 
 
-def test_decode_packing_refuses_an_unknown_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_packing_ignores_an_unknown_name_with_one_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unknown name: one warning naming those allowed, and the default packing serves (as
+    every RELPOS_* switch is read: relpos._env); before, every decode step raised."""
+    from relpos import _env
     from relpos.models.decoding import decode_linear, decode_packing
 
+    monkeypatch.delenv("RELPOS_DECODE_PACKING", raising=False)
+    default = decode_packing()
+    monkeypatch.setattr(_env, "_warned", set())
     monkeypatch.setenv("RELPOS_DECODE_PACKING", "blis")
-    with pytest.raises(ValueError, match=r"RELPOS_DECODE_PACKING must be one of relpos, onednn, "
-                                         r"mkl, none \(or unset\), got 'blis'"):
-        decode_packing()
-    with pytest.raises(ValueError, match="RELPOS_DECODE_PACKING"):
-        decode_linear(torch.randn(3, 2), None, 4)
+    with pytest.warns(RuntimeWarning, match=r"RELPOS_DECODE_PACKING='blis' is none of relpos, "
+                                            r"onednn, mkl, none \(or unset\); it is ignored"):
+        assert decode_packing() == default
+    w, x = torch.randn(3, 2), torch.randn(4, 2)
+    torch.testing.assert_close(decode_linear(w, None, 4)(x), x @ w.T)
 
 
 # ----------------------------------------------------------------------------- C++ layers
