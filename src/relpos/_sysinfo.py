@@ -24,6 +24,7 @@ __all__ = [
     "isa",
     "omp_wait_policy",
     "torch_cpu_capability",
+    "usable_cores",
 ]
 
 #: The environment variable OpenMP runtimes read their wait policy from.
@@ -101,6 +102,15 @@ def torch_cpu_capability() -> str:
 def omp_wait_policy() -> str:
     """``OMP_WAIT_POLICY`` as this process sees it, or ``"unset"``."""
     return os.environ.get(OMP_ENV, "").strip() or "unset"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity (a container's or ``taskset``'s
+    share), all logical CPUs where the platform has none."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def hardware() -> str:

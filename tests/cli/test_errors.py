@@ -338,3 +338,59 @@ def test_heatmap_checks_the_suffixes_plotting_writes():
     from relpos.training.plotting import IMAGE_FORMATS
 
     assert set(heatmap.IMAGE_SUFFIXES) == set(IMAGE_FORMATS)
+
+
+# --- a misspelled option or subcommand: the closest known one ----------------------------
+
+def _subcommands() -> dict[str, object]:
+    import argparse
+
+    from relpos.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def _misspelled(option: str, known: set[str]) -> str:
+    """``option`` with two letters of its name swapped, known to no option (nor a prefix of
+    one: argparse accepts those)."""
+    name = option[2:]
+    for i in range(len(name) - 2, 0, -1):
+        if name[i] != name[i + 1]:
+            wrong = "--" + name[:i] + name[i + 1] + name[i] + name[i + 2:]
+            if not any(k.startswith(wrong) for k in known):
+                return wrong
+    raise AssertionError(f"cannot misspell {option}")
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_a_misspelled_option_gets_the_closest_one_suggested(command):
+    """Every subcommand: one line on stderr naming the closest option, exit status 2."""
+    sub = _subcommands()[command]
+    known = {o for a in sub._actions for o in a.option_strings}
+    options = sorted(o for o in known if o.startswith("--") and len(o) > 6 and o != "--help")
+    # Each positional argument given, so the misspelled option is what is wrong.
+    given = ["x" for a in sub._actions if not a.option_strings and a.required]
+    for option in options[:3]:
+        wrong = _misspelled(option, known)
+        code, err = _run([command, *given, wrong])
+        assert code == 2 and err.count("\n") == 1 and err.startswith("relpos: error: "), err
+        # argparse's own words (unrecognized arguments, or a required option it lacks first)
+        assert f"unrecognized arguments: {wrong}" in err or "required" in err, err
+        near = err.rsplit("; did you mean ", 1)[-1].rstrip("?\n")
+        assert near == option or near in known, (wrong, err)
+
+
+def test_the_issues_misspelling_and_a_misspelled_subcommand_get_their_suggestion():
+    code, err = _run(["train", "--max-distnace", "4"])
+    assert (code, err) == (2, "relpos: error: unrecognized arguments: --max-distnace 4; did "
+                              "you mean --max-distance?\n")
+    code, err = _run(["trian", "--steps", "3"])
+    assert code == 2 and err.endswith("; did you mean 'train'?\n") and err.count("\n") == 1
+    code, err = _run(["table", "--format", "markdwn"])
+    assert code == 2 and err.endswith("; did you mean 'markdown'?\n"), err
+    code, err = _run(["train", "--stpes", "3", "--seeed", "1"])
+    assert err.endswith("did you mean --steps (for --stpes), --seed (for --seeed)?\n"), err
+    code, err = _run(["table", "--zzzzzz"])  # nothing close: argparse's words alone
+    assert (code, err) == (2, "relpos: error: unrecognized arguments: --zzzzzz\n")

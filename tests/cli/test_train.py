@@ -78,7 +78,8 @@ def test_lines_train_packed_and_pad_gives_the_same_losses(tmp_path, capsys):
     assert a["eval"][0]["count"] == b["eval"][0]["count"]
     # A resumed run continues the same way, with or without the (agreeing) options.
     out = _train(["--resume", "--steps", "4", "--no-progress", "--out", str(padded)], capsys)
-    assert f"resuming {padded} from step 3 to step 4" in out
+    assert (f"resuming {padded} at step 3 of 4: its learning-rate schedule ended at step 3, "
+            "so step 4 trains at its floor rate, 0.0003") in out
     _train(["--resume", "--lines", "--pad", "--steps", "5", "--no-progress", "--out",
             str(padded)], capsys)
     saved = load_checkpoint(padded / "checkpoints").state
@@ -117,7 +118,8 @@ def test_resume_of_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["train_seconds"] == seconds
     # Training longer still trains; a run stopped before its metrics were written resumes.
     printed = _train(["--resume", "--steps", "3", "--out", str(out)], capsys)
-    assert f"resuming {out} from step 2 to step 3" in printed
+    assert (f"resuming {out} at step 2 of 3: its learning-rate schedule ended at step 2, so "
+            "step 3 trains at its floor rate") in printed
     (out / "metrics.json").unlink()
     printed = _train(["--resume", "--out", str(out)], capsys)
     assert "already finished" not in printed and (out / "metrics.json").is_file()

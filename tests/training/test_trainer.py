@@ -396,7 +396,8 @@ def test_cli_resume_needs_no_options_and_extends_with_steps(tmp_path, capsys):
     # Agreeing options are fine; a larger --steps trains on, on the run's schedule.
     assert main(["train", "--resume", "-k", "2", "--per-head", "--steps", "5",
                  "--no-progress", "--out", str(out)]) == 0
-    assert "from step 3 to step 5 (learning-rate schedule of 3 steps)" in capsys.readouterr().out
+    assert (f"resuming {out} at step 3 of 5: its learning-rate schedule ended at step 3, so "
+            "steps 4-5 train at its floor rate, 0.0005") in capsys.readouterr().out
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["resumed_from"] == 3 and len(metrics["history"]["train"]) == 5
     saved = load_checkpoint(out / "checkpoints").state

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from relpos._deprecated import module_getattr, moved
-from relpos.cli import CLIError, _args, _one_line
+from relpos.cli import CLIError, _args, _interrupt, _one_line
 from relpos.cli._args import non_negative_int, positive_int
 
 POSITIONS = ("relative", "learned", "sinusoidal", "none")
@@ -339,13 +339,29 @@ def _resume_settings(
     config = dataclasses.replace(saved.train, **changes)
     task = task_from_config(saved.task)
     if say:
-        print(
-            f"resuming {out} from step {saved.step} to step {steps}"
-            + (f" (learning-rate schedule of {saved.train.schedule} steps)"
-               if steps != saved.train.schedule else ""),
-            flush=True,
-        )
+        print(resume_line(out, saved.step, steps, config), flush=True)
     return task, saved.model, config
+
+
+def resume_line(out: Path, step: int, steps: int, config: Any) -> str:
+    """What ``--resume`` says: from which step to which, and what the learning rate does
+    where ``steps`` is not the run's schedule (``config``: its TrainConfig; the schedule
+    keeps the length the run started with)."""
+    schedule = config.schedule
+    said = f"resuming {out} at step {step} of {steps}"
+    if steps == schedule:
+        return said
+    if steps < schedule:
+        return (f"{said}, before the end of its learning-rate schedule ({schedule} steps, "
+                "which stays as it was)")
+    floor = config.lr * config.min_lr_ratio
+    first = max(step, schedule) + 1
+    beyond = f"step {steps} trains" if first == steps else f"steps {first}-{steps} train"
+    if step >= schedule:
+        return (f"{said}: its learning-rate schedule ended at step {schedule}, so {beyond} "
+                f"at its floor rate, {floor:g}")
+    return (f"{said}: its learning-rate schedule still ends at step {schedule} (it keeps "
+            f"the length the run started with), and {beyond} at its floor rate, {floor:g}")
 
 
 def _new_settings(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -452,14 +468,53 @@ def _preflight(args: argparse.Namespace, out: Path, launching: bool) -> tuple[An
 
 def run(args: argparse.Namespace) -> int:
     out = _args.check_output_dir(args.out)
+    launching = args.nproc is not None and "WORLD_SIZE" not in os.environ
+    processes = args.nproc if launching else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    distributed = not launching and processes > 1
+    if distributed:
+        _interrupt.watch()
+    try:
+        return _run(args, out, launching)
+    except (Exception, KeyboardInterrupt) as err:
+        if not _interrupt.is_interrupt(err, distributed=distributed):
+            raise
+        if _interrupt.says(distributed):  # one process: not each rank, not a traceback
+            print(_interrupt.line(out, processes), file=sys.stderr, flush=True)
+        return _interrupt.exit_status()
 
+
+def oversubscribed(processes: int, threads: int, cores: int) -> str | None:
+    """The warning for ``processes`` of ``threads`` torch threads each on ``cores`` usable
+    CPU cores, or None when they fit."""
+    if processes * threads <= cores:
+        return None
+    fits = max(1, cores // threads)
+    return (f"relpos: warning: --nproc {processes} with {threads} torch thread(s) each asks "
+            f"for {processes * threads} cores, and this process may use {cores}: the "
+            f"processes will share them, each slower (--nproc {fits} fills them)")
+
+
+def _warn_if_oversubscribed(args: argparse.Namespace, processes: int) -> None:
+    """Warn once (the launching process, or rank 0 under torchrun) when the processes of a
+    CPU run would ask for more cores than this process may use."""
+    import torch
+
+    from relpos._sysinfo import usable_cores
+
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    warning = None if on_cuda else oversubscribed(processes, args.threads or 1,
+                                                  usable_cores())
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace, out: Path, launching: bool) -> int:
     import torch
 
     from relpos.training import init_distributed, launch, train
     from relpos.training.distributed import refuse_together, shutdown
     from relpos.training.trainer import clear_run, previous_run, summarize
 
-    launching = args.nproc is not None and "WORLD_SIZE" not in os.environ
     ranks = 1 if launching else int(os.environ.get("WORLD_SIZE", "1"))
     if ranks == 1:
         settings = _preflight(args, out, launching)
@@ -487,6 +542,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"--overwrite: removed the previous run's {', '.join(p.name for p in found)} "
                   f"from {out}", flush=True)
 
+    if launching or (ranks > 1 and not _interrupt.silent()):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks) or ranks)
+        _warn_if_oversubscribed(args, args.nproc if launching else local)
     if launching:
         status = launch(args.nproc, relaunch_argv(args))
         if status:

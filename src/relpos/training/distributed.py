@@ -11,21 +11,24 @@ evaluates, reports and writes files. ``relpos train --nproc N`` starts torchrun 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
+import glob
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistContext", "free_port", "init_distributed", "launch", "rank_share", "rank_slice",
-           "refuse_together", "shutdown"]
+__all__ = ["DistContext", "free_port", "init_distributed", "launch", "launched_by_relpos",
+           "rank_share", "rank_slice", "refuse_together", "shutdown"]
 
 #: Default limit of :func:`launch` (None = no limit); a stuck run is killed after it.
 LAUNCH_TIMEOUT_S: float | None = None
@@ -156,8 +159,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Set in the environment of the processes :func:`launch` starts: the launching process
+#: reports an interrupt (and warns of too many processes), so they say nothing of it.
+LAUNCHED_ENV = "RELPOS_LAUNCHED"
+
+
+def launched_by_relpos() -> bool:
+    """Whether this process is one of those a :func:`launch` started."""
+    return os.environ.get(LAUNCHED_ENV) == "1"
+
+
 def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -> int:
     """Run ``python -m relpos <argv>`` in ``nproc`` processes under torchrun on this host.
+
+    torchrun runs in a session of its own, so a Ctrl-C (or SIGTERM) reaches this process
+    alone: it sends SIGINT to each process torchrun started (as torchrun would, but without
+    torchrun's own shutdown messages and traceback), waits for them to end (a process
+    :func:`launch` started ends an interrupted run with status 0, saying nothing) and raises
+    :class:`KeyboardInterrupt`; a second Ctrl-C kills them. On ``timeout_s`` they are killed.
 
     Args:
         nproc: number of processes (>= 1).
@@ -165,7 +184,11 @@ def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -
         timeout_s: kill the run after this many seconds (None = no limit).
 
     Returns:
-        torchrun's exit status.
+        torchrun's exit status (124 after a timeout).
+
+    Raises:
+        KeyboardInterrupt: when this process was interrupted (SIGINT or SIGTERM), once the
+            processes have ended.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
@@ -183,8 +206,74 @@ def launch(nproc: int, argv: Sequence[str], *, timeout_s: float | None = None) -
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[LAUNCHED_ENV] = "1"
     limit = LAUNCH_TIMEOUT_S if timeout_s is None else timeout_s
+    main_thread = threading.current_thread() is threading.main_thread()
+
+    def terminated(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
-        return subprocess.run(command, env=env, timeout=limit, check=False).returncode
+        return proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
+        _kill(proc)
         return 124
+    except KeyboardInterrupt:
+        try:
+            _interrupt(proc)
+        except KeyboardInterrupt:  # a second one: no waiting
+            _kill(proc)
+        raise
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:  # an error here: nothing it started outlives it
+            _kill(proc)
+
+
+def _interrupt(proc: subprocess.Popen[bytes], *, patience_s: float = 10.0) -> None:
+    """SIGINT to each process torchrun (``proc``) started, each in a session of its own,
+    and to those it starts meanwhile; wait for torchrun to end. Where none shows within
+    ``patience_s`` (it has not started them, or no ``/proc`` lists them), SIGINT to
+    torchrun itself (its shutdown stops them, with its messages)."""
+    import time
+
+    told: set[int] = set()
+    started = time.monotonic()
+    while proc.poll() is None:
+        for pid in set(_children(proc.pid)) - told:
+            told.add(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGINT)
+        if not told and time.monotonic() - started > patience_s:
+            proc.send_signal(signal.SIGINT)
+            told.add(-1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to torchrun (``proc``) and to the sessions of the processes it started (they
+    would outlive it); waits for torchrun."""
+    for pid in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``; none elsewhere)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[1] == str(pid):
+            found.append(int(stat.split("/")[2]))
+    return found

@@ -309,34 +309,36 @@ def _train_steps(
     net.train()
     started = time.perf_counter()
     rate = 0.0  # real tokens (not padding) per second, over all ranks
-    for step in range(run.first_step, config.steps):
-        tick = time.perf_counter()
-        stats, tokens = _train_step(run, net, step, on_backward)
-        now = tokens / max(time.perf_counter() - tick, 1e-9)
-        rate = now if rate == 0 else 0.9 * rate + 0.1 * now
-        done = step + 1
-        if _due(config.eval_every, done, config.steps):
-            evaluated = _eval_copy(run)  # every rank: FSDP gathers the weights
-            if ctx.is_main:
-                line = _periodic_evaluation(run, done, evaluated)
-                if bar is not None:
-                    bar.write(line)
-                elif log is not None:
-                    log(line)
-        if _due(config.checkpoint_every, done, config.steps):
-            _checkpoint(run, done)
+    try:  # an interrupted run leaves the bar where it stopped, on a line of its own
+        for step in range(run.first_step, config.steps):
+            tick = time.perf_counter()
+            stats, tokens = _train_step(run, net, step, on_backward)
+            now = tokens / max(time.perf_counter() - tick, 1e-9)
+            rate = now if rate == 0 else 0.9 * rate + 0.1 * now
+            done = step + 1
+            if _due(config.eval_every, done, config.steps):
+                evaluated = _eval_copy(run)  # every rank: FSDP gathers the weights
+                if ctx.is_main:
+                    line = _periodic_evaluation(run, done, evaluated)
+                    if bar is not None:
+                        bar.write(line)
+                    elif log is not None:
+                        log(line)
+            if _due(config.checkpoint_every, done, config.steps):
+                _checkpoint(run, done)
+            if bar is not None:
+                bar.set_postfix(
+                    loss=f"{stats['loss']:.4f}",
+                    acc=f"{stats['accuracy']:.3f}",
+                    tok_s=f"{rate:,.0f}",
+                    refresh=False,
+                )
+                bar.update(1)
+            if on_step is not None:
+                on_step(done, stats)
+    finally:
         if bar is not None:
-            bar.set_postfix(
-                loss=f"{stats['loss']:.4f}",
-                acc=f"{stats['accuracy']:.3f}",
-                tok_s=f"{rate:,.0f}",
-                refresh=False,
-            )
-            bar.update(1)
-        if on_step is not None:
-            on_step(done, stats)
-    if bar is not None:
-        bar.close()
+            bar.close()
     return time.perf_counter() - started
 
 

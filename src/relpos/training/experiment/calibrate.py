@@ -7,13 +7,13 @@ measured times), scaled by the cost model where it was measured with other jobs.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
+from relpos._sysinfo import usable_cores
 from relpos._timings import EXPERIMENT, REFERENCE_CORES, Measured, duration_text
 from relpos.training.experiment.config import CODE_TASK, ExperimentConfig
 from relpos.training.experiment.sweep import RunSpec, budget, model_config, plan, train_config
@@ -69,15 +69,6 @@ def sweep_seconds(costs: Sequence[float], unit: float, jobs: int) -> float:
     if not costs:
         return 0.0
     return unit * max(sum(costs) / max(1, min(jobs, len(costs))), max(costs))
-
-
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity; all of them where the platform
-    has no affinity)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def default_jobs(threads: int, cores: int | None = None) -> int:
