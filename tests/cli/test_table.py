@@ -1,5 +1,6 @@
 """``relpos table``: the worked example of the handbook section on clipped relative positions
-(Shaw et al., 2018), reproduced character for character."""
+(Shaw et al., 2018), with the table row each key reads (the columns of every format) and
+``K`` spelt as everywhere else."""
 
 from __future__ import annotations
 
@@ -15,38 +16,44 @@ import pytest
 from relpos import clip_relative_position, relative_position_index
 from relpos.cli import main
 
-# The block as the handbook section on clipped relative positions prints it (Out[7]), copied
-# character for character: the tests hold the fact themselves and read nothing outside the
+# The block of the handbook section on clipped relative positions (Out[7]), its numbers
+# unchanged, with the Table Row column the csv, json and markdown formats have and K as the
+# rest of relpos writes it: the tests hold the fact themselves and read nothing outside the
 # repository.
 EXPECTED_BLOCK = """\
 Query position: 5
-Maximum relative distance (k): 4
+Maximum relative distance (K): 4
 
-Position | Raw Offset | Clipped Offset
-------------------------------------------
-    0    |     -5     |      -4
-    1    |     -4     |      -4
-    2    |     -3     |      -3
-    3    |     -2     |      -2
-    4    |     -1     |      -1
-    5    |     +0     |      +0
-    6    |     +1     |      +1
-    7    |     +2     |      +2
-    8    |     +3     |      +3
-    9    |     +4     |      +4
+Position | Raw Offset | Clipped Offset | Table Row
+------------------------------------------------------
+    0    |     -5     |       -4       |    0
+    1    |     -4     |       -4       |    0
+    2    |     -3     |       -3       |    1
+    3    |     -2     |       -2       |    2
+    4    |     -1     |       -1       |    3
+    5    |     +0     |       +0       |    4
+    6    |     +1     |       +1       |    5
+    7    |     +2     |       +2       |    6
+    8    |     +3     |       +3       |    7
+    9    |     +4     |       +4       |    8
 """
 
-_ROW = re.compile(r"^\s*(\d+)\s*\|\s*([+-]\d+)\s*\|\s*([+-]\d+)\s*$")
+_ROW = re.compile(r"^\s*(\d+)\s*\|\s*([+-]\d+)\s*\|\s*([+-]\d+)\s*\|\s*(\d+)\s*$")
 
 
 def parse_rows(text: str) -> list[tuple[int, int, int]]:
     """(position, raw offset, clipped offset) of every table row in ``text``."""
+    return [row[:3] for row in parse_full_rows(text)]
+
+
+def parse_full_rows(text: str) -> list[tuple[int, int, int, int]]:
+    """(position, raw offset, clipped offset, table row) of every table row in ``text``."""
     rows = []
     for line in text.splitlines():
         m = _ROW.match(line)
         if m:
-            rows.append((int(m.group(1)), int(m.group(2)), int(m.group(3))))
-    return rows
+            rows.append(tuple(int(m.group(n)) for n in range(1, 5)))
+    return rows  # type: ignore[return-value]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -74,7 +81,7 @@ def test_defaults_equal_explicit_flags(capsys: pytest.CaptureFixture[str]) -> No
 def test_seed_table_equals_relative_position_index() -> None:
     block = EXPECTED_BLOCK
     query = int(re.search(r"Query position: (\d+)", block).group(1))  # type: ignore[union-attr]
-    k = int(re.search(r"distance \(k\): (\d+)", block).group(1))  # type: ignore[union-attr]
+    k = int(re.search(r"distance \(K\): (\d+)", block).group(1))  # type: ignore[union-attr]
     rows = parse_rows(block)
     length = len(rows)
     assert [r[0] for r in rows] == list(range(length))
@@ -86,6 +93,8 @@ def test_seed_table_equals_relative_position_index() -> None:
     assert single.tolist() == [r[2] for r in rows]
     assert [j - query for j in range(length)] == [r[1] for r in rows]
     assert [clip_relative_position(j, query, k) for j in range(length)] == [r[2] for r in rows]
+    # The table row each key reads: the index itself.
+    assert full.add(k).tolist() == [r[3] for r in parse_full_rows(block)]
 
 
 CASES = [
@@ -108,13 +117,14 @@ def test_text_rows_agree_with_clip(
     )
     assert code == 0
     lines = out.splitlines()
-    assert lines[:3] == [f"Query position: {query}", f"Maximum relative distance (k): {k}", ""]
-    assert lines[3].split(" | ") == ["Position", "Raw Offset", "Clipped Offset"]
+    assert lines[:3] == [f"Query position: {query}", f"Maximum relative distance (K): {k}", ""]
+    assert lines[3].split(" | ") == ["Position", "Raw Offset", "Clipped Offset", "Table Row"]
     assert set(lines[4]) == {"-"}
     rows = parse_rows(out)
     assert len(rows) == length == len(lines) - 5
     expected = [(j, j - query, clip_relative_position(j, query, k)) for j in range(length)]
     assert rows == expected
+    assert [r[3] for r in parse_full_rows(out)] == [r[2] + k for r in expected]
     # The "|" separators line up in every row.
     bars = {tuple(m.start() for m in re.finditer(r"\|", line)) for line in lines[5:]}
     assert len(bars) == 1
@@ -228,7 +238,7 @@ def test_one_side_defaults_to_max_distance(capsys: pytest.CaptureFixture[str]) -
     _, out, _ = run_cli(capsys, "-k", "3", "--right", "1", "--format", "json")
     assert json.loads(out)["max_distance"] == [3, 1]
     _, out, _ = run_cli(capsys, "-k", "3", "--left", "3", "--right", "3")
-    assert out.splitlines()[1] == "Maximum relative distance (k): 3"
+    assert out.splitlines()[1] == "Maximum relative distance (K): 3"
 
 
 @pytest.mark.parametrize("bad", [["--left", "-1"], ["--right", "x"]])

@@ -2,7 +2,7 @@
 
 ``relpos heatmap --length 10 --max-distance 4 -o clipped.png`` draws the matrix of the worked
 example of the handbook section on clipped relative positions (Shaw et al., 2018): rows =
-queries i, columns = keys j, cell = clip(j - i, -k, k); without ``-o`` the matrix is
+queries i, columns = keys j, cell = clip(j - i, -K, K); without ``-o`` the matrix is
 printed. Images need the ``plot`` extra (matplotlib).
 """
 
@@ -26,7 +26,7 @@ IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 SUMMARY = "draw (or print) the clipped relative position matrix"
 DESCRIPTION = """\
-Draw the matrix clip(j - p_i, -k, k) of query i (rows) and key j (columns) as a heatmap with
+Draw the matrix clip(j - p_i, -K, K) of query i (rows) and key j (columns) as a heatmap with
 a diverging colormap, or print it as text when no -o is given. With fewer queries than keys
 the queries are aligned to the end of the keys (p_i = i + length - queries) unless
 --query-start says otherwise.

@@ -1,14 +1,15 @@
 """``relpos table``: the clipped offset of every key seen from one query.
 
 With no options it prints the worked example of the handbook section on clipped relative
-positions (Shaw et al., 2018): length 10, query 5, K = 4::
+positions (Shaw et al., 2018): length 10, query 5, K = 4, with the embedding-table row each
+key reads, the columns of every format::
 
     Query position: 5
-    Maximum relative distance (k): 4
+    Maximum relative distance (K): 4
 
-    Position | Raw Offset | Clipped Offset
-    ------------------------------------------
-        0    |     -5     |      -4
+    Position | Raw Offset | Clipped Offset | Table Row
+    ------------------------------------------------------
+        0    |     -5     |       -4       |    0
     ...
 """
 
@@ -28,17 +29,18 @@ DEFAULT_MAX_DISTANCE = 4
 #: Longest table printed (one line per position).
 MAX_LENGTH = 100_000
 
-# Column titles of the text table and the width of the slot each sits in, between the
-# "|" separators; values are centred in their slot.
-_TEXT_COLUMNS = (("Position", 9), ("Raw Offset", 12), ("Clipped Offset", 15))
+# Column titles of the text table (those of the other formats) and the width of the slot
+# each sits in, between the "|" separators; values are centred in their slot.
+_TEXT_COLUMNS = (("Position", 9), ("Raw Offset", 12), ("Clipped Offset", 16), ("Table Row", 10))
 
 
 SUMMARY = "print the clipped offset of every key seen from one query"
 DESCRIPTION = """\
-Print, for one query position, the raw offset j - i of every key position j and its clipped
-value clip(j - i, -k, k), or clip(j - i, -L, R) with --left/--right. The defaults print the
-worked example of the handbook section on clipped relative positions (Shaw et al., 2018):
-length 10, query 5, k = 4.
+Print, for one query position, the raw offset j - i of every key position j, its clipped
+value clip(j - i, -K, K), or clip(j - i, -L, R) with --left/--right, and the row of the
+embedding table it reads (clipped + K, or + L). The defaults print the worked example of the
+handbook section on clipped relative positions (Shaw et al., 2018): length 10, query 5,
+K = 4.
 """
 
 
@@ -87,17 +89,19 @@ def format_text(length: int, query: int, max_distance: Window) -> str:
     window)."""
     rows = table_rows(length, query, max_distance)
     cells = [
-        (str(r["position"]), f"{r['raw_offset']:+d}", f"{r['clipped_offset']:+d}") for r in rows
+        (str(r["position"]), f"{r['raw_offset']:+d}", f"{r['clipped_offset']:+d}",
+         str(r["table_row"])) for r in rows
     ]
     widths = [
         max(slot, *(len(c[n]) + 2 for c in cells)) for n, (_, slot) in enumerate(_TEXT_COLUMNS)
     ]
-    titles = [title for title, _ in _TEXT_COLUMNS]
-    # The worked example writes the titles joined by " | " (first flush left, last flush right).
-    header = f"{titles[0]:<{widths[0]}}|{' ' + titles[1]:<{widths[1]}}|{titles[2]:>{widths[2]}}"
+    # The worked example writes the titles joined by " | ", the first flush left.
+    header = "|".join(f"{title:<{width}}" if n == 0 else f"{' ' + title:<{width}}"
+                      for n, ((title, _), width) in enumerate(zip(_TEXT_COLUMNS, widths,
+                                                                     strict=True)))
     lines = [
         f"Query position: {query}",
-        f"Maximum relative distance (k): {max_distance}" if isinstance(max_distance, int)
+        f"Maximum relative distance (K): {max_distance}" if isinstance(max_distance, int)
         else f"Clip window: [-{max_distance[0]}, +{max_distance[1]}]",
         "",
         header.rstrip(),
