@@ -84,3 +84,42 @@ def test_bpc_plot_draws_the_baselines_its_label_names(tmp_path, monkeypatch, stu
         assert "baselines" in ax.get_xlabel()
     else:
         assert ax.get_xlabel() == "clip distance K"
+
+
+@pytest.mark.parametrize("study", ["experiment", "experiment-long"])
+def test_every_mark_of_a_heatmap_is_in_its_legend(tmp_path, monkeypatch, study):
+    figs = _figures(study, tmp_path, monkeypatch)
+    for name in [n for n in figs if n.startswith("heatmap_")]:
+        (legend,) = figs[name].legends
+        (mark,) = legend.legend_handles
+        assert mark.get_color() == "white" and mark.get_path_effects(), name
+        assert "white bar outlined in black: d = K" in legend.get_texts()[0].get_text()
+
+
+@pytest.mark.parametrize("study", ["experiment", "experiment-long"])
+def test_extrapolation_plots_draw_no_band_over_another_and_name_every_line(
+        tmp_path, monkeypatch, study):
+    """Each model's interval is a bar beside its point (a filled band per model washed ten
+    models into one block); the legend names every model and the dotted chance line."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.container import ErrorbarContainer
+
+    figs = _figures(study, tmp_path, monkeypatch)
+    names = [n for n in figs if n.startswith("extrapolation_")]
+    assert names
+    for name in names:
+        for ax in figs[name].axes:
+            assert not [c for c in ax.collections if isinstance(c, PolyCollection)], name
+            bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+            assert len(bars) >= 5, name
+            lengths = len(ax.get_xticks())
+            assert all(len(b.lines[0].get_xdata()) == lengths for b in bars)
+            # The models of one length sit side by side, none on another's place.
+            firsts = [b.lines[0].get_xdata()[0] for b in bars]
+            assert len(set(firsts)) == len(firsts)
+        legend = [t.get_text() for ax in figs[name].axes if ax.get_legend()
+                  for t in ax.get_legend().get_texts()]
+        models = {b.get_label() for ax in figs[name].axes for b in ax.containers}
+        assert models <= set(legend), (name, models - set(legend))
+        if not name.endswith("pysrc.png"):  # accuracy: chance drawn, and in the legend
+            assert "chance" in legend

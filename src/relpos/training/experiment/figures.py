@@ -1,8 +1,9 @@
 """Figures of the K sweep (need the ``plot`` extra, matplotlib): accuracy heatmaps over
 model x distance (in %, cells and colour bar alike; colour scale fitted to the data; d = K
-marked by a white bar outlined in black), length-extrapolation curves with 95% bands, bits
-per character against K with bands (the absolute baselines as horizontal lines), and the
-per-row training signal."""
+marked by a white bar outlined in black, in the legend), length-extrapolation curves with
+each model's 95% interval as a bar beside its point (bands of ten models would cover each
+other), chance in the legend, bits per character against K with bands (the absolute
+baselines as horizontal lines), and the per-row training signal."""
 
 from __future__ import annotations
 
@@ -63,13 +64,28 @@ def _range(values: list[float]) -> tuple[float, float]:
     return low, high
 
 
+def _outline() -> list[Any]:
+    from matplotlib.patheffects import Normal, Stroke
+
+    return [Stroke(linewidth=3.6, foreground="black"), Normal()]
+
+
+def _k_legend(fig: Any) -> None:
+    """The legend of the d = K marks, under the heatmaps."""
+    from matplotlib.lines import Line2D
+
+    mark = Line2D([], [], color="white", linewidth=1.8, solid_capstyle="butt",
+                  path_effects=_outline())
+    fig.legend([mark], ["white bar outlined in black: d = K, from where on every distance "
+                        "reads one table row (clipped to K)"],
+               loc="outside lower center", fontsize=8, frameon=False, handlelength=2.5)
+
+
 def _mark_k(ax: Any, labels: list[str], edges: list[int]) -> None:
     """A white bar outlined in black (seen on every colour of the map) at the left edge of
     the first column whose distance reaches K (none where that is the first column: every
     distance shown reaches K)."""
-    from matplotlib.patheffects import Normal, Stroke
-
-    outline = [Stroke(linewidth=3.6, foreground="black"), Normal()]
+    outline = _outline()
     for row, label in enumerate(labels):
         if not label.startswith("K="):
             continue
@@ -116,28 +132,55 @@ def write_figures(results: dict[str, Any], out: Path) -> list[Path]:
             _mark_k(ax, labels, distances)
         if image is not None:
             _colorbar(fig, image, axes, "subset accuracy")
+        _k_legend(fig)
         paths.append(save_figure(fig, out / f"heatmap_{task}.png", dpi=100))
 
         fig = Figure(figsize=(4.4 * len(depths) + 1.6, 3.4), layout="constrained")
         axes = fig.subplots(1, len(depths), squeeze=False)[0]
         lengths = cfg["eval_lengths"]
         for ax, depth in zip(axes, depths, strict=True):
-            for label, g in configurations(runs_of(results["runs"], task, depth)).items():
-                ivs = [accuracy_interval([overall_counts(r, m) for r in g]) for m in lengths]
-                style = "-o" if label.startswith("K=") else "--s"
-                (line,) = ax.plot(lengths, [iv.mean for iv in ivs], style, markersize=3,
-                                  linewidth=1, label=label)
-                ax.fill_between(lengths, [iv.low for iv in ivs], [iv.high for iv in ivs],
-                                color=line.get_color(), alpha=0.15, linewidth=0)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(lengths, [str(x) for x in lengths])
-            ax.axhline(results["chance"][task], color="gray", linewidth=0.8, linestyle=":")
+            groups = configurations(runs_of(results["runs"], task, depth))
+            _extrapolation(ax, lengths, [
+                (label, [accuracy_interval([overall_counts(r, m) for r in g]) for m in lengths],
+                 label.startswith("K=")) for label, g in groups.items()])
+            ax.axhline(results["chance"][task], color="gray", linewidth=0.8, linestyle=":",
+                       label="chance")
             ax.set_xlabel(f"evaluation length (trained at {n})")
             ax.set_ylabel("overall accuracy")
-            ax.set_title(f"{task}, depth {depth}", fontsize=9)
-        axes[-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+            ax.set_title(f"{task}, depth {depth}: mean, 95% interval (bar)", fontsize=9)
+        handles, names = axes[-1].get_legend_handles_labels()
+        last = names.index("chance")  # the models first, chance last
+        order = [*(i for i in range(len(names)) if i != last), last]
+        axes[-1].legend([handles[i] for i in order], [names[i] for i in order], fontsize=6,
+                        loc="center left", bbox_to_anchor=(1.0, 0.5))
         paths.append(save_figure(fig, out / f"extrapolation_{task}.png", dpi=100))
     return paths
+
+
+def _extrapolation(ax: Any, lengths: list[int], series: list[tuple[str, list[Any], bool]]
+                   ) -> None:
+    """Each model's mean by evaluation length (``series``: label, intervals, relative),
+    with its 95% interval as a bar beside the point: the models of a length sit side by side
+    (a filled band per model would cover the others)."""
+    from matplotlib import colormaps
+
+    spread = 0.3 if len(series) > 1 else 0.0  # in octaves of length, across the models
+    # The relative models in K order along one colour map; the baselines in colours of
+    # their own (ten models would run through the default cycle and repeat it).
+    ranked = [label for label, _, relative in series if relative]
+    others = iter(("black", "tab:red", "tab:gray", "tab:brown"))
+    for i, (label, ivs, relative) in enumerate(series):
+        shift = 2 ** (spread * (i / max(1, len(series) - 1) - 0.5))
+        xs = [m * shift for m in lengths]
+        means = [iv.mean for iv in ivs]
+        color = (colormaps["viridis"](0.9 * ranked.index(label) / max(1, len(ranked) - 1))
+                 if relative else next(others, None))
+        ax.errorbar(xs, means, yerr=[[m - iv.low for m, iv in zip(means, ivs, strict=True)],
+                                     [iv.high - m for m, iv in zip(means, ivs, strict=True)]],
+                    fmt="-o" if relative else "--s", markersize=3, linewidth=1,
+                    elinewidth=0.8, capsize=1.5, label=label, color=color)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(x) for x in lengths])
 
 
 def _curve_figure(results: dict[str, Any], task: str, out: Path, Figure: Any, save: Any
@@ -216,6 +259,7 @@ def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) ->
         _mark_k(ax, labels, [int(b.split("-")[1]) for b in buckets])
     if image is not None:
         _colorbar(fig, image, axes, "subset accuracy")
+    _k_legend(fig)
     paths.append(save(fig, out / f"heatmap_{CODE}.png", dpi=100))
 
     # Bits per character against K, one line per evaluation length, with bands.
@@ -250,18 +294,11 @@ def _code_figures(results: dict[str, Any], out: Path, Figure: Any, save: Any) ->
     # Length extrapolation: bits per character by evaluation length.
     fig = Figure(figsize=(6.4, 3.6), layout="constrained")
     ax = fig.subplots()
-    for lab in labels:
-        ivs = [bpc_interval(groups[lab], m) for m in lengths]
-        style = "-o" if lab in rel else "--s"
-        (line,) = ax.plot(lengths, [iv.mean for iv in ivs], style, markersize=3, linewidth=1,
-                          label=lab)
-        ax.fill_between(lengths, [iv.low for iv in ivs], [iv.high for iv in ivs],
-                        color=line.get_color(), alpha=0.15, linewidth=0)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(x) for x in lengths])
+    _extrapolation(ax, lengths, [(lab, [bpc_interval(groups[lab], m) for m in lengths],
+                                  lab in rel) for lab in labels])
     ax.set_xlabel(f"evaluation length (trained at {n})")
     ax.set_ylabel("validation bits per character")
-    ax.set_title(f"{CODE}: length extrapolation", fontsize=9)
+    ax.set_title(f"{CODE}: length extrapolation: mean, 95% interval (bar)", fontsize=9)
     ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     paths.append(save(fig, out / f"extrapolation_{CODE}.png", dpi=100))
 

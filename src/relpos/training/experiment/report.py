@@ -447,7 +447,8 @@ def make_report(results: dict[str, Any], *, figures: Sequence[str] = ()) -> str:
             "(the numbers, in %, are printed in the cells; a white bar outlined in black "
             "marks d = K; a column without a scored target is left out). Bits per "
             "character: mean with the 95% band, the absolute baselines as horizontal lines. "
-            "Extrapolation: mean by evaluation length with bands. Signal: per-row pairs, "
+            "Extrapolation: mean by evaluation length, each model's 95% interval a bar beside "
+            "its point, chance dotted. Signal: per-row pairs, "
             "gradient norm and distance moved.",
             "",
             *[f"![{f}]({f})" for f in figures],
