@@ -37,6 +37,7 @@ from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.native.build import load
 
 __all__ = [
+    "check_queries_fit",
     "dropout_mask",
     "dropout_mask_varlen",
     "forward",
@@ -44,6 +45,7 @@ __all__ = [
     "is_empty_varlen",
     "native_attention",
     "native_attention_varlen",
+    "varlen_queries_fit",
 ]
 
 
@@ -227,6 +229,40 @@ def forward_varlen(
                         dropout_p=dropout_p),
     )
     return out.to(query.dtype), lse
+
+
+def check_queries_fit(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None
+                      ) -> None:
+    """Raise ValueError unless every sequence has at most as many queries as keys it uses
+    (``L_s <= S_s``), what :func:`relpos.relative_attention_varlen` needs with tables or
+    ``is_causal`` (the op itself also serves ``L_s > S_s``, at positions before 0). A
+    different number of sequences is left to the kernels' check, which names it."""
+    lengths_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lengths_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if lengths_q.shape != lengths_k.shape:
+        return
+    over = (lengths_q > lengths_k).nonzero()
+    if over.numel():
+        s = int(over[0, 0])
+        keys = (f"uses {int(lengths_k[s])} keys (seqused_k)" if seqused_k is not None
+                else f"{int(lengths_k[s])} keys")
+        raise ValueError(
+            f"sequence {s} has {int(lengths_q[s])} queries but {keys}: relative positions "
+            f"align the queries to the end of their keys and need L <= S in every sequence")
+
+
+@define_op("relpos::varlen_queries_fit")
+def varlen_queries_fit(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Tensor | None
+                       ) -> Tensor:
+    """A copy of ``cu_seqlens_q``, once :func:`check_queries_fit` has passed. Under
+    ``torch.compile`` the public function's validation cannot read the lengths; this op reads
+    them when the compiled graph runs, and the packed op is given the copy it returns, so the
+    check runs first and is never left out of the graph."""
+    check_queries_fit(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    return cu_seqlens_q.clone()
+
+
+varlen_queries_fit.register_fake(lambda cu_seqlens_q, *_: torch.empty_like(cu_seqlens_q))
 
 
 @define_op("relpos::native_attention_varlen")
