@@ -115,7 +115,7 @@ def pytest_sessionstart(session):
 def _collected(count: int) -> None:
     import time
 
-    if "collected" not in _LIFE:
+    if "collected" not in _LIFE and not _LIFE["config"].option.collectonly:
         _LIFE["collected"] = True
         _say(f"collected {count} tests in {time.monotonic() - _LIFE['start']:.0f} s; running")
 
