@@ -6,8 +6,9 @@ A module's layer is its folder under ``src/relpos``: the top-level modules, ``op
 ``export/`` and ``integrations/`` the lab; then the benchmark harness and the command line. A
 module imports from its own layer and the layers below. Inside the core, the backends
 (``ops/``) sit under the API: they import only each other and the core's base, the top-level
-modules that import no folder at all (positions, versioning, ``_io``, ...). The top-level
-``relpos`` package is a lazy facade for users: nothing inside the package imports it.
+modules that import no folder at all (positions, versioning, ``_io``, ...); ``varlen/``, the
+packed API, sits beside ``functional.py``. The top-level ``relpos`` package is a lazy facade
+for users: nothing inside the package imports it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: Layers, lowest first, and the folders of ``src/relpos`` in each ("" = the top-level modules).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("", "ops", "modules")),
+    ("core", ("", "ops", "modules", "varlen")),
     ("lab", ("models", "training", "export", "integrations", "distributed")),
     ("bench", ("bench",)),
     ("cli", ("cli",)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -262,10 +263,28 @@ def test_pack_and_unpack_are_inverse_with_holes_and_without_a_mask() -> None:
     (lambda: unpack(torch.zeros(5), torch.tensor([0, 2, 5]),
                     torch.zeros(2, 4, dtype=torch.bool)), ValueError, r"real tokens per row"),
     (lambda: cu_seqlens_from_lengths([2, -1]), ValueError, "non-negative integers"),
+    (lambda: cu_seqlens_from_lengths([2**31 - 1, 5]), ValueError,
+     r"lengths sum to 2147483652, more than torch.int32 holds \(2147483647\); pass "
+     r"dtype=torch.int64"),
+    (lambda: cu_seqlens_from_lengths([2**62, 2**62], dtype=torch.int64), ValueError,
+     "lengths sum to 9223372036854775808, more than torch.int64 holds"),
+    (lambda: cu_seqlens_from_lengths([True, False]), ValueError, "non-negative integers"),
+    (lambda: cu_seqlens_from_lengths([2, 3], dtype=torch.float32), TypeError,
+     "dtype must be torch.int32 or torch.int64"),
+    (lambda: unpack(torch.zeros(5), torch.tensor([0, 2, 5]), max_seqlen=4.0), TypeError,
+     "max_seqlen must be an int or None, got 4.0"),
 ])
 def test_pack_and_unpack_refuse_bad_input(call: object, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         call()  # type: ignore[operator]
+
+
+def test_cumulative_lengths_never_wrap() -> None:
+    # int32 ends past 2**31 - 1 are refused (above); int64 holds them
+    assert cu_seqlens_from_lengths([2**31 - 1, 5], dtype=torch.int64).tolist() == [
+        0, 2**31 - 1, 2**31 + 4]
+    assert cu_seqlens_from_lengths(torch.tensor([3, 4], dtype=torch.int32)).tolist() == [0, 3, 7]
+    assert cu_seqlens_from_lengths([]).tolist() == [0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -291,6 +310,9 @@ def _bad(**change: object) -> dict:
      "the same number of sequences, got 2 and 1"),
     (dict(max_seqlen_q=2), ValueError, "max_seqlen_q=2 is smaller than the longest sequence, 3"),
     (dict(max_seqlen_k=2.5), TypeError, "max_seqlen_k must be an int or None"),
+    (dict(max_seqlen_q=True), TypeError, "max_seqlen_q must be an int or None, got True"),
+    (dict(max_seqlen_q=np.int64(2)), ValueError,
+     "max_seqlen_q=2 is smaller than the longest sequence, 3"),
     (dict(query=torch.zeros(1, 5, 2, 4, dtype=torch.float64)), ValueError,
      r"query must be 3-D \(Tq, H, D\)"),
     (dict(key=torch.zeros(5, 3, 4, dtype=torch.float64)), ValueError, "head counts differ"),
@@ -313,6 +335,17 @@ def test_bad_packed_input_is_refused_naming_what_and_what_is_allowed(
         change: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         relative_attention_varlen(**_bad(**change), max_distance=2)
+
+
+def test_integer_like_max_seqlen_is_accepted_as_pytorch_and_flash_attention_take_it() -> None:
+    x = _inputs([2, 3], [2, 3])
+    want = relative_attention_varlen(**x, max_distance=2)
+    for n in (np.int64(3), np.int32(3), torch.tensor(3), 3):
+        got = relative_attention_varlen(**x, max_distance=np.int64(2), max_seqlen_q=n,
+                                        max_seqlen_k=n)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    padded = unpack(torch.arange(5.0), torch.tensor([0, 2, 5]), max_seqlen=np.int64(4))
+    assert padded.shape == (2, 4)
 
 
 def test_more_queries_than_keys_needs_no_relative_terms() -> None:
@@ -527,3 +560,55 @@ def test_compiled_packed_call_with_seqused_k_traces_one_graph() -> None:
                                          rel_keys=table, rel_values=table, is_causal=True)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(graphs) == 1, len(graphs)
+
+
+@pytest.mark.parametrize("case", ["tables", "causal", "seqused_k"])
+def test_compiled_call_refuses_more_queries_than_keys_as_the_eager_call_does(case: str) -> None:
+    if not NATIVE:
+        pytest.skip("the native kernels are not built here")
+    import torch._dynamo
+
+    x = _inputs([2, 3], [2, 2], D=4, Dv=4)  # sequence 1: 3 queries, 2 keys
+    q, k, v = (x[n].detach() for n in ("query", "key", "value"))
+    table = torch.randn(5, 4, dtype=torch.float64)
+    kwargs: dict = dict(max_distance=2)
+    if case == "tables":
+        kwargs["rel_keys"] = table
+    else:
+        kwargs["is_causal"] = True
+    cu_k = x["cu_seqlens_k"]
+    if case == "seqused_k":  # regions of 2 and 4 keys, sequence 1 uses 2 of its 4
+        k, v = torch.cat([k, k[:2]]), torch.cat([v, v[:2]])
+        cu_k = torch.tensor([0, 2, 6])
+        kwargs["seqused_k"] = torch.tensor([2, 2])
+    keys = "uses 2 keys \\(seqused_k\\)" if case == "seqused_k" else "2 keys"
+    match = f"sequence 1 has 3 queries but {keys}: .*need L <= S in every sequence"
+    with pytest.raises(ValueError, match=match):
+        relative_attention_varlen(q, k, v, x["cu_seqlens_q"], cu_k, **kwargs)
+
+    def f(q, k, v, cu_q, cu_k):  # type: ignore[no-untyped-def]
+        return relative_attention_varlen(q, k, v, cu_q, cu_k, **kwargs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match=match):
+        compiled(q, k, v, x["cu_seqlens_q"], cu_k)
+    fits = _inputs([2, 2], [2, 3], D=4, Dv=4)  # the same graph serves a call that fits
+    if case != "seqused_k":
+        got = compiled(*(fits[n].detach() for n in ("query", "key", "value")),
+                       fits["cu_seqlens_q"], fits["cu_seqlens_k"])
+        assert got.shape == (4, 2, 4) and torch.isfinite(got).all()
+
+
+def test_the_fit_check_is_an_op_that_compiles() -> None:
+    if not NATIVE:
+        pytest.skip("the native kernels are not built here")
+    from relpos.ops.native import op
+
+    cu_q, cu_k = torch.tensor([0, 2, 5]), torch.tensor([0, 2, 6])
+    torch.library.opcheck(torch.ops.relpos.varlen_queries_fit.default, (cu_q, cu_k, None))
+    torch.library.opcheck(torch.ops.relpos.varlen_queries_fit.default,
+                          (cu_q, cu_k, torch.tensor([2, 3])))
+    assert torch.equal(op.varlen_queries_fit(cu_q, cu_k, None), cu_q)
+    with pytest.raises(ValueError, match=r"sequence 1 has 3 queries but uses 2 keys \(seqused_k"):
+        op.varlen_queries_fit(cu_q, cu_k, torch.tensor([2, 2]))

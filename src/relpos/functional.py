@@ -14,7 +14,7 @@ import inspect
 import math
 import numbers
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import ParamSpec, TypeVar
 
@@ -331,6 +331,14 @@ def _explain(call: AttentionCall) -> dict[str, str | None]:
         reasons["bucketed"] = None
     else:
         reasons = {name: _auto_reason(name, call) for name in BACKENDS}
+    return {name: None if reason is None else str(reason) for name, reason in reasons.items()}
+
+
+def _unsupported_reasons(call: AttentionCall, names: Iterable[str]) -> dict[str, str | None]:
+    """Why each backend of ``names`` cannot serve ``call`` when asked for by name (its
+    ``unsupported_reason``: hard limits only), or None. For callers that ask about calls they
+    build themselves (:mod:`relpos.varlen`'s padded groups of sequences)."""
+    reasons = {name: _MODULES[name].unsupported_reason(call) for name in names}
     return {name: None if reason is None else str(reason) for name, reason in reasons.items()}
 
 
