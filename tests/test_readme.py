@@ -265,15 +265,18 @@ def test_the_main_job_needs_only_its_extras(tmp_path):
 def test_the_test_command_says_what_it_is_doing_before_its_first_result():
     """The suite's controller says how long the suite takes and what it is doing while its
     workers start and collect, before the first result (tests/conftest.py)."""
+    import os
     import subprocess
     import sys
 
     from relpos._timings import TEST_SUITE_SECONDS, duration_text
 
+    # A session of its own, not a worker of this one (under pytest-xdist).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "1", "-p", "no:cacheprovider",
          "tests/test_positions.py::test_bad_clip_relative_position"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [x for x in done.stdout.splitlines() if x.strip()]
     assert lines[0] == (f"relpos tests: the whole suite takes "
