@@ -76,7 +76,8 @@ def _module_steps(model: RelativeTransformerLM, prompts: list[Tensor], n: int
     return torch.stack(out, 1).tolist()
 
 
-def run(repeats: int, warmup: int, new_tokens: int) -> tuple[list[str], dict[str, str]]:
+def run(repeats: int, warmup: int, new_tokens: int, threads: int | None = None
+        ) -> tuple[list[str], dict[str, str]]:
     clock = common.RunClock()
     torch.manual_seed(0)
     model = RelativeTransformerLM(ModelConfig(**CONFIG)).eval()  # type: ignore[arg-type]
@@ -109,7 +110,8 @@ def run(repeats: int, warmup: int, new_tokens: int) -> tuple[list[str], dict[str
         "date": common.report_date(),
         "command": "OMP_WAIT_POLICY=PASSIVE "
                    f"{common.script_command('relpos.bench.generate_packed')} "
-                   f"--repeats {repeats} --warmup {warmup} --new-tokens {new_tokens}",
+                   f"--repeats {repeats} --warmup {warmup} --new-tokens {new_tokens}"
+                   + ("" if threads is None else f" --threads {threads}"),
         **common.environment(torch.get_num_threads()),
         **clock.meta(),
     }
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a directory (generate_packed.md in it) or a .md file")
     args = parser.parse_args(argv)
     common.use_threads(args.threads)
-    table, meta = run(args.repeats, args.warmup, args.new_tokens)
+    table, meta = run(args.repeats, args.warmup, args.new_tokens, args.threads)
     out, name = args.out, "generate_packed.md"
     if out is not None and out.suffix == ".md":
         out, name = out.parent, out.name
