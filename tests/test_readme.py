@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -151,15 +149,6 @@ def test_the_readme_names_the_measurements_machines():
     assert "Intel Xeon" in EXPERIMENT["full"].machine and "nice -n 19" in _flat(README)
 
 
-# The build's message and ``relpos kernels --help`` live in files being reworked (issue 55,
-# item 5): until they read their times from relpos._timings, these say so; once they do,
-# strict xfail fails, and the marks go.
-_OWN_TIMES = ("the native build's message (BUILD_SECONDS in "
-              "src/relpos/ops/native/compiling.py) and relpos kernels --help "
-              "(src/relpos/cli/kernels.py) still state times of their own")
-
-
-@pytest.mark.xfail(strict=True, reason=_OWN_TIMES)
 def test_the_build_message_states_the_first_compile():
     from relpos._timings import FIRST_COMPILE_SECONDS
     from relpos.ops.native import compiling
@@ -167,7 +156,6 @@ def test_the_build_message_states_the_first_compile():
     assert compiling.BUILD_SECONDS == FIRST_COMPILE_SECONDS
 
 
-@pytest.mark.xfail(strict=True, reason=_OWN_TIMES)
 def test_relpos_kernels_help_states_the_measured_builds():
     import argparse
 

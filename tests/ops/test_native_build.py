@@ -516,6 +516,10 @@ def test_relpos_kernels_lists_the_prebuilt_variants(
     out = capsys.readouterr().out
     assert f"prebuilt:       {shipped}" in out and "the baseline build serves" in out, out
     assert "  baseline:       built" in out, out
+    # The first line says what serves this process, not the user cache's state alone.
+    first = out.splitlines()[0]
+    assert first == (f"native kernels: the prebuilt baseline variant serves (from "
+                     f"RELPOS_KERNELS_DIR {shipped})"), out
 
 
 @pytest.mark.parametrize(("argv", "fragment"), [

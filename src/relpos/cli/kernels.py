@@ -43,11 +43,15 @@ load is its library's access time (to within a day) or this user's own record of
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``relpos kernels``."""
+    from relpos._timings import FIRST_COMPILE_SECONDS, VARIANT_SECONDS, duration_text, range_text
+
     p.add_argument("--build", action="store_true",
-                   help="compile the kernels now if this machine has none (about a minute)")
+                   help="compile the kernels now if this machine has none "
+                        f"({duration_text(FIRST_COMPILE_SECONDS)} on 2 cores)")
     p.add_argument("--into", metavar="DIR",
                    help="with --build: compile portable variants into DIR, a directory of "
-                        "prebuilt kernels for RELPOS_KERNELS_DIR (about a minute each)")
+                        f"prebuilt kernels for RELPOS_KERNELS_DIR ({range_text(*VARIANT_SECONDS)}"
+                        " each on 2 cores)")
     p.add_argument("--variants", metavar="NAMES",
                    type=name_list(VARIANTS, "variant(s)", distinct=True),
                    help="with --into: the variants to build, comma-separated (default: all "
@@ -94,17 +98,23 @@ def run(args: argparse.Namespace) -> int:
     if args.prune is not None:
         _say_pruned(build.prune(unused_days=args.prune), "the cache")
     s = build.status()
+    serving = s.serving if s.prebuilt_root is not None else None
+    cache = "built" if s.built else (
+        f"damaged: {s.damaged}; not loaded (rebuilt on first use where the cache is writable, "
+        "or now with --build)" if s.damaged else
+        "not built yet (they compile on first use, or now with --build)")
     if not s.enabled:
-        state = "off (RELPOS_NATIVE=0)"
+        state = "off (RELPOS_NATIVE=0): the PyTorch backends serve"
+    elif serving is not None:
+        state = (f"the prebuilt {serving.variant} variant serves (from RELPOS_KERNELS_DIR "
+                 f"{s.prebuilt_root})")
     elif s.built:
-        state = "built"
-    elif s.damaged:
-        state = (f"damaged: {s.damaged}; not loaded (rebuilt on first use where the cache is "
-                 "writable, or now with --build)")
+        state = "built: the user cache's build serves"
     else:
-        state = "not built yet (they compile on first use, or now with --build)"
+        state = cache
     print(f"native kernels: {state}")
-    print(f"cache:          {s.directory}")
+    print(f"cache:          {s.directory}" + ("" if serving is None or not s.enabled
+                                               else f" ({cache})"))
     print(f"ISA:            {s.isa}")
     if s.vectors.startswith("none"):
         from relpos.ops.native import SCALAR_MAX_KEYS

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from relpos._io import atomic_write_text
+from relpos._timings import FIRST_COMPILE_SECONDS, duration_text
 from relpos.ops.native._builder import kill_session
 from relpos.ops.native.target import NATIVE, SOURCES, Target, library_path
 from relpos.ops.native.variants import runnable
@@ -40,8 +41,9 @@ from relpos.ops.native.verify import NOT_BUILT, check, checksum_path, trial_load
 
 __all__ = ["BUILD_SECONDS", "BuildError"]
 
-BUILD_SECONDS = 45
-"""About how long one build takes on 2 cores (said in the message printed while it builds)."""
+BUILD_SECONDS = FIRST_COMPILE_SECONDS
+"""About how long one build takes on 2 cores (said in the message printed while it builds;
+measured: :data:`relpos._timings.FIRST_COMPILE_SECONDS`)."""
 
 _BUILDER = Path(__file__).with_name("_builder.py")
 _BATON = "lock"  # torch.utils.file_baton.FileBaton's file in the build directory
@@ -146,7 +148,8 @@ def _build_locked(directory: Path, target: Target, *, quiet: bool, exclusive: bo
     _preflight()
     if not quiet:
         why = "" if problem == NOT_BUILT else f"; rebuilding: {problem}"
-        print(f"relpos: compiling {what} about {BUILD_SECONDS} s (into {directory}{why})",
+        print(f"relpos: compiling {what} {duration_text(BUILD_SECONDS)} on 2 cores "
+              f"(into {directory}{why})",
               file=sys.stderr, flush=True)
     start = time.perf_counter()
     _clean(directory, library)
