@@ -54,8 +54,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 #: Time limit of one bash block, in seconds (the slowest, the README's training block, takes
-#: about 45 s on 2 busy cores; a kernel source change makes the deployment page's kernels
-#: block compile the suite's baseline variant once, about 100 s).
+#: under a minute on 2 busy cores; a kernel source change makes the deployment page's kernels
+#: block compile the suite's baseline variant once, relpos._timings.VARIANT_SECONDS).
 BLOCK_TIMEOUT_S = 300
 
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")

@@ -16,8 +16,9 @@ options)::
     OMP_WAIT_POLICY=PASSIVE python benchmarks/kernel_variants.py --dir DIR --out benchmarks
 
 ``--dir`` defaults to ``build/kernel-variants``, where the variants are built first if absent
-(about a minute each); writes ``kernel_variants.md`` (``kernel_variants_bf16.md`` for
-bfloat16). ``--variants NAMES`` times only those variants of the directory.
+(1.5-2 minutes each on 2 cores: ``relpos._timings.VARIANT_SECONDS``); writes
+``kernel_variants.md`` (``kernel_variants_bf16.md`` for bfloat16). ``--variants NAMES`` times
+only those variants of the directory.
 
 ``--aten`` times each build twice, every GEMM not on the kernels' own vectors on MKL's
 ``sgemm_``/``dgemm_`` as libtorch exports them (``RELPOS_NATIVE_SGEMM=blas``: float32 too)
