@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: Layers, lowest first, and the folders of ``src/relpos`` in each ("" = the top-level modules).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("", "ops", "modules", "varlen")),
+    ("core", ("", "ops", "modules", "varlen", "cache")),
     ("lab", ("models", "training", "export", "integrations", "distributed")),
     ("bench", ("bench",)),
     ("cli", ("cli",)),
