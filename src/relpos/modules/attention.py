@@ -24,11 +24,10 @@ from relpos.modules._checks import (
     check_positive_int,
     nn_masks_to_relpos,
 )
-from relpos.versioning import RelativeStateError, check_state, describe_window, make_state
+from relpos.modules._state import check_saved_state, convert_old_projections
+from relpos.versioning import check_state, make_state
 
 __all__ = ["RelativeMultiheadAttention"]
-
-_OLD_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # relpos <= 0.1 names, converted on load
 
 
 class RelativeMultiheadAttention(nn.Module):
@@ -271,53 +270,12 @@ class RelativeMultiheadAttention(nn.Module):
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
         error_msgs,
     ) -> None:
-        self._convert_old_projections(state_dict, prefix)
-        # Check the window and the convention before any tensor is copied, naming the module.
-        where = prefix[:-1] or type(self).__name__
-        state_key = prefix + "_extra_state"
-        tables = [n for n in ("rel_keys", "rel_values") if prefix + n in state_dict]
-        if state_key in state_dict:
-            check_state(state_dict[state_key], max_distance=self.max_distance, where=where)
-        elif not tables and prefix + "out_proj.weight" in state_dict:
-            # A state without tables (nn.MultiheadAttention's): no relative meaning to check.
-            state_dict[state_key] = make_state(self.max_distance)
-        rows = sum(self.window) + 1
-        for name in tables:
-            saved = state_dict[prefix + name]
-            if (
-                getattr(self, name) is not None and isinstance(saved, Tensor)
-                and saved.dim() in (2, 3) and saved.shape[-2] != rows
-            ):
-                raise RelativeStateError(
-                    f"{prefix + name}: the saved table has {saved.shape[-2]} rows (shape "
-                    f"{tuple(saved.shape)}) but this module has "
-                    f"{describe_window(self.max_distance)}; to load it anyway use "
-                    f"relpos.load_state_dict_resized(module, state_dict)"
-                )
+        convert_old_projections(self, state_dict, prefix)
+        check_saved_state(self, state_dict, prefix)  # before any tensor is copied
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
             error_msgs,
         )
-
-    def _convert_old_projections(self, state_dict: dict[str, Any], prefix: str) -> None:
-        """relpos <= 0.1 saved ``q_proj``/``k_proj``/``v_proj`` linears: rename them to
-        nn.MultiheadAttention's ``in_proj_weight``/``in_proj_bias`` (or the separate
-        ``*_proj_weight`` when kdim/vdim differ) in place."""
-        weights = [state_dict.get(f"{prefix}{p}.weight") for p in _OLD_PROJECTIONS]
-        if not all(isinstance(w, Tensor) for w in weights):
-            return
-        for p in _OLD_PROJECTIONS:
-            del state_dict[f"{prefix}{p}.weight"]
-        if self._qkv_same_embed_dim and all(
-            w.shape == (self.embed_dim, self.embed_dim) for w in weights  # type: ignore[union-attr]
-        ):
-            state_dict.setdefault(prefix + "in_proj_weight", torch.cat(weights))  # type: ignore[arg-type]
-        else:
-            for p, w in zip(_OLD_PROJECTIONS, weights, strict=True):
-                state_dict.setdefault(f"{prefix}{p}_weight", w)
-        biases = [state_dict.pop(f"{prefix}{p}.bias", None) for p in _OLD_PROJECTIONS]
-        if all(isinstance(b, Tensor) for b in biases):
-            state_dict.setdefault(prefix + "in_proj_bias", torch.cat(biases))
 
     # ------------------------------------------------------------------ forward
     def _check_input(self, name: str, x: object, features: int) -> Tensor:
