@@ -166,3 +166,21 @@ def run_ranks(worker: str, world: int, *args: str, timeout_s: float = 240.0) -> 
     report = "\n".join(outputs)
     assert all(p.returncode == 0 for p in procs), report[-6000:]
     return report
+
+
+#: The language-model settings the decoding tests run every check on (float64, vocabulary 23):
+#: windows, each table alone, per-head tables, a window wider than every sequence, and the
+#: absolute positions.
+DECODING_CONFIGS: list[dict] = [
+    dict(max_distance=0),
+    dict(max_distance=1),
+    dict(max_distance=4),
+    dict(max_distance=(3, 1)),
+    dict(max_distance=(0, 5)),
+    dict(max_distance=4, relative_keys=False),
+    dict(max_distance=4, relative_values=False),
+    dict(max_distance=3, share_heads=False),
+    dict(max_distance=40),  # wider than every sequence here: the band is the whole cache
+    dict(positions="learned"),
+    dict(positions="sinusoidal"),
+]

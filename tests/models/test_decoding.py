@@ -8,25 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import DECODING_CONFIGS
 from relpos import KVCache
 from relpos.models import ModelConfig, RelativeTransformerLM
 from relpos.models.decoding import StepDecoder
 
 V = 23
 
-CONFIGS = [
-    dict(max_distance=0),
-    dict(max_distance=1),
-    dict(max_distance=4),
-    dict(max_distance=(3, 1)),
-    dict(max_distance=(0, 5)),
-    dict(max_distance=4, relative_keys=False),
-    dict(max_distance=4, relative_values=False),
-    dict(max_distance=3, share_heads=False),
-    dict(max_distance=40),  # wider than every sequence here: the band is the whole cache
-    dict(positions="learned"),
-    dict(positions="sinusoidal"),
-]
+CONFIGS = DECODING_CONFIGS
 
 
 def _lm(**kw: object) -> RelativeTransformerLM:

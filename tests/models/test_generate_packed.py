@@ -11,25 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import DECODING_CONFIGS
 from relpos import KVCache
 from relpos.models import ModelConfig, RelativeTransformerLM, generation
 
 V = 23
 
-CONFIGS: list[dict[str, Any]] = [
-    dict(max_distance=0),
-    dict(max_distance=1),
-    dict(max_distance=4),
-    dict(max_distance=(3, 1)),
-    dict(max_distance=(0, 5)),
-    dict(max_distance=4, relative_keys=False),
-    dict(max_distance=4, relative_values=False),
-    dict(max_distance=3, share_heads=False),
-    dict(max_distance=40),  # wider than every sequence here: the band is the whole cache
-    dict(positions="learned"),
-    dict(positions="sinusoidal"),
-    dict(positions="none"),
-]
+CONFIGS: list[dict[str, Any]] = [*DECODING_CONFIGS, dict(positions="none")]
 IDS = [",".join(f"{k}={v}" for k, v in kw.items()) for kw in CONFIGS]
 SAMPLING = [dict(top_k=1), dict(temperature=1.0), dict(top_k=5, top_p=0.9, temperature=0.7)]
 
@@ -47,16 +35,6 @@ def _lm(**kw: object) -> RelativeTransformerLM:
 def _prompts(lengths: list[int], seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, V, (n,), generator=g) for n in lengths]
-
-
-def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = p
-        mask[i, P - len(p):] = True
-    return ids, mask
 
 
 def _cut(tokens: list[int], stop: set[int]) -> list[int]:
@@ -122,7 +100,7 @@ def test_different_lengths_sample_what_generate_samples_left_padded(kw: dict,
     generator gives the same tokens, end tokens or not."""
     model = _lm(**kw)
     prompts = _prompts([5, 1, 11, 3, 8], seed=3)
-    ids, mask = _left_padded(prompts)
+    ids, mask = generation.left_pad(prompts)
     want = model.generate(ids, 16, key_mask=mask, new_tokens_only=True, **_seeded(sampling))
     got = model.generate_packed(prompts, 16, **_seeded(sampling))
     assert [t.tolist() for t in got] == want.tolist()

@@ -31,21 +31,11 @@ from torch import Tensor
 
 from relpos.bench import common
 from relpos.models import ModelConfig, RelativeTransformerLM
+from relpos.models.generation import left_pad
 
 VOCAB = 1000
 CONFIG = dict(vocab_size=VOCAB, d_model=256, num_heads=4, num_layers=4, max_distance=16)
 CASES = {"equal": [64] * 8, "mixed": [8, 40, 72, 104, 136, 168, 200, 256]}
-
-
-def _padded(prompts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
-    """The prompts left-padded to the longest, and their key mask (None when no padding)."""
-    P = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):] = p
-        mask[i, P - len(p):] = True
-    return ids, None if bool(mask.all()) else mask
 
 
 def _generate(model: RelativeTransformerLM, ids: Tensor, mask: Tensor | None, n: int
@@ -85,7 +75,7 @@ def run(repeats: int, warmup: int, new_tokens: int, threads: int | None = None
     for case, lengths in CASES.items():
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
-        ids, mask = _padded(prompts)
+        ids, mask = left_pad(prompts)
         fns: dict[str, Callable[[], list[list[int]]]] = {
             "generate": functools.partial(_generate, model, ids, mask, new_tokens),
             "generate_packed": functools.partial(_generate_packed, model, prompts, new_tokens),

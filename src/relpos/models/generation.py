@@ -31,13 +31,31 @@ from relpos.cache import KVCache, PackedKVCache
 from relpos.models.decoding import StepDecoder
 
 __all__ = ["check_generation_memory", "check_max_new_tokens", "check_sampling", "check_tokens",
-           "compacted", "packed_steps", "padded_from_packed", "sample"]
+           "compacted", "left_pad", "packed_steps", "padded_from_packed", "sample"]
 
 Sampling = tuple[float, int | None, float | None, torch.Generator | None]
 
 #: The fewest step calls left for which dropping finished rows from the step cache pays (the
 #: copy costs a few steps' reading of the cache).
 COMPACT_MIN_STEPS = 4
+
+
+def left_pad(prompts: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """``(N, P)`` token ids of the prompts left-padded (with 0) to the longest, ``P``, and the
+    key mask ``generate`` takes for them (True = real token; None when no prompt is padded).
+
+    Example:
+        >>> ids, mask = left_pad([torch.tensor([5, 6]), torch.tensor([7])])
+        >>> ids.tolist(), mask.tolist()
+        ([[5, 6], [0, 7]], [[True, True], [False, True]])
+    """
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), P, dtype=torch.long, device=prompts[0].device)
+    mask = torch.zeros(len(prompts), P, dtype=torch.bool, device=prompts[0].device)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = p
+        mask[i, P - len(p):] = True
+    return ids, None if bool(mask.all()) else mask
 
 
 def check_max_new_tokens(max_new_tokens: object) -> int:
