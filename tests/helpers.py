@@ -184,3 +184,18 @@ DECODING_CONFIGS: list[dict] = [
     dict(positions="learned"),
     dict(positions="sinusoidal"),
 ]
+
+
+def random_lm(**kw: object):
+    """A float64 ``RelativeTransformerLM`` in eval mode (vocabulary 23, d_model 24, 3 heads, 2
+    layers; ``kw`` as ``ModelConfig`` takes them) whose tables and biases are moved away from
+    their zero init, so that they matter."""
+    from relpos.models import ModelConfig, RelativeTransformerLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=23, d_model=24, num_heads=3, num_layers=2, **kw)  # type: ignore[arg-type]
+    model = RelativeTransformerLM(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model

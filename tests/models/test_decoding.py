@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import DECODING_CONFIGS
+from helpers import DECODING_CONFIGS, random_lm
 from relpos import KVCache
 from relpos.models import ModelConfig, RelativeTransformerLM
 from relpos.models.decoding import StepDecoder
@@ -19,13 +19,7 @@ CONFIGS = DECODING_CONFIGS
 
 
 def _lm(**kw: object) -> RelativeTransformerLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=24, num_heads=3, num_layers=2, **kw)  # type: ignore[arg-type]
-    model = RelativeTransformerLM(cfg).double().eval()
-    with torch.no_grad():  # tables and biases away from their zero init, so they matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model
+    return random_lm(**kw)
 
 
 @pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))

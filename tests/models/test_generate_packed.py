@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import DECODING_CONFIGS
+from helpers import DECODING_CONFIGS, random_lm
 from relpos import KVCache
 from relpos.models import ModelConfig, RelativeTransformerLM, generation
 
@@ -23,13 +23,7 @@ SAMPLING = [dict(top_k=1), dict(temperature=1.0), dict(top_k=5, top_p=0.9, tempe
 
 
 def _lm(**kw: object) -> RelativeTransformerLM:
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=V, d_model=24, num_heads=3, num_layers=2, **kw)  # type: ignore[arg-type]
-    model = RelativeTransformerLM(cfg).double().eval()
-    with torch.no_grad():  # tables and biases away from their zero init, so they matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model
+    return random_lm(**kw)
 
 
 def _prompts(lengths: list[int], seed: int = 1) -> list[torch.Tensor]:
