@@ -214,11 +214,15 @@ def test_short_sequences_share_a_few_padded_calls(no_native: None,
     packed, compact = _problem(lq, lk, spare=[rng.randint(0, 2) for _ in lk])
     tables = _tables((3, 1), 4, 3, "both", True)
     kwargs = dict(max_distance=(3, 1), is_causal=True, **tables)
-    for implementation in (None, "bucketed", "reference", "decode"):
+    ref = _definition(compact, lq, lk, **kwargs)
+    for implementation in ("bucketed", "reference", "decode", None):
         shapes.clear()
         out = relative_attention_varlen(**packed, **kwargs, implementation=implementation)
         assert 1 <= len(shapes) <= 8, (implementation, len(shapes))  # not 256 calls
-        _check_equal(out, _definition(compact, lq, lk, **kwargs), packed, compact, tables)
+        if implementation is None:  # and the gradients
+            _check_equal(out, ref, packed, compact, tables)
+        else:
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
 def test_long_sequences_run_alone_or_beside_their_equals(no_native: None,
@@ -234,6 +238,38 @@ def test_long_sequences_run_alone_or_beside_their_equals(no_native: None,
     out = relative_attention_varlen(**packed, **kwargs, implementation="fused")
     assert sorted(s[0] for s in shapes) == [1, 1, 2, 3], shapes
     _check_equal(out, _definition(compact, lq, lk, **kwargs), packed, compact, tables)
+
+
+def _readers(out: torch.Tensor, leaf: torch.Tensor) -> int:
+    """How many nodes of ``out``'s autograd graph read ``leaf`` directly (each builds a
+    gradient of ``leaf``'s full size in the backward)."""
+    seen, stack, readers = set(), [out.grad_fn], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None and getattr(child, "variable", None) is leaf:
+                readers += 1
+            stack.append(child)
+    return readers
+
+
+def test_many_sequences_read_each_input_once_in_the_backward(
+        no_native: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One slice per sequence would give every sequence's backward a gradient of the packed
+    # tensors' full size (seconds for a few hundred sequences over large caches).
+    monkeypatch.setattr(selection, "GATHER_MOST", 0)  # every sequence alone or beside equals
+    lk = [random.Random(3).randint(1, 9) + s % 5 for s in range(120)]
+    lq = [min(S, 1 + s % 3) for s, S in enumerate(lk)]
+    packed, compact = _problem(lq, lk, D=4, Dv=4, spare=[s % 2 for s in range(120)])
+    table = _tables((2, 2), 4, 4, "both", False)
+    out = relative_attention_varlen(**packed, max_distance=2, is_causal=True, **table)
+    for name in ("query", "key", "value"):
+        assert _readers(out, packed[name]) == 1, name
+    _check_equal(out, _definition(compact, lq, lk, max_distance=2, is_causal=True, **table),
+                 packed, compact, table)
 
 
 def test_a_backend_without_key_masks_runs_sequences_alone_and_warns_once(

@@ -112,57 +112,116 @@ def _parts(call: VarlenCall, group: Group, backend: str) -> tuple[list[Group], s
             for s in group.members], reason
 
 
-def _at_the_end(x: Tensor, first: list[int], count: list[int], P: int
-                ) -> tuple[Tensor, Tensor | None]:
+def _block(first: list[int], count: list[int], ends: list[int], P: int
+           ) -> tuple[int, int] | None:
+    """``(start, step)`` where the rows of n side-by-side sequences (``count[i]`` rows from row
+    ``first[i]``, in a region ending at row ``ends[i]``) can be a view: each fills its ``P``
+    rows, and the regions are evenly spaced, ``step >= P`` rows apart, so that rows
+    ``[start, start + n * step)`` seen as ``(n, step)`` hold them; else None."""
+    if any(c != P for c in count):
+        return None
+    step = ends[0] - first[0]
+    if any(e - f != step for f, e in zip(first, ends, strict=True)) or any(
+            b != e for b, e in zip(first[1:], ends, strict=False)):
+        return None
+    return first[0], step
+
+
+def _gathered(x: Tensor, first: list[int], count: list[int], P: int) -> tuple[Tensor, Tensor]:
     """Rows of n sequences, ``count[i]`` rows of ``x (T, H, E)`` from row ``first[i]``, each
-    at the end of ``P`` padded rows: ``(n, H, P, E)`` (zeros in front; a view of ``x`` where
-    the sequences fill their rows and lie evenly spaced), and the ``(n, P)`` bool mask of the
-    real rows (None: every row is real)."""
+    copied to the end of its ``P`` padded rows: ``(n, P, H, E)`` with zeros in front (never
+    another sequence's values), and the ``(n, P)`` bool mask of the real rows."""
     n, (_, H, E) = len(first), x.shape
-    step = first[1] - first[0] if n > 1 else P
-    if (all(c == P for c in count) and step >= P and first[0] + n * step <= x.shape[0]
-            and all(b - a == step for a, b in itertools.pairwise(first))):
-        padded = x.narrow(0, first[0], n * step).reshape(n, step, H, E)[:, :P]
-        return padded.transpose(1, 2), None
     starts, counts = torch.tensor(first), torch.tensor(count)
     front = (P - counts)[:, None]  # (n, 1): padded rows before the sequence's
     rows = torch.arange(P)[None, :]
     real = rows >= front  # (n, P)
     index = torch.where(real, starts[:, None] + rows - front, 0).flatten()
     padded = x.index_select(0, index.to(x.device))
-    # zeros in front, never another sequence's values
     padded = padded.index_fill_(0, (~real).flatten().nonzero().squeeze(1).to(x.device), 0)
-    return padded.view(n, P, H, E).transpose(1, 2), real
+    return padded.view(n, P, H, E), real
 
 
-def _query_rows(first: list[int], count: list[int]) -> Tensor:
-    """The packed rows of the sequences' queries, in order (int64, CPU)."""
-    if all(b - a == c for a, b, c in zip(first, first[1:], count, strict=False)):
-        return torch.arange(first[0], first[-1] + count[-1])  # side by side
-    return torch.cat([torch.arange(f, f + c) for f, c in zip(first, count, strict=True)])
+class _Layout:
+    """Where one padded call's queries, keys and values come from: blocks of the packed
+    tensors seen as ``(n, step)`` rows (views, cut by one split for every call), or gathered
+    rows."""
+
+    def __init__(self, call: VarlenCall, group: Group) -> None:
+        assert call.lengths_q is not None and call.lengths_k is not None
+        members = group.members
+        regions = call.lengths_k if call.regions_k is None else call.regions_k
+        self.group = group
+        self.q0 = [call.starts[0][s] for s in members]
+        self.k0 = [call.starts[1][s] for s in members]
+        self.L = [call.lengths_q[s] for s in members]
+        self.S = [call.lengths_k[s] for s in members]
+        side_by_side = all(b == a + 1 for a, b in itertools.pairwise(members))
+        q_ends = [f + n for f, n in zip(self.q0, self.L, strict=True)]
+        k_ends = [f + regions[s] for f, s in zip(self.k0, members, strict=True)]
+        if len(members) == 1:  # one sequence: the keys it uses
+            k_ends = [self.k0[0] + self.S[0]]
+        self.q_block = _block(self.q0, self.L, q_ends, group.queries) if side_by_side else None
+        self.k_block = _block(self.k0, self.S, k_ends, group.keys) if side_by_side else None
+
+    def query_rows(self) -> Tensor:
+        """The packed rows of the group's queries, in order (int64, CPU)."""
+        if self.q_block is not None:
+            return torch.arange(self.q0[0], self.q0[-1] + self.L[-1])
+        return torch.cat([torch.arange(f, f + c) for f, c in zip(self.q0, self.L, strict=True)])
 
 
-def _run_group(call: VarlenCall, group: Group, backend: str) -> tuple[Tensor, Tensor]:
-    """``group``'s padded call: the packed query rows it computes (int64, CPU) and their
-    outputs ``(rows, H, Dv)``."""
-    assert call.lengths_q is not None and call.lengths_k is not None
-    members = group.members
-    H, Dv = call.query.shape[1], call.value.shape[2]
-    q0 = [call.starts[0][s] for s in members]
-    k0 = [call.starts[1][s] for s in members]
-    L = [call.lengths_q[s] for s in members]
-    S = [call.lengths_k[s] for s in members]
-    q, real_q = _at_the_end(call.query, q0, L, group.queries)
-    k, real_k = _at_the_end(call.key, k0, S, group.keys)
-    v = _at_the_end(call.value, k0, S, group.keys)[0]
+def _pieces(x: Tensor, blocks: dict[int, tuple[int, int]]) -> dict[int, Tensor]:
+    """``x``'s row ranges ``{key: (start, length)}`` (disjoint) as views from one split, so
+    that the backward assembles ``x``'s gradient once, not once a range."""
+    if not blocks:
+        return {}
+    sizes: list[int] = []
+    keys: list[int | None] = []
+    at = 0
+    for key, (start, length) in sorted(blocks.items(), key=lambda kv: kv[1][0]):
+        assert start >= at, "overlapping blocks"
+        if start > at:
+            sizes.append(start - at)
+            keys.append(None)
+        sizes.append(length)
+        keys.append(key)
+        at = start + length
+    if at < x.shape[0]:
+        sizes.append(x.shape[0] - at)
+        keys.append(None)
+    return {key: piece for key, piece in zip(keys, torch.split(x, sizes), strict=True)
+            if key is not None}
+
+
+def _run_group(call: VarlenCall, layout: _Layout, backend: str,
+               pieces: tuple[Tensor | None, Tensor | None, Tensor | None]) -> Tensor:
+    """The group's padded call; the outputs ``(rows, H, Dv)`` of its queries, in the order of
+    :meth:`_Layout.query_rows`. ``pieces``: its query and key blocks, where views."""
+    group = layout.group
+    n, H, Dv = len(group.members), call.query.shape[1], call.value.shape[2]
+    real_q = real_k = None
+    q_piece, k_piece, v_piece = pieces
+    if q_piece is not None:
+        q = q_piece.view(n, group.queries, H, -1)
+    else:
+        q, real_q = _gathered(call.query, layout.q0, layout.L, group.queries)
+    if k_piece is not None and v_piece is not None and layout.k_block is not None:
+        step = layout.k_block[1]
+        k = k_piece.view(n, step, H, -1)[:, :group.keys]
+        v = v_piece.view(n, step, H, -1)[:, :group.keys]
+    else:
+        k, real_k = _gathered(call.key, layout.k0, layout.S, group.keys)
+        v = _gathered(call.value, layout.k0, layout.S, group.keys)[0]
     key_mask = None if real_k is None else real_k.to(call.query.device)
-    out = relative_attention(q, k, v, **call.padded_kwargs(),  # type: ignore[arg-type]
+    out = relative_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             **call.padded_kwargs(),  # type: ignore[arg-type]
                              key_mask=key_mask, implementation=backend)  # type: ignore[arg-type]
     out = out.transpose(1, 2).reshape(-1, H, Dv)  # (n * Lp, H, Dv)
     if real_q is not None:
         kept = real_q.flatten().nonzero().squeeze(1)
         out = out.index_select(0, kept.to(out.device))
-    return _query_rows(q0, L), out
+    return out
 
 
 def _warn_slow(call: VarlenCall, backend: str, alone: int, reason: str) -> None:
@@ -184,19 +243,25 @@ def grouped(call: VarlenCall, backend: str, groups: tuple[Group, ...]) -> Tensor
     if not groups:
         return zeros(call)
     Tq, H, _ = call.query.shape
-    destinations, outputs = [], []
+    layouts: list[_Layout] = []
     alone, why = 0, ""
     for group in groups:
         parts, reason = _parts(call, group, backend)
         if reason is not None:
             alone, why = alone + len(parts), reason
-        for part in parts:
-            dest, rows = _run_group(call, part, backend)
-            destinations.append(dest)
-            outputs.append(rows)
+        layouts += [_Layout(call, part) for part in parts]
     if alone > MANY_CALLS:
         _warn_slow(call, backend, alone, why)
-    dest = torch.cat(destinations)
+    q_blocks = {i: (b[0], len(lay.group.members) * b[1])
+                for i, lay in enumerate(layouts) if (b := lay.q_block) is not None}
+    k_blocks = {i: (b[0], len(lay.group.members) * b[1])
+                for i, lay in enumerate(layouts) if (b := lay.k_block) is not None}
+    q_pieces = _pieces(call.query, q_blocks)
+    k_pieces, v_pieces = _pieces(call.key, k_blocks), _pieces(call.value, k_blocks)
+    outputs = [_run_group(call, lay, backend, (q_pieces.get(i), k_pieces.get(i),
+                                               v_pieces.get(i)))
+               for i, lay in enumerate(layouts)]
+    dest = torch.cat([lay.query_rows() for lay in layouts])
     rows = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
     if dest.shape[0] == Tq and bool((dest == torch.arange(Tq)).all()):
         return rows  # every query, in order: no scatter
