@@ -11,7 +11,8 @@ queries are computed and dropped (their gradient is zero, so they add nothing to
 gradients of the keys, values and tables). One call per group instead of one per sequence:
 a batch of short sequences costs about one padded call, not N calls. Where the sequences of a
 group fill their rows and lie evenly spaced (equal lengths, or one sequence) the padded
-tensors are views of the packed ones; else they are gathered, which is why a sequence too
+tensors are views of the packed ones, all cut by one split (so the backward builds each
+input's gradient once, not once a group); else they are gathered, which is why a sequence too
 long to be worth copying (:data:`~relpos.varlen.selection.GATHER_MOST`) runs alone or beside
 its equals.
 
