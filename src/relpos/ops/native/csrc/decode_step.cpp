@@ -17,14 +17,7 @@
 #include <optional>
 #include <vector>
 
-namespace relpos_native {  // relpos_native.cpp
-void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
-                          const int64_t k_s[3], const float* v, const int64_t v_s[3],
-                          const bool* key_mask, int64_t B, int64_t H, int64_t S, int64_t D,
-                          int64_t Dv, float scale, float* out, const int64_t o_s[2]);
-void panel_linear_f32(const float* x, int64_t M, int64_t K, const float* panels, int64_t NP,
-                      const float* bias, int64_t N, float* y);
-}  // namespace relpos_native
+#include "decode.h"  // the kernels it calls: decode_attention_f32, panel_linear_f32
 
 namespace relpos_decode {
 
@@ -82,7 +75,7 @@ Tensor decode_attention(const Tensor& query, const Tensor& key, const Tensor& va
 // holds, for k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k] (zeros past N), so a panel is
 // one contiguous stream; each row of x broadcasts x[r, k] against it into 16 accumulators.
 
-constexpr int64_t kPanel = 16;  // relpos_native.cpp's kPanel
+using relpos_native::kPanel;  // decode.h
 
 // (ceil(N / 16), K, 16) panels of a float32 weight (N, K).
 Tensor pack_panels(const Tensor& weight) {
