@@ -90,9 +90,7 @@ def _cases() -> Iterator[tuple[str, Callable[[], dict[str, object]]]]:
                 implementation="native", **kw)
             grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
             grads = torch.autograd.grad(out, leaves, grad)
-            names = [n for n, t in zip(("q", "k", "v", "ak", "av"), (q, k, v, ak, av))
-                     if t is not None]
-            return {"out": out.detach(), **{"d" + n: g for n, g in zip(names, grads)}}
+            return {"out": out.detach(), **_gradients(q, k, v, ak, av, grads)}
         return run
 
     def varlen(dtype: torch.dtype, lengths_q: list[int], lengths_k: list[int], *,
@@ -125,9 +123,7 @@ def _cases() -> Iterator[tuple[str, Callable[[], dict[str, object]]]]:
                 implementation="native")
             grad = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
             grads = torch.autograd.grad(out, leaves, grad)
-            names = [n for n, t in zip(("q", "k", "v", "ak", "av"), (q, k, v, ak, av))
-                     if t is not None]
-            return {"out": out.detach(), **{"d" + n: g for n, g in zip(names, grads)}}
+            return {"out": out.detach(), **_gradients(q, k, v, ak, av, grads)}
         return run
 
     f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
@@ -234,6 +230,13 @@ def _cases() -> Iterator[tuple[str, Callable[[], dict[str, object]]]]:
 
     yield "decode/packed_linears", decode(True)
     yield "decode/f_linear", decode(False)
+
+
+def _gradients(q: object, k: object, v: object, ak: object, av: object,
+               grads: tuple[object, ...]) -> dict[str, object]:
+    """{"dq": ..., "dk": ...}: the gradients of the leaves given (the tables may be None)."""
+    names = [n for n, t in (("q", q), ("k", k), ("v", v), ("ak", ak), ("av", av)) if t is not None]
+    return {"d" + n: g for n, g in zip(names, grads, strict=True)}
 
 
 def _with_env(env: dict[str, str], run: Callable[[], dict[str, object]]
