@@ -172,10 +172,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
       const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
       backward_impl<float, scalar_t>(
           g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
-          static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
-          dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-          ak ? dak_part.data_ptr<float>() : nullptr, av ? dav_part.data_ptr<float>() : nullptr,
-          gemms);
+          static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+          dv.data_ptr<scalar_t>(), ak ? dak_part.data_ptr<float>() : nullptr,
+          av ? dav_part.data_ptr<float>() : nullptr, gemms);
       if (ak) dak = reduce_table_gradient<float>(dak_part, g.Hr_k);
       if (av) dav = reduce_table_gradient<float>(dav_part, g.Hr_v);
     });
@@ -187,8 +186,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
     backward_impl<scalar_t>(g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(),
                             ls.data_ptr<scalar_t>(), static_cast<scalar_t>(options.scale), drop,
                             dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                            dv.data_ptr<scalar_t>(),
-                            ak ? dak_part.data_ptr<scalar_t>() : nullptr,
+                            dv.data_ptr<scalar_t>(), ak ? dak_part.data_ptr<scalar_t>() : nullptr,
                             av ? dav_part.data_ptr<scalar_t>() : nullptr);
     if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, g.Hr_k);
     if (av) dav = reduce_table_gradient<scalar_t>(dav_part, g.Hr_v);
@@ -202,8 +200,8 @@ static void keep_row(const Dropout& drop, int64_t row, int64_t S, bool* keep) {
   uint32_t k1 = 0, k2 = 0;
   if (drop.on) drop.row_keys(row, k1, k2);
   for (int64_t j = 0; j < S; ++j)
-    keep[j] = !drop.on || Dropout::keep(static_cast<uint32_t>(drop.key_offset + j), k1, k2,
-                                        drop.threshold);
+    keep[j] = !drop.on ||
+              Dropout::keep(static_cast<uint32_t>(drop.key_offset + j), k1, k2, drop.threshold);
 }
 
 // Returns the keep mask (B, H, L, S) of a padded call.
@@ -250,11 +248,10 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
       const HalfGemms gemms = for_query_blocks(half_gemms_now<scalar_t>(), vc.BQ);
       const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
-      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
-                                            low_tables);
+      const auto in =
+          half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low, low_tables);
       forward_varlen_impl<float, scalar_t>(vc, in, static_cast<float>(options.scale), drop,
-                                           out.data_ptr<scalar_t>(), lse.data_ptr<float>(),
-                                           gemms);
+                                           out.data_ptr<scalar_t>(), lse.data_ptr<float>(), gemms);
     });
     return {out.transpose(0, 1).contiguous(), lse};
   }
@@ -270,9 +267,9 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
 // empty for absent tables) of a varlen call: grad_out and out (Tq, H, Dv), lse (H, Tq), the
 // rest as forward_varlen takes them (dk and dv are 0 in the rows past seqused_k). Layout
 // inside as in forward_varlen.
-std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
-                                    const Tensor& key, const Tensor& value,
-                                    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query, const Tensor& key,
+                                    const Tensor& value, const Tensor& cu_seqlens_q,
+                                    const Tensor& cu_seqlens_k,
                                     const c10::optional<Tensor>& seqused_k,
                                     const c10::optional<Tensor>& rel_keys,
                                     const c10::optional<Tensor>& rel_values,
@@ -288,8 +285,8 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
     TORCH_CHECK(t->dim() == 3 && t->size(0) == Tq && t->size(1) == H && t->size(2) == vc.Dv,
                 "grad_out and out must be (Tq, H, Dv) = (", Tq, ", ", H, ", ", vc.Dv, "), got ",
                 t->sizes());
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == H && lse.size(1) == Tq, "lse must be (H, Tq) = (",
-              H, ", ", Tq, "), got ", lse.sizes());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == H && lse.size(1) == Tq, "lse must be (H, Tq) = (", H,
+              ", ", Tq, "), got ", lse.sizes());
   auto q = query.transpose(0, 1).contiguous(), k = key.transpose(0, 1).contiguous(),
        v = value.transpose(0, 1).contiguous();
   auto go = grad_out.transpose(0, 1).contiguous(), o = out.transpose(0, 1).contiguous();
@@ -317,14 +314,13 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
       const HalfGemms gemms = for_query_blocks(half_gemms_now<scalar_t>(), vc.BQ);
       const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
-      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low,
-                                            low_tables);
+      const auto in =
+          half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low, low_tables);
       backward_varlen_impl<float, scalar_t>(
           vc, groups, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
-          static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(),
-          dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
-          ak ? dak_part.data_ptr<float>() : nullptr, av ? dav_part.data_ptr<float>() : nullptr,
-          gemms);
+          static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+          dv.data_ptr<scalar_t>(), ak ? dak_part.data_ptr<float>() : nullptr,
+          av ? dav_part.data_ptr<float>() : nullptr, gemms);
       if (ak) dak = reduce_table_gradient<float>(dak_part, ak->size(0));
       if (av) dav = reduce_table_gradient<float>(dav_part, av->size(0));
     });
@@ -333,13 +329,11 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen", [&] {
     auto in = inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt);
     if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
-    backward_varlen_impl<scalar_t>(vc, groups, in, go.data_ptr<scalar_t>(),
-                                   o.data_ptr<scalar_t>(), ls.data_ptr<scalar_t>(),
-                                   static_cast<scalar_t>(options.scale), drop,
-                                   dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                                   dv.data_ptr<scalar_t>(),
-                                   ak ? dak_part.data_ptr<scalar_t>() : nullptr,
-                                   av ? dav_part.data_ptr<scalar_t>() : nullptr);
+    backward_varlen_impl<scalar_t>(
+        vc, groups, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<scalar_t>(),
+        static_cast<scalar_t>(options.scale), drop, dq.data_ptr<scalar_t>(),
+        dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+        ak ? dak_part.data_ptr<scalar_t>() : nullptr, av ? dav_part.data_ptr<scalar_t>() : nullptr);
     if (ak) dak = reduce_table_gradient<scalar_t>(dak_part, ak->size(0));
     if (av) dav = reduce_table_gradient<scalar_t>(dav_part, av->size(0));
   });

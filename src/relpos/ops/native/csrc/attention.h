@@ -19,9 +19,9 @@ using at::Tensor;
 struct AttentionOptions {
   int64_t left = 0, right = 0;  // offsets clipped to [-left, +right]; table row r + left
   bool is_causal = false;
-  double scale = 1.0;           // multiplies q . k and q . aK alike
-  int64_t query_start = 0;      // position of query 0 (bottom-right alignment: S - L)
-  double dropout_p = 0.0;       // attention dropout; its stream is the `seed` tensor
+  double scale = 1.0;       // multiplies q . k and q . aK alike
+  int64_t query_start = 0;  // position of query 0 (bottom-right alignment: S - L)
+  double dropout_p = 0.0;   // attention dropout; its stream is the `seed` tensor
 };
 
 // Returns out (B, H, L, Dv) and the logsumexp (B, H, L) (+inf where a row sees no key).
@@ -56,9 +56,9 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
 
 // Returns dq (Tq, H, D), dk (Tk, H, D), dv (Tk, H, Dv), d rel_keys, d rel_values of a varlen
 // call.
-std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
-                                    const Tensor& key, const Tensor& value,
-                                    const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query, const Tensor& key,
+                                    const Tensor& value, const Tensor& cu_seqlens_q,
+                                    const Tensor& cu_seqlens_k,
                                     const c10::optional<Tensor>& seqused_k,
                                     const c10::optional<Tensor>& rel_keys,
                                     const c10::optional<Tensor>& rel_values,

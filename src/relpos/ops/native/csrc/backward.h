@@ -40,7 +40,7 @@ struct BackwardBlock {
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
   TileGemm tiles = kNoTiles;     // ... on packed tiles (bfloat16, AMX or VDPBF16PS):
   AmxBuffer q_rows, do_rows, q_pairs, do_pairs;  // per query block (Q times a power-of-two
-  bool q_scaled = false;                          // scale in q_rows and q_pairs: q_scaled)
+  bool q_scaled = false;                         // scale in q_rows and q_pairs: q_scaled)
   AmxOperand ak_op, av_op;  // aK, aV transposed (kept while the same rows come back)
   AmxOperand k_pairs;       // K_J as pairs where cut short
   AmxHeadTiles k_head_t, v_head_t, k_head_pairs;  // a head's K_J, V_J transposed and K_J as
@@ -51,8 +51,8 @@ struct BackwardBlock {
                 bool dropout, int64_t Dv = 0, int64_t BK = 0, int64_t S_max = 0,
                 bool low_gemms = false, TileGemm tile_gemms = kNoTiles)
       : scores(tile), dp(tile), p_dropped(dropout ? tile : 0), qa(keys ? BQ * R : 0),
-        doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0),
-        dq_acc(BQ * D), delta(BQ) {
+        doa(values ? BQ * R : 0), pb(values ? BQ * R : 0), dsb(keys ? BQ * R : 0), dq_acc(BQ * D),
+        delta(BQ) {
     if constexpr (!std::is_same_v<T, I>) {
       q_wide.resize(BQ * D);
       do_wide.resize(BQ * Dv);
@@ -110,8 +110,8 @@ static inline void backward_pack_block(BackwardBlock<T, I>& w, int64_t nq, int64
 // while in cache: dS as rows, and where r1 ends a 32-row k-block (or the block), that k-block
 // of P^T and dS^T.
 template <typename T, typename I>
-static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
-                                      const T* pd, int64_t r0, int64_t r1) {
+static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_t nk, const T* pd,
+                                      int64_t r0, int64_t r1) {
 #ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     for (int64_t r = r0; r < r1; ++r) amx_pack_row(w.dp.data() + r * nk, nk, r, w.ds_rows.p);
@@ -128,9 +128,9 @@ static inline void backward_pack_rows(BackwardBlock<T, I>& w, int64_t nq, int64_
 // cache; else packed unless held).
 template <typename T, typename I>
 static inline void backward_tile_gradients_packed(BackwardBlock<T, I>& w, int64_t nq, int64_t nk,
-                                               int64_t D, int64_t Dv, T scale, const I* k_tile,
-                                               T* dv_tile, T* dk_tile,
-                                               const uint16_t* k_packed = nullptr) {
+                                                  int64_t D, int64_t Dv, T scale, const I* k_tile,
+                                                  T* dv_tile, T* dk_tile,
+                                                  const uint16_t* k_packed = nullptr) {
 #ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const int64_t kq = amx_kblocks(nq);
@@ -185,8 +185,7 @@ static RELPOS_INLINE T far_segment_ds(const T* p, T* dp, int64_t n, T far_delta)
 // far segments' dS sums (the band's are added entry by entry in the bucket update).
 template <typename T>
 static RELPOS_INLINE SegmentSums<T> ds_row(const T* s, T* dp, const RowSegments& seg,
-                                           const T* doa_row, FarConstants<T> doa_far,
-                                           T row_delta) {
+                                           const T* doa_row, FarConstants<T> doa_far, T row_delta) {
   SegmentSums<T> ds;
   ds.left = far_segment_ds<T>(s, dp, seg.n_left, row_delta - doa_far.left);
   const T* band_p = s + seg.n_left;
@@ -206,8 +205,8 @@ static RELPOS_INLINE SegmentSums<T> ds_row(const T* s, T* dp, const RowSegments&
 template <typename T>
 static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_t nk,
                                          const RowSegments& seg, const T* doa_row,
-                                         FarConstants<T> doa_far, T row_delta,
-                                         const Dropout& drop, int64_t row, T inv_keep) {
+                                         FarConstants<T> doa_far, T row_delta, const Dropout& drop,
+                                         int64_t row, T inv_keep) {
   const int64_t nl = seg.n_left, nb = seg.n_band, nr = seg.n_right, nv = seg.n_visible;
   if (doa_row != nullptr) {
     T* band_dp = dp + nl;
@@ -222,7 +221,9 @@ static RELPOS_INLINE void ds_row_dropout(const T* s, T* dp, T* p_dropped, int64_
   const int64_t j0 = seg.j0;
 #pragma omp simd
   for (int64_t j = 0; j < nv; ++j) {
-    const T w = Dropout::keep(static_cast<uint32_t>(drop.key_offset + j0 + j), k1, k2, th) ? inv_keep : T(0);
+    const T w = Dropout::keep(static_cast<uint32_t>(drop.key_offset + j0 + j), k1, k2, th)
+                    ? inv_keep
+                    : T(0);
     p_dropped[j] = s[j] * w;
     dp[j] = s[j] * (dp[j] * w - row_delta);  // dS
   }
@@ -250,9 +251,8 @@ static RELPOS_INLINE void nan_row(T* s, T* dp, int64_t n_visible) {
 // sees no key (lse = +inf) leaves zeros and no bucket sums, whatever the tables hold; a NaN
 // row (lse NaN) NaN except at hidden keys (nan_row).
 template <typename T, typename I>
-static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd,
-                                       const T* attn_bias, const Dropout& drop, T inv_keep,
-                                       BackwardBlock<T, I>& w,
+static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd, const T* attn_bias,
+                                       const Dropout& drop, T inv_keep, BackwardBlock<T, I>& w,
                                        T* pd, T row_lse, int64_t r, int64_t i, int64_t j0,
                                        int64_t j1) {
   const int64_t nk = j1 - j0, R = g.R;
@@ -290,8 +290,8 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd,
     if (dsb_row) add_to_buckets<T>(dsb_row, R, seg, ds_sums.left, dp + seg.n_left, ds_sums.right);
   } else {
     exp_segments<T, !std::is_same_v<T, I>>(s, seg, qa_far, row_lse);
-    ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop,
-                      hd.dropout_row + i, inv_keep);
+    ds_row_dropout<T>(s, dp, pd_row, nk, seg, doa_row, doa_far, row_delta, drop, hd.dropout_row + i,
+                      inv_keep);
     if (pb_row) bucket_row<T>(pd_row, R, seg, pb_row);
     if (dsb_row) bucket_row<T>(dp, R, seg, dsb_row);
   }
@@ -307,9 +307,8 @@ static RELPOS_INLINE void backward_row(const Geometry& g, const Head<T, I>& hd,
 template <typename T, typename I>
 static RELPOS_INLINE void backward_prologue(const Geometry& g, const Head<T, I>& hd,
                                             BackwardBlock<T, I>& w, int64_t nq, T scale,
-                                            const I* q_block, const I* do_block,
-                                            const I* out_block, const T* q_wide,
-                                            const T* do_wide) {
+                                            const I* q_block, const I* do_block, const I* out_block,
+                                            const T* q_wide, const T* do_wide) {
   const int64_t D = g.D, Dv = g.Dv, R = g.R;
   row_deltas<T, I>(w.delta.data(), do_block, out_block, nq, Dv);
   if (hd.ak) {
@@ -364,10 +363,10 @@ static RELPOS_INLINE void dq_table_term(const Geometry& g, const Head<T, I>& hd,
 // (into this head's partials), and dq = scale · dq_acc (rounded to I).
 template <typename T, typename I>
 static RELPOS_INLINE void backward_epilogue(const Geometry& g, const Head<T, I>& hd,
-                                            BackwardBlock<T, I>& w, int64_t i0, int64_t nq,
-                                            T scale, bool ak_finite, const T* lse_block,
-                                            const T* q_wide, const T* do_wide, T* dak_head,
-                                            T* dav_head, I* dq_block) {
+                                            BackwardBlock<T, I>& w, int64_t i0, int64_t nq, T scale,
+                                            bool ak_finite, const T* lse_block, const T* q_wide,
+                                            const T* do_wide, T* dak_head, T* dav_head,
+                                            I* dq_block) {
   const int64_t D = g.D, Dv = g.Dv, R = g.R;
   if (hd.ak) {
     dq_table_term<T, I>(g, hd, w, i0, nq, lse_block, ak_finite);
@@ -416,9 +415,9 @@ struct HeadGradients {
 // per tile and the float GEMMs serve.
 template <typename T, typename I>
 static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
-                                        const HeadGradients<T, I>& gr, const T* attn_bias,
-                                        T scale, bool ak_finite, const Dropout& drop,
-                                        BackwardBlock<T, I>& w, int64_t BQ, int64_t BK) {
+                                        const HeadGradients<T, I>& gr, const T* attn_bias, T scale,
+                                        bool ak_finite, const Dropout& drop, BackwardBlock<T, I>& w,
+                                        int64_t BQ, int64_t BK) {
   const int64_t L = g.L, S = g.S, D = g.D, Dv = g.Dv;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   constexpr bool low = !std::is_same_v<T, I>;
@@ -440,8 +439,8 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
     const I* do_block = gr.dout + i0 * Dv;
     const T* lse_block = gr.lse + i0;
     // Q_I and dO_I as T
-    const auto [q_wide, do_wide] = as_wide2<T, I>(q_block, nq * D, w.q_wide, do_block, nq * Dv,
-                                                  w.do_wide);
+    const auto [q_wide, do_wide] =
+        as_wide2<T, I>(q_block, nq * D, w.q_wide, do_block, nq * Dv, w.do_wide);
     if (w.tiles) backward_pack_block(w, nq, D, Dv, scale, q_block, do_block);
     backward_prologue<T, I>(g, hd, w, nq, scale, q_block, do_block, gr.out + i0 * Dv, q_wide,
                             do_wide);
@@ -474,8 +473,8 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
                           w.dp.data(), v_packed_t);
         }
       } else {
-        const auto [kw, v_wide] = as_wide2<T, I>(k_tile, nk * D, w.k_wide, v_tile, nk * Dv,
-                                                 w.v_wide);
+        const auto [kw, v_wide] =
+            as_wide2<T, I>(k_tile, nk * D, w.k_wide, v_tile, nk * Dv, w.v_wide);
         k_wide = kw;
         // S_IJ (nq, nk) = scale · Q_I (nq, D) @ K_J^T
         gemm_nt<T>(nq, nk, D, scale, q_wide, k_wide, T(0), w.scores.data());
@@ -490,19 +489,17 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
       }
       if (w.tiles) {
         backward_tile_gradients_packed(w, nq, nk, D, Dv, scale, k_tile, dv + j0 * Dv, dk + j0 * D,
-                                    k_packed_pairs);
+                                       k_packed_pairs);
       } else if (low_gemms) {
         if constexpr (low) {
           convert(pd, w.p_low.data(), nq * nk);
           convert(w.dp.data(), w.ds_low.data(), nq * nk);
           // dV_J (nk, Dv) += P_IJ^T @ dO_I; dq_acc_I (nq, D) += dS_IJ @ K_J;
           // dK_J (nk, D) += scale · dS_IJ^T @ Q_I
-          low_gemm<I>(true, false, nk, Dv, nq, T(1), w.p_low.data(), do_block, T(1),
-                      dv + j0 * Dv);
+          low_gemm<I>(true, false, nk, Dv, nq, T(1), w.p_low.data(), do_block, T(1), dv + j0 * Dv);
           low_gemm<I>(false, false, nq, D, nk, T(1), w.ds_low.data(), k_tile, T(1),
                       w.dq_acc.data());
-          low_gemm<I>(true, false, nk, D, nq, scale, w.ds_low.data(), q_block, T(1),
-                      dk + j0 * D);
+          low_gemm<I>(true, false, nk, D, nq, scale, w.ds_low.data(), q_block, T(1), dk + j0 * D);
         }
       } else {
         // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)
@@ -513,8 +510,8 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
         gemm_tn<T>(nk, D, nq, scale, w.dp.data(), q_wide, T(1), dk + j0 * D);
       }
     }
-    backward_epilogue<T, I>(g, hd, w, i0, nq, scale, ak_finite, lse_block, q_wide, do_wide,
-                            gr.dak, gr.dav, gr.dq + i0 * D);
+    backward_epilogue<T, I>(g, hd, w, i0, nq, scale, ak_finite, lse_block, q_wide, do_wide, gr.dak,
+                            gr.dav, gr.dq + i0 * D);
   }
   if constexpr (low) {
     convert(dk, gr.dk, S * D);
@@ -533,17 +530,18 @@ static void backward_impl(const Geometry& g, const Inputs<T, I>& in, const I* do
 
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t stop) {
     const SingleThreadedBlas one_thread;
-    BackwardBlock<T, I> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on, Dv,
-                          BK, S, gemms.low, tiles);
+    BackwardBlock<T, I> w(BQ, BQ * BK, R, D, in.ak != nullptr, in.av != nullptr, drop.on, Dv, BK, S,
+                          gemms.low, tiles);
     for (int64_t bh = begin; bh < stop; ++bh) {
       T* dak = in.ak ? dak_part + bh * R * D : nullptr;
       T* dav = in.av ? dav_part + bh * R * Dv : nullptr;
       if (dak) std::fill(dak, dak + R * D, T(0));
       if (dav) std::fill(dav, dav + R * Dv, T(0));
-      const HeadGradients<T, I> gr{dout + bh * L * Dv, out + bh * L * Dv, lse + bh * L,
-                                   dq + bh * L * D, dk + bh * S * D, dv + bh * S * Dv, dak, dav};
-      backward_task<T, I>(g, head_of(g, in, drop, bh), gr, in.attn_bias, scale, in.ak_finite,
-                          drop, w, BQ, BK);
+      const HeadGradients<T, I> gr{
+          dout + bh * L * Dv, out + bh * L * Dv, lse + bh * L, dq + bh * L * D,
+          dk + bh * S * D,    dv + bh * S * Dv,  dak,          dav};
+      backward_task<T, I>(g, head_of(g, in, drop, bh), gr, in.attn_bias, scale, in.ak_finite, drop,
+                          w, BQ, BK);
     }
   });
 }
@@ -591,9 +589,9 @@ static std::vector<int64_t> varlen_gradient_groups(const VarlenCall& vc, bool ta
 // order, each adding to them.
 template <typename T, typename I = T>
 static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t>& groups,
-                                 const Inputs<T, I>& in, const I* dout, const I* out,
-                                 const T* lse, T scale, const Dropout& drop, I* dq, I* dk, I* dv,
-                                 T* dak_part, T* dav_part, HalfGemms gemms = {}) {
+                                 const Inputs<T, I>& in, const I* dout, const I* out, const T* lse,
+                                 T scale, const Dropout& drop, I* dq, I* dk, I* dv, T* dak_part,
+                                 T* dav_part, HalfGemms gemms = {}) {
   const Packing& pk = vc.pk;
   const int64_t n_groups = static_cast<int64_t>(groups.size()) - 1, R = vc.R;
   int64_t S_max = 0;  // 16-bit inputs: the float dK and dV of the longest sequence
@@ -614,9 +612,8 @@ static void backward_varlen_impl(const VarlenCall& vc, const std::vector<int64_t
       for (int64_t s = groups[group]; s < groups[group + 1]; ++s) {
         const Geometry& g = vc.seqs[s];
         const int64_t qr = pk.q_row(s, h), kr = pk.k_row(s, h);
-        const HeadGradients<T, I> gr{dout + qr * g.Dv, out + qr * g.Dv, lse + qr,
-                                     dq + qr * g.D,    dk + kr * g.D,    dv + kr * g.Dv,
-                                     dak,              dav};
+        const HeadGradients<T, I> gr{dout + qr * g.Dv, out + qr * g.Dv, lse + qr, dq + qr * g.D,
+                                     dk + kr * g.D,    dv + kr * g.Dv,  dak,      dav};
         backward_task<T, I>(g, varlen_head(g, pk, in, s, h), gr, static_cast<const T*>(nullptr),
                             scale, in.ak_finite, drop, w, backward_query_block(g.L),
                             key_block_size(g.L, g.S));

@@ -20,8 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t query_start, double dropout_p) {
              return AttentionOptions{left, right, is_causal, scale, query_start, dropout_p};
            }),
-           py::kw_only(), py::arg("left"), py::arg("right"), py::arg("is_causal"),
-           py::arg("scale"), py::arg("query_start"), py::arg("dropout_p"))
+           py::kw_only(), py::arg("left"), py::arg("right"), py::arg("is_causal"), py::arg("scale"),
+           py::arg("query_start"), py::arg("dropout_p"))
       .def_readonly("left", &AttentionOptions::left)
       .def_readonly("right", &AttentionOptions::right)
       .def_readonly("is_causal", &AttentionOptions::is_causal)
@@ -41,23 +41,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("forward", &relpos_native::forward, "relpos native forward", py::arg("query"),
         py::arg("key"), py::arg("value"), py::arg("rel_keys"), py::arg("rel_values"),
-        py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"), py::arg("options"),
-        no_gil());
+        py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"), py::arg("options"), no_gil());
   m.def("backward", &relpos_native::backward, "relpos native backward", py::arg("grad_out"),
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("rel_keys"),
         py::arg("rel_values"), py::arg("key_bias"), py::arg("attn_bias"), py::arg("seed"),
         py::arg("out"), py::arg("lse"), py::arg("options"), no_gil());
-  m.def("dropout_mask", &relpos_native::dropout_mask, "the keep mask of a dropout seed",
-        no_gil());
+  m.def("dropout_mask", &relpos_native::dropout_mask, "the keep mask of a dropout seed", no_gil());
   m.def("forward_varlen", &relpos_native::forward_varlen, "relpos native varlen forward",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens_q"),
-        py::arg("cu_seqlens_k"), py::arg("seqused_k"), py::arg("rel_keys"),
-        py::arg("rel_values"), py::arg("seed"), py::arg("options"), no_gil());
+        py::arg("cu_seqlens_k"), py::arg("seqused_k"), py::arg("rel_keys"), py::arg("rel_values"),
+        py::arg("seed"), py::arg("options"), no_gil());
   m.def("backward_varlen", &relpos_native::backward_varlen, "relpos native varlen backward",
         py::arg("grad_out"), py::arg("query"), py::arg("key"), py::arg("value"),
-        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),
-        py::arg("rel_keys"), py::arg("rel_values"), py::arg("seed"), py::arg("out"),
-        py::arg("lse"), py::arg("options"), no_gil());
+        py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"), py::arg("rel_keys"),
+        py::arg("rel_values"), py::arg("seed"), py::arg("out"), py::arg("lse"), py::arg("options"),
+        no_gil());
   m.def("dropout_mask_varlen", &relpos_native::dropout_mask_varlen,
         "the keep masks of a dropout seed over a varlen call, one (H, L, S) per sequence",
         py::arg("seed"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("seqused_k"),

@@ -16,11 +16,11 @@ namespace relpos_native {
 // backward holds two tiles (dP beside S) and runs best at 128 rows. The key block is torch's
 // CPU flash kernel's 512: a 256 x 512 tile is 512 KiB of float scores.
 
-constexpr int64_t kForwardQueryBlock = 256;   // rows of Q per forward block, at most
-constexpr int64_t kMinForwardQueryBlock = 64; // ... and at least (unless L is shorter)
-constexpr int64_t kForwardTasks = 64;         // halve the block while fewer tasks than this
-constexpr int64_t kBackwardQueryBlock = 128;  // rows of Q per backward block
-constexpr int64_t kKeyBlock = 512;            // keys per tile
+constexpr int64_t kForwardQueryBlock = 256;    // rows of Q per forward block, at most
+constexpr int64_t kMinForwardQueryBlock = 64;  // ... and at least (unless L is shorter)
+constexpr int64_t kForwardTasks = 64;          // halve the block while fewer tasks than this
+constexpr int64_t kBackwardQueryBlock = 128;   // rows of Q per backward block
+constexpr int64_t kKeyBlock = 512;             // keys per tile
 // A decode step (at most kDecodeQueryRows queries) takes its whole rows in one key block of at
 // most kDecodeScores scores, so its softmax never rescales (no measurement recorded).
 constexpr int64_t kDecodeQueryRows = 8;
@@ -39,8 +39,8 @@ static int64_t backward_query_block(int64_t L) {
 
 static int64_t key_block_size(int64_t L, int64_t S) {
   if (L <= kDecodeQueryRows)
-    return std::min<int64_t>(
-        S, std::max<int64_t>(kKeyBlock, kDecodeScores / std::max<int64_t>(L, 1)));
+    return std::min<int64_t>(S,
+                             std::max<int64_t>(kKeyBlock, kDecodeScores / std::max<int64_t>(L, 1)));
   return std::min<int64_t>(S, kKeyBlock);
 }
 

@@ -29,8 +29,8 @@ static void set_window(Geometry& g, const c10::optional<Tensor>& ak,
   const int64_t left = options.left, right = options.right;
   TORCH_CHECK(left >= 0 && right >= 0, "the window (left=", left, ", right=", right,
               ") must not be negative");
-  TORCH_CHECK(g.L <= kMaxPosition && g.S <= kMaxPosition &&
-                  options.query_start >= -kMaxPosition && options.query_start <= kMaxPosition,
+  TORCH_CHECK(g.L <= kMaxPosition && g.S <= kMaxPosition && options.query_start >= -kMaxPosition &&
+                  options.query_start <= kMaxPosition,
               "query_start=", options.query_start, " is out of range");
   const c10::optional<Tensor>& table = ak.has_value() ? ak : av;
   if (table.has_value()) {
@@ -39,8 +39,8 @@ static void set_window(Geometry& g, const c10::optional<Tensor>& ak,
     const int64_t rows = table->size(1);
     TORCH_CHECK(left < rows && right == rows - 1 - left &&
                     (!ak.has_value() || !av.has_value() || av->size(1) == rows),
-                "the window (left=", left, ", right=", right, ") needs left + right + 1 table "
-                "rows, got ", rows);
+                "the window (left=", left, ", right=", right,
+                ") needs left + right + 1 table rows, got ", rows);
     g.left = left;
     g.right = right;
   } else {
@@ -61,7 +61,7 @@ static void check_tables(const c10::optional<Tensor>& ak, const c10::optional<Te
     const Tensor& table = **t;
     TORCH_CHECK(table.dim() == 3 && (table.size(0) == 1 || table.size(0) == H) &&
                     table.size(2) == width,
-                "tables must be (1 or H, R, D) for rel_keys and (1 or H, R, Dv) for rel_values "
+                "tables must be (1 or H, R, D) for rel_keys and (1 or H, R, Dv) for rel_values ",
                 "(H=", H, ", D=", D, ", Dv=", Dv, "), got ", table.sizes());
   }
 }
@@ -155,15 +155,17 @@ static std::pair<c10::optional<Tensor>, c10::optional<Tensor>> tables_in(
 // and, where the call runs the 16-bit GEMMs (`low`), the tables in I too (kept alive by
 // `low_tables`).
 template <typename I>
-static Inputs<float, I> half_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
-                                    const c10::optional<Tensor>& ak,
-                                    const c10::optional<Tensor>& av,
-                                    const c10::optional<Tensor>& kb,
-                                    const c10::optional<Tensor>& attn_bias, bool low,
-                                    std::pair<c10::optional<Tensor>, c10::optional<Tensor>>&
-                                        low_tables) {
-  Inputs<float, I> in{q.data_ptr<I>(),         k.data_ptr<I>(),         v.data_ptr<I>(),
-                      ptr_or_null<float>(ak),  ptr_or_null<float>(av),  ptr_or_null<float>(kb),
+static Inputs<float, I> half_inputs(
+    const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& ak,
+    const c10::optional<Tensor>& av, const c10::optional<Tensor>& kb,
+    const c10::optional<Tensor>& attn_bias, bool low,
+    std::pair<c10::optional<Tensor>, c10::optional<Tensor>>& low_tables) {
+  Inputs<float, I> in{q.data_ptr<I>(),
+                      k.data_ptr<I>(),
+                      v.data_ptr<I>(),
+                      ptr_or_null<float>(ak),
+                      ptr_or_null<float>(av),
+                      ptr_or_null<float>(kb),
                       ptr_or_null<float>(attn_bias)};
   if (ak) in.ak_finite = all_finite(in.ak, ak->numel());
   low_tables = tables_in(ak, av, q.scalar_type(), low);
@@ -176,7 +178,7 @@ template <typename T>
 static Inputs<T> inputs(const Tensor& q, const Tensor& k, const Tensor& v,
                         const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
                         const c10::optional<Tensor>& kb, const c10::optional<Tensor>& attn_bias) {
-  return {q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), ptr_or_null<T>(ak),
+  return {q.data_ptr<T>(),    k.data_ptr<T>(),    v.data_ptr<T>(),          ptr_or_null<T>(ak),
           ptr_or_null<T>(av), ptr_or_null<T>(kb), ptr_or_null<T>(attn_bias)};
 }
 
@@ -195,8 +197,8 @@ static Tensor checked_cu_seqlens(const Tensor& cu, const char* name) {
   const int64_t* p = c.data_ptr<int64_t>();
   TORCH_CHECK(p[0] == 0, name, " must start at 0, got ", p[0]);
   for (int64_t s = 1; s < c.numel(); ++s)
-    TORCH_CHECK(p[s] >= p[s - 1], name, " must be non-decreasing, got ", p[s - 1], " then ",
-                p[s], " at entry ", s);
+    TORCH_CHECK(p[s] >= p[s - 1], name, " must be non-decreasing, got ", p[s - 1], " then ", p[s],
+                " at entry ", s);
   return c;
 }
 
@@ -224,10 +226,10 @@ static Tensor checked_seqused(const c10::optional<Tensor>& seqused_k, Packing& p
 // The packing of a varlen call from its checked cumulative lengths, which must have one length
 // (N + 1) and end at the packed rows' counts Tq and Tk (< 0: at whatever they end); every
 // sequence uses its whole key region until checked_seqused says otherwise.
-static Packing packing(const Tensor& cu_q, const Tensor& cu_k, int64_t H, int64_t Tq,
-                       int64_t Tk) {
-  TORCH_CHECK(cu_q.numel() == cu_k.numel(), "cu_seqlens_q and cu_seqlens_k must have one length "
-              "(N + 1), got ", cu_q.numel(), " and ", cu_k.numel());
+static Packing packing(const Tensor& cu_q, const Tensor& cu_k, int64_t H, int64_t Tq, int64_t Tk) {
+  TORCH_CHECK(cu_q.numel() == cu_k.numel(),
+              "cu_seqlens_q and cu_seqlens_k must have one length (N + 1), got ", cu_q.numel(),
+              " and ", cu_k.numel());
   Packing pk;
   pk.N = cu_q.numel() - 1;
   pk.H = H;
@@ -247,11 +249,10 @@ static Packing packing(const Tensor& cu_q, const Tensor& cu_k, int64_t H, int64_
 // undefined tensor: every key), which must outlive it), with every check that keeps the kernels
 // inside them; each sequence's geometry bottom-right aligned to the keys it uses
 // (query_start = S - L) and its window narrowed as set_window does.
-static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& cu_q, const Tensor& cu_k,
-                              const c10::optional<Tensor>& seqused_k, Tensor& used,
-                              const c10::optional<Tensor>& ak, const c10::optional<Tensor>& av,
-                              const AttentionOptions& options) {
+static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+                              const Tensor& cu_k, const c10::optional<Tensor>& seqused_k,
+                              Tensor& used, const c10::optional<Tensor>& ak,
+                              const c10::optional<Tensor>& av, const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "query, key, value must be 3-D (T, H, D)");
   for (const Tensor* t : {&q, &k, &v})
@@ -260,12 +261,12 @@ static VarlenCall varlen_call(const Tensor& q, const Tensor& k, const Tensor& v,
     TORCH_CHECK(!t->has_value() || (*t)->device().is_cpu(),
                 "the native kernels take CPU tensors, got ", (*t)->device());
   const int64_t H = q.size(1);
-  TORCH_CHECK(k.size(1) == H && v.size(1) == H && k.size(2) == q.size(2) &&
-                  v.size(0) == k.size(0),
+  TORCH_CHECK(k.size(1) == H && v.size(1) == H && k.size(2) == q.size(2) && v.size(0) == k.size(0),
               "query (Tq, H, D), key (Tk, H, D) and value (Tk, H, Dv) do not match: ", q.sizes(),
               ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(options.query_start == 0, "a varlen call aligns each sequence bottom-right: "
-              "query_start must be 0, got ", options.query_start);
+  TORCH_CHECK(options.query_start == 0,
+              "a varlen call aligns each sequence bottom-right: query_start must be 0, got ",
+              options.query_start);
   VarlenCall vc;
   vc.pk = packing(cu_q, cu_k, H, q.size(0), k.size(0));
   used = checked_seqused(seqused_k, vc.pk);

@@ -25,8 +25,8 @@ static inline void convert(const c10::Half* src, float* dst, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   for (; j + 16 <= n; j += 16)
-    _mm512_storeu_ps(dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(
-                                  reinterpret_cast<const __m256i*>(src + j))));
+    _mm512_storeu_ps(
+        dst + j, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))));
 #else
   for (; j + 8 <= n; j += 8)
     _mm256_storeu_ps(dst + j,
@@ -39,14 +39,14 @@ static inline void convert(const float* src, c10::Half* dst, int64_t n) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   for (; j + 16 <= n; j += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                        _mm512_cvtps_ph(_mm512_loadu_ps(src + j),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(dst + j),
+        _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
   for (; j + 8 <= n; j += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(dst + j),
+        _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
   for (; j < n; ++j) dst[j] = static_cast<c10::Half>(src[j]);
 }

@@ -54,7 +54,7 @@ struct Dropout {
       seed1 = static_cast<uint64_t>(sp[1]);
       if (s.numel() == 5) {
         TORCH_CHECK(sp[2] >= 0 && sp[3] >= 0 && sp[4] >= 0,
-                    "a dropout placement needs rows per head, row offset and key offset >= 0, "
+                    "a dropout placement needs rows per head, row offset and key offset >= 0, ",
                     "got ", sp[2], ", ", sp[3], ", ", sp[4]);
         placed = true;
         rows_per_head = sp[2];
@@ -75,8 +75,8 @@ struct Dropout {
 
   // The two 32-bit keys of dropout row `row`.
   inline void row_keys(int64_t row, uint32_t& k1, uint32_t& k2) const {
-    const uint64_t z = mix64(seed0 ^ mix64(seed1 + static_cast<uint64_t>(row) *
-                                                      0x9E3779B97F4A7C15ULL));
+    const uint64_t z =
+        mix64(seed0 ^ mix64(seed1 + static_cast<uint64_t>(row) * 0x9E3779B97F4A7C15ULL));
     k1 = static_cast<uint32_t>(z);
     k2 = static_cast<uint32_t>(z >> 32);
   }

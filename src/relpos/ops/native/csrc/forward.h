@@ -34,8 +34,8 @@ struct ForwardBlock {
   std::vector<I> p_low, pb_low;  // P and Pb rounded to I for the 16-bit GEMMs
   bool gemms16 = false;          // 16-bit inputs: the tile GEMMs take 16-bit operands
   TileGemm tiles = kNoTiles;     // ... on packed tiles (bfloat16, AMX or VDPBF16PS):
-  AmxBuffer q_pack, pb_pack;  // Q_I (rows; times a power-of-two scale: q_scaled), Pb as it is
-  bool q_scaled = false;      // rounded
+  AmxBuffer q_pack, pb_pack;     // Q_I (rows; times a power-of-two scale: q_scaled), Pb as it is
+  bool q_scaled = false;         // rounded
   AmxBuffer p_rows;  // P in bfloat16, row-major (row stride p_ld), the P @ V GEMM's A as it is
   int64_t p_ld = 0;  // (the tile GEMMs read it with that stride): zeros past each row's keys
   AmxOperand v_op, ak_op, av_op;  // V_J cut short and aV (pairs), aK (transposed)
@@ -44,8 +44,7 @@ struct ForwardBlock {
   ForwardBlock(int64_t BQ, int64_t tile, int64_t R, int64_t Dv, bool keys, bool values,
                int64_t D = 0, int64_t BK = 0, bool low_gemms = false,
                TileGemm tile_gemms = kNoTiles)
-      : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ),
-        l(BQ) {
+      : scores(tile), qa(keys ? BQ * R : 0), pb(values ? BQ * R : 0), acc(BQ * Dv), m(BQ), l(BQ) {
     if constexpr (!std::is_same_v<T, I>) {
       q_wide.resize(BQ * D);
       if (low_gemms) {
@@ -90,8 +89,7 @@ static RELPOS_INLINE T segments_max(const T* s, const RowSegments& seg, FarConst
   if (seg.n_left > 0) mx = nan_max<T>(mx, far_segment_max<T>(s, seg.n_left, qa_far.left));
   if (seg.n_band > 0) mx = nan_max<T>(mx, row_max<T>(band_scores, seg.n_band));
   if (seg.n_right > 0)
-    mx = nan_max<T>(mx, far_segment_max<T>(band_scores + seg.n_band, seg.n_right,
-                                           qa_far.right));
+    mx = nan_max<T>(mx, far_segment_max<T>(band_scores + seg.n_band, seg.n_right, qa_far.right));
   if (mx == ninf) {
     for (int64_t j = 0; j < seg.n_visible; ++j)
       if (std::isnan(s[j])) mx = std::numeric_limits<T>::quiet_NaN();
@@ -139,8 +137,7 @@ static RELPOS_INLINE SegmentSums<T> exp_segments_bf16(T* s, const RowSegments& s
     else
       sum.band = exp_sum_to_bf16(band_scores, seg.n_band, offset, p_row + seg.n_left);
     if (std::isfinite(qa_far.right)) {
-      sum.right = exp_sum_to_bf16(right_scores, seg.n_right, offset - qa_far.right,
-                                  p_row + right0);
+      sum.right = exp_sum_to_bf16(right_scores, seg.n_right, offset - qa_far.right, p_row + right0);
     } else {
       sum.right = far_exp_sum<T, true>(right_scores, seg.n_right, offset, qa_far.right);
       round_to_bf16(right_scores, seg.n_right, p_row + right0);
@@ -165,8 +162,7 @@ template <typename T, typename I>
 static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, T* s, int64_t nk,
                                               const RowSegments& seg, FarConstants<T> qa_far,
                                               int64_t Dv, int64_t R, bool values,
-                                              SegmentSums<T>& p_sums, uint16_t* p_row,
-                                              T* buckets) {
+                                              SegmentSums<T>& p_sums, uint16_t* p_row, T* buckets) {
   const T ninf = -std::numeric_limits<T>::infinity();
   const T mx = segments_max<T>(s, seg, qa_far);
   const T m_old = w.m[r];
@@ -198,8 +194,8 @@ static RELPOS_INLINE bool online_softmax_step(ForwardBlock<T, I>& w, int64_t r, 
 // Dropout of one row of P (forward; `row` its dropout row): dropped entries 0, kept ones times
 // 1 / (1 - p).
 template <typename T>
-static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& drop,
-                                   int64_t row, T inv_keep) {
+static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& drop, int64_t row,
+                                   T inv_keep) {
   uint32_t k1, k2;
   drop.row_keys(row, k1, k2);
   const uint32_t th = drop.threshold;
@@ -217,9 +213,8 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 // packed already, op null); else MKL's GEMM on a_low and b.
 template <typename T, typename I>
 static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, int64_t n, int64_t K,
-                                   T scale, const AmxBuffer& a_rows, bool a_scaled,
-                                   const I* a_low, const I* b, T* out,
-                                   const uint16_t* b_packed = nullptr) {
+                                   T scale, const AmxBuffer& a_rows, bool a_scaled, const I* a_low,
+                                   const I* b, T* out, const uint16_t* b_packed = nullptr) {
 #ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     if (tiles) {
@@ -296,10 +291,9 @@ static RELPOS_INLINE void forward_prologue(const Geometry& g, const Head<T, I>& 
 // update Pb[i, r_ij] += p_ij. Leaves P (0 where hidden) for the P @ V GEMM in the row's tile
 // or, on packed tiles, in bfloat16 in row r of w.p_rows (row stride w.p_ld).
 template <typename T, typename I>
-static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd,
-                                      const T* attn_bias, const Dropout& drop, T inv_keep,
-                                      ForwardBlock<T, I>& w, int64_t r, int64_t i, int64_t j0,
-                                      int64_t j1) {
+static RELPOS_INLINE void forward_row(const Geometry& g, const Head<T, I>& hd, const T* attn_bias,
+                                      const Dropout& drop, T inv_keep, ForwardBlock<T, I>& w,
+                                      int64_t r, int64_t i, int64_t j0, int64_t j1) {
   const int64_t nk = j1 - j0, R = g.R;
   T* s = w.scores.data() + r * nk;
   const RowSegments seg = g.segments(g.query_start + i, j0, j1);
@@ -377,10 +371,10 @@ static inline void pack_query_low(ForwardBlock<T, I>& w, const I* q_block, int64
 // blocks of BK keys by the online softmax; writes the block's rows of out_head (L, Dv) and
 // lse_head (L).
 template <typename T, typename I>
-static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
-                                       const T* attn_bias, T scale, const Dropout& drop,
-                                       ForwardBlock<T, I>& w, int64_t i0, int64_t BQ, int64_t BK,
-                                       I* out_head, T* lse_head) {
+static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd, const T* attn_bias,
+                                       T scale, const Dropout& drop, ForwardBlock<T, I>& w,
+                                       int64_t i0, int64_t BQ, int64_t BK, I* out_head,
+                                       T* lse_head) {
   const int64_t D = g.D, Dv = g.Dv;
   const T inv_keep = static_cast<T>(drop.inv_keep);
   const int64_t i1 = std::min(g.L, i0 + BQ), nq = i1 - i0;
@@ -429,8 +423,8 @@ static RELPOS_INLINE void forward_task(const Geometry& g, const Head<T, I>& hd,
     // acc_I (nq, Dv) += P_IJ (nq, nk) @ V_J (nk, Dv)
     if constexpr (low) {
       if (low_gemms) {
-        values_low(w, &w.v_op, nq, nk, Dv, w.scores.data(), nullptr, w.p_low.data(),
-                   hd.v + j0 * Dv, w.p_rows.p, w.p_ld, v_packed);
+        values_low(w, &w.v_op, nq, nk, Dv, w.scores.data(), nullptr, w.p_low.data(), hd.v + j0 * Dv,
+                   w.p_rows.p, w.p_ld, v_packed);
       } else {
         convert(hd.v + j0 * Dv, w.v_wide.data(), nk * Dv);
         gemm_nn<T>(nq, Dv, nk, T(1), w.scores.data(), w.v_wide.data(), T(1), w.acc.data());
@@ -458,7 +452,7 @@ static void forward_impl(const Geometry& g, const Inputs<T, I>& in, T scale, con
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t bh = task / n_query_blocks, qb = task % n_query_blocks;
       forward_task(g, head_of(g, in, drop, bh), in.attn_bias, scale, drop, w, qb * BQ, BQ, BK,
-                      out + bh * L * g.Dv, lse + bh * L);
+                   out + bh * L * g.Dv, lse + bh * L);
     }
   });
 }
@@ -491,9 +485,8 @@ static void forward_varlen_impl(const VarlenCall& vc, const Inputs<T, I>& in, T 
       const int64_t h = (task - first_task[s]) / n_query_blocks;
       const int64_t qb = (task - first_task[s]) % n_query_blocks;
       const int64_t row = pk.q_row(s, h);
-      forward_task(g, varlen_head(g, pk, in, s, h), static_cast<const T*>(nullptr), scale,
-                   drop, w, qb * BQ, BQ,
-                   key_block_size(g.L, g.S), out + row * g.Dv, lse + row);
+      forward_task(g, varlen_head(g, pk, in, s, h), static_cast<const T*>(nullptr), scale, drop, w,
+                   qb * BQ, BQ, key_block_size(g.L, g.S), out + row * g.Dv, lse + row);
     }
   });
 }

@@ -132,22 +132,22 @@ static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alp
 
 // C (M, N) = alpha · A (M, K) @ B (K, N) + beta · C
 template <typename T>
-static inline void gemm_nn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
-                           T beta, T* C) {
+static inline void gemm_nn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B, T beta,
+                           T* C) {
   gemm<T>(false, false, M, N, K, alpha, A, K, B, N, beta, C, N);
 }
 
 // C (M, N) = alpha · A (M, K) @ B^T + beta · C, B (N, K)
 template <typename T>
-static inline void gemm_nt(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
-                           T beta, T* C) {
+static inline void gemm_nt(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B, T beta,
+                           T* C) {
   gemm<T>(false, true, M, N, K, alpha, A, K, B, K, beta, C, N);
 }
 
 // C (M, N) = alpha · A^T @ B (K, N) + beta · C, A (K, M)
 template <typename T>
-static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B,
-                           T beta, T* C) {
+static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A, const T* B, T beta,
+                           T* C) {
   gemm<T>(true, false, M, N, K, alpha, A, M, B, N, beta, C, N);
 }
 
@@ -173,7 +173,7 @@ static Bf16Gemm bf16_gemm() {
   const std::string want = env_or_empty("RELPOS_NATIVE_BF16_GEMM");
   TORCH_CHECK(want.empty() || want == "amx" || want == "avx512bf16" || want == "mkl" ||
                   want == "widened",
-              "relpos native: RELPOS_NATIVE_BF16_GEMM must be amx, avx512bf16, mkl or widened "
+              "relpos native: RELPOS_NATIVE_BF16_GEMM must be amx, avx512bf16, mkl or widened ",
               "(or unset), got '", want, "'");
   if (!has_low_gemm<c10::BFloat16>()) return Bf16Gemm::kWidened;
   const bool amx = amx_granted();
@@ -218,8 +218,9 @@ static HalfGemms half_gemms_now() {
   if (!has_low_gemm<I>()) return {};
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const Bf16Gemm e = bf16_gemm();
-    return {e != Bf16Gemm::kWidened,
-            e == Bf16Gemm::kAmx ? kAmxTiles : e == Bf16Gemm::kDot ? kDotTiles : kNoTiles};
+    return {e != Bf16Gemm::kWidened, e == Bf16Gemm::kAmx   ? kAmxTiles
+                                     : e == Bf16Gemm::kDot ? kDotTiles
+                                                           : kNoTiles};
   }
   return {env_or_empty("RELPOS_NATIVE_HALF_GEMM") == "1", kNoTiles};
 }

@@ -18,8 +18,8 @@ void sgemm_(const char* ta, const char* tb, const int* m, const int* n, const in
             const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
             const float* beta, float* c, const int* ldc);
 void dgemm_(const char* ta, const char* tb, const int* m, const int* n, const int* k,
-            const double* alpha, const double* a, const int* lda, const double* b,
-            const int* ldb, const double* beta, double* c, const int* ldc);
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc);
 #if defined(__GNUC__)
 // MKL's thread count for the calling thread only (libtorch's x86 builds export it): the C entry
 // that mkl_service.h names mkl_set_num_threads_local (the lower-case symbol is the Fortran one,
@@ -67,12 +67,12 @@ static void gemm_aten(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha
                       int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
   const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
   // op(A) is (M, K): A itself is (K, M) with rows lda apart when read transposed.
-  const at::Tensor a = at::from_blob(const_cast<T*>(A), {M, K},
-                                     ta ? std::vector<int64_t>{1, lda}
-                                        : std::vector<int64_t>{lda, 1}, options);
-  const at::Tensor b = at::from_blob(const_cast<T*>(B), {K, N},
-                                     tb ? std::vector<int64_t>{1, ldb}
-                                        : std::vector<int64_t>{ldb, 1}, options);
+  const at::Tensor a =
+      at::from_blob(const_cast<T*>(A), {M, K},
+                    ta ? std::vector<int64_t>{1, lda} : std::vector<int64_t>{lda, 1}, options);
+  const at::Tensor b =
+      at::from_blob(const_cast<T*>(B), {K, N},
+                    tb ? std::vector<int64_t>{1, ldb} : std::vector<int64_t>{ldb, 1}, options);
   at::Tensor c = at::from_blob(C, {M, N}, {ldc, 1}, options);
   at::cpu::addmm_out(c, c, a, b, beta, alpha);  // beta == 0: C's old contents (even NaN) unread
 }

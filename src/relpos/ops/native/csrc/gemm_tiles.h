@@ -318,8 +318,8 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
   const __m512 sc = _mm512_set1_ps(scale);
   const int64_t KB = amx_kblocks(K), NT = amx_tiles_of(N);
   // lanes 2n, 2n + 1 of the result: element n of the first row, element n of the second
-  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                      21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+  alignas(64) static const uint16_t interleave[32] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                      21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
                                                       11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i idx = _mm512_load_si512(interleave);
   for (int64_t t = 0; t < NT; ++t) {
@@ -329,11 +329,10 @@ static void amx_pack_pairs(const uint16_t* b, int64_t K, int64_t N, uint16_t* ou
       uint16_t* tile = out + (t * KB + c) * kTileElems;
       for (int64_t p = 0; p < 16; ++p) {
         const int64_t k = c * 32 + 2 * p;
-        const __m256i r0 = k < K && nn > 0 ? _mm256_maskz_loadu_epi16(m, b + k * N + n0)
-                                           : _mm256_setzero_si256();
-        const __m256i r1 = k + 1 < K && nn > 0
-                               ? _mm256_maskz_loadu_epi16(m, b + (k + 1) * N + n0)
-                               : _mm256_setzero_si256();
+        const __m256i r0 =
+            k < K && nn > 0 ? _mm256_maskz_loadu_epi16(m, b + k * N + n0) : _mm256_setzero_si256();
+        const __m256i r1 = k + 1 < K && nn > 0 ? _mm256_maskz_loadu_epi16(m, b + (k + 1) * N + n0)
+                                               : _mm256_setzero_si256();
         __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
         if (scale != 1.0f) {  // bfloat16 -> float (the 16 bits on top), scaled, back
           const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r0), 16));
@@ -520,8 +519,8 @@ static void tile_gemm_into(TileGemm engine, int64_t M, int64_t N, int64_t KB, fl
       unit ? c : nullptr, accumulate, lda);
 }
 
-static inline void tile_gemm_scaled(TileGemm engine, int64_t M, int64_t N, int64_t KB,
-                                    float scale, const uint16_t* a, const uint16_t* b, float* s) {
+static inline void tile_gemm_scaled(TileGemm engine, int64_t M, int64_t N, int64_t KB, float scale,
+                                    const uint16_t* a, const uint16_t* b, float* s) {
   tile_gemm_into(engine, M, N, KB, scale, a, b, s, false);
 }
 
@@ -548,8 +547,7 @@ static inline const uint16_t* amx_head_tile_transposed(AmxHeadTiles& cache, cons
 // past nk must meet zero rows (the keys past nk, which may hold anything, are not read).
 template <typename I>
 static inline const uint16_t* amx_head_tile_pairs(AmxHeadTiles& cache, const I* head, int64_t S,
-                                                  int64_t BK, int64_t j0, int64_t nk,
-                                                  int64_t N) {
+                                                  int64_t BK, int64_t j0, int64_t nk, int64_t N) {
   const int64_t n = std::min(BK, S - j0);
   if (nk != n) return nullptr;
   return cache.tile(head, S, BK, amx_tiles_of(N) * amx_kblocks(BK) * kTileElems, j0,

@@ -47,8 +47,8 @@ constexpr int gemm_rows(int nv) { return nv == 3 ? 4 : nv == 2 ? 5 : 8; }
 // prefetched.
 template <int MR, int NV, bool Tail, bool Stream = false>
 static RELPOS_INLINE void vec_gemm_block(int64_t K, const float* A, int64_t a_rs, int64_t a_ks,
-                                        const float* B, int64_t ldb, float* C, int64_t ldc,
-                                        float alpha, bool add, VecF::M last) {
+                                         const float* B, int64_t ldb, float* C, int64_t ldc,
+                                         float alpha, bool add, VecF::M last) {
   using V = VecF::V;
   constexpr int64_t W = VecF::W;
   const V zero = VecF::set1(0.0f);
@@ -79,8 +79,8 @@ static RELPOS_INLINE void vec_gemm_block(int64_t K, const float* A, int64_t a_rs
                         : VecF::mul(acc[r][v], al);
         VecF::store_tail(c + v * W, last, x);
       } else {
-        const V x = add ? VecF::fmadd(acc[r][v], al, VecF::load(c + v * W))
-                        : VecF::mul(acc[r][v], al);
+        const V x =
+            add ? VecF::fmadd(acc[r][v], al, VecF::load(c + v * W)) : VecF::mul(acc[r][v], al);
         VecF::store(c + v * W, x);
       }
     }
@@ -108,10 +108,10 @@ static void vec_gemm_panel(int64_t M, int64_t K, const float* A, int64_t a_rs, i
   constexpr int MR = gemm_rows(NV);
   int64_t i = 0;
   for (; i + MR <= M; i += MR)
-    vec_gemm_block<MR, NV, Tail>(K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc, alpha,
-                                 add, last);
-  vec_gemm_rest<MR, NV, Tail>(M - i, K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc,
-                              alpha, add, last);
+    vec_gemm_block<MR, NV, Tail>(K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc, alpha, add,
+                                 last);
+  vec_gemm_rest<MR, NV, Tail>(M - i, K, A + i * a_rs, a_rs, a_ks, B, ldb, C + i * ldc, ldc, alpha,
+                              add, last);
 }
 
 // out (K, N; row stride ldo) = B^T for B (N, K) with row stride ldb, by blocks of W x W in

@@ -69,14 +69,14 @@ struct Geometry {
 // calls have no masks, and q, k, v as (H, Tq, D), (H, Tk, D), (H, Tk, Dv).
 template <typename T, typename I = T>  // I: the type q, k and v are stored in (T otherwise)
 struct Inputs {
-  const I* q;          // (B, H, L, D)
-  const I* k;          // (B, H, S, D)
-  const I* v;          // (B, H, S, Dv)
-  const T* ak;         // (Hr_k, R, D) or nullptr
-  const T* av;         // (Hr_v, R, Dv) or nullptr
-  const T* key_bias;   // (B, S) or nullptr
-  const T* attn_bias;  // (B, H, L, S) in the strides of Geometry::mB.. or nullptr
-  bool ak_finite = true;  // (backward) every entry of ak is finite
+  const I* q;                 // (B, H, L, D)
+  const I* k;                 // (B, H, S, D)
+  const I* v;                 // (B, H, S, Dv)
+  const T* ak;                // (Hr_k, R, D) or nullptr
+  const T* av;                // (Hr_v, R, Dv) or nullptr
+  const T* key_bias;          // (B, S) or nullptr
+  const T* attn_bias;         // (B, H, L, S) in the strides of Geometry::mB.. or nullptr
+  bool ak_finite = true;      // (backward) every entry of ak is finite
   const I* ak_low = nullptr;  // 16-bit inputs with 16-bit GEMMs: the tables in I too
   const I* av_low = nullptr;
 };
@@ -85,14 +85,14 @@ struct Inputs {
 // bias of one (batch, head) or (sequence, head), and the dropout row of its query 0.
 template <typename T, typename I = T>
 struct Head {
-  int64_t b, h;       // batch row (0 for a varlen sequence) and head: where its mask rows are
+  int64_t b, h;         // batch row (0 for a varlen sequence) and head: where its mask rows are
   int64_t dropout_row;  // query i's dropout row is dropout_row + i
-  const I* q;         // (L, D)
-  const I* k;         // (S, D)
-  const I* v;         // (S, Dv)
-  const T* ak;        // (R, D) or nullptr
-  const T* av;        // (R, Dv) or nullptr
-  const T* key_bias;  // (S) or nullptr
+  const I* q;           // (L, D)
+  const I* k;           // (S, D)
+  const I* v;           // (S, Dv)
+  const T* ak;          // (R, D) or nullptr
+  const T* av;          // (R, Dv) or nullptr
+  const T* key_bias;    // (S) or nullptr
   const I* ak_low = nullptr;  // the tables in I (16-bit GEMMs), or nullptr
   const I* av_low = nullptr;
 };
@@ -144,8 +144,8 @@ struct Packing {
 
 // Head h of sequence s of a varlen call (g: the sequence's geometry).
 template <typename T, typename I>
-static inline Head<T, I> varlen_head(const Geometry& g, const Packing& pk,
-                                     const Inputs<T, I>& in, int64_t s, int64_t h) {
+static inline Head<T, I> varlen_head(const Geometry& g, const Packing& pk, const Inputs<T, I>& in,
+                                     int64_t s, int64_t h) {
   Head<T, I> hd;
   hd.b = 0;
   hd.h = h;

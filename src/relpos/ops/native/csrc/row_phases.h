@@ -171,8 +171,7 @@ static RELPOS_INLINE void add_to_buckets(T* buckets, int64_t R, const RowSegment
 
 // Bucket update of a row whose far sums are not known (after dropout): sums them first.
 template <typename T>
-static RELPOS_INLINE void bucket_row(const T* x, int64_t R, const RowSegments& seg,
-                                     T* buckets) {
+static RELPOS_INLINE void bucket_row(const T* x, int64_t R, const RowSegments& seg, T* buckets) {
   T sum_l = 0, sum_r = 0;
 #pragma omp simd reduction(+ : sum_l)
   for (int64_t j = 0; j < seg.n_left; ++j) sum_l += x[j];

@@ -90,9 +90,7 @@ struct VecF {
   static RELPOS_INLINE float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static RELPOS_INLINE V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
   // min(hi, max(lo, x)), NaN passing through (vmaxps / vminps return their second operand)
-  static RELPOS_INLINE V clamp(V x, V lo, V hi) {
-    return _mm512_min_ps(hi, _mm512_max_ps(lo, x));
-  }
+  static RELPOS_INLINE V clamp(V x, V lo, V hi) { return _mm512_min_ps(hi, _mm512_max_ps(lo, x)); }
   // exp's upper clamp: vscalefps overflows to +inf by itself, so exp_float's range fix for
   // +inf is not needed and x up to the float range is exact (89: 2^128 y, +inf)
   static constexpr float kExpHigh = 89.0f;
@@ -139,9 +137,7 @@ struct VecF {
     return _mm_cvtss_f32(s);
   }
   static RELPOS_INLINE V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
-  static RELPOS_INLINE V clamp(V x, V lo, V hi) {
-    return _mm256_min_ps(hi, _mm256_max_ps(lo, x));
-  }
+  static RELPOS_INLINE V clamp(V x, V lo, V hi) { return _mm256_min_ps(hi, _mm256_max_ps(lo, x)); }
   static constexpr float kExpHigh = 88.3762626647949f;  // exp_float's: 2^n stays a float
   // y · 2^n, 2^n from t = x · log2(e) + 1.5 · 2^23 (n in its low bits: the biased exponent
   // n + 127); 0 where x < lo (-inf included, NaN not) and +inf where x is +inf
@@ -183,8 +179,8 @@ static RELPOS_INLINE VecF::V vec_exp(VecF::V x) {
       y = VecF::fmadd(y, r, VecF::set1(c));
   } else {
     y = VecF::set1(1.9875691500e-4f);
-    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                          1.6666665459e-1f, 5.0000001201e-1f})
+    for (const float c :
+         {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
       y = VecF::fmadd(y, r, VecF::set1(c));
     y = VecF::add(VecF::fmadd(VecF::mul(y, r), r, r), VecF::set1(1.0f));
   }
@@ -263,8 +259,8 @@ static inline float far_segment_ds_vec(const float* p, float* dp, int64_t n, flo
   if (j < n) {
     const VecF::M m = VecF::tail(n - j);
     const VecF::V zero = VecF::set1(0.0f);
-    const VecF::V x = VecF::mul(VecF::load_tail(p + j, m, zero),
-                                VecF::sub(VecF::load_tail(dp + j, m, zero), cv));
+    const VecF::V x =
+        VecF::mul(VecF::load_tail(p + j, m, zero), VecF::sub(VecF::load_tail(dp + j, m, zero), cv));
     VecF::store_tail(dp + j, m, x);
     s0 = VecF::add(s0, VecF::zero_off_tail(m, x));
   }
@@ -280,8 +276,9 @@ static inline void add_to_vec(float* dst, const float* src, int64_t n) {
   if (j < n) {
     const VecF::M m = VecF::tail(n - j);
     const VecF::V zero = VecF::set1(0.0f);
-    VecF::store_tail(dst + j, m, VecF::add(VecF::load_tail(dst + j, m, zero),
-                                           VecF::load_tail(src + j, m, zero)));
+    VecF::store_tail(
+        dst + j, m,
+        VecF::add(VecF::load_tail(dst + j, m, zero), VecF::load_tail(src + j, m, zero)));
   }
 }
 #endif  // RELPOS_VEC_FLOAT
