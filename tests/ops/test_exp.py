@@ -42,12 +42,14 @@ def test_exp_propagates_nan_and_works_in_place():
     assert math.isnan(out[0]) and out[1] == pytest.approx(math.e, rel=1e-6) and out[2] == 0
 
 
-# The native kernels' own float32 exponential (csrc/relpos_native.cpp, exp_float), compiled
-# alone with the undefined-behaviour sanitizer: NaN and +-inf must take no undefined step (a
-# shift of a negative or too large int) and give NaN, inf and 0.
-_CSRC = Path(relpos.ops.native.__file__).with_name("csrc") / "relpos_native.cpp"
+# The native kernels' own float32 exponential (csrc/vec.h, exp_float; the header needs no
+# torch), compiled alone with the undefined-behaviour sanitizer: NaN and +-inf must take no
+# undefined step (a shift of a negative or too large int) and give NaN, inf and 0.
+_CSRC = Path(relpos.ops.native.__file__).with_name("csrc")
 
 _EXP_MAIN = r"""
+#include "vec.h"
+
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
@@ -60,6 +62,7 @@ int main() {
                       3.4e38f, -3.4e38f};
   for (int i = 0; i < 6; ++i) std::memcpy(&xs[12 + i], &nan_bits[i], 4);
   for (float x : xs) {
+    using relpos_native::exp_float;
     volatile float in = x;  // no constant folding: the sanitizer checks the real steps
     std::printf("%a %a\n", static_cast<double>(x), static_cast<double>(exp_float(in)));
   }
@@ -69,14 +72,9 @@ int main() {
 
 
 def _exp_float_source() -> str:
-    """exp_float as the kernels' source has it, after the standard headers that source includes
-    (not torch's), then a main that prints it for NaN, +-inf and a few finite values."""
-    text = _CSRC.read_text()
-    headers = [line for line in text.splitlines()
-               if line.startswith("#include <") and "/" not in line and ".h>" not in line]
-    start = text.index("static inline float exp_float(float x) {")
-    end = text.index("\n}\n", start) + 3
-    return "\n".join(headers) + "\n" + text[start:end] + _EXP_MAIN
+    """A main that prints the kernels' exp_float (csrc/vec.h, compiled with ``-I`` csrc) for NaN,
+    +-inf and a few finite values."""
+    return _EXP_MAIN
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -90,8 +88,8 @@ def test_the_native_float_exp_has_no_undefined_behaviour_on_nan_and_inf(tmp_path
     source = tmp_path / "exp.cpp"
     source.write_text(_exp_float_source())
     binary = tmp_path / "exp"
-    built = subprocess.run(["c++", *flags, str(source), "-o", str(binary)], capture_output=True,
-                           text=True)
+    built = subprocess.run(["c++", *flags, f"-I{_CSRC}", str(source), "-o", str(binary)],
+                           capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     run = subprocess.run([str(binary)], capture_output=True, text=True)
     assert run.returncode == 0 and "runtime error" not in run.stderr, run.stderr

@@ -1,6 +1,7 @@
-"""The native kernels' explicit float vectors (csrc/relpos_native.cpp, the section that defines
-``VecF``): compiled alone for each instruction set this CPU runs (AVX-512 with ``-march=x86-64-v4``,
-AVX2 with ``-march=x86-64-v3``) and checked against the scalar loops they replace, at every length
+"""The native kernels' explicit float vectors (``csrc/vec.h``: ``VecF`` and the row passes on it,
+``csrc/gemm_vec.h``: the float32 GEMMs on them; neither needs torch): compiled alone for each
+instruction set this CPU runs (AVX-512 with ``-march=x86-64-v4``, AVX2 with ``-march=x86-64-v3``)
+and checked against the scalar loops they replace, at every length
 from 0 to 100 (so every masked tail): max, exp and sum (and the cheaper exp of 16-bit calls
 against exp within its error), far-segment dS and the band's add,
 with NaN, +-inf and extreme values among the entries; and the float32 GEMMs on those vectors
@@ -19,14 +20,19 @@ import pytest
 import relpos.ops.native
 from relpos.ops.native.variants import runnable, variant
 
-_CSRC = Path(relpos.ops.native.__file__).with_name("csrc") / "relpos_native.cpp"
+_CSRC = Path(relpos.ops.native.__file__).with_name("csrc")
 
 # A main that runs each vector primitive against its scalar definition and prints one line per
 # disagreement, then "checked N".
 _MAIN = r"""
+#include "vec.h"
+#include "gemm_vec.h"
+
 #include <cstdio>
 #include <random>
 #include <vector>
+
+using namespace relpos_native;
 
 #define FAIL(...) (++bad, std::printf(__VA_ARGS__), std::printf("\n"))
 
@@ -214,21 +220,8 @@ int main() {
 
 
 def _source() -> str:
-    """The standard headers of the kernels' source, its inline macro, exp_float, the 16 x 16
-    transpose (AVX-512) and the vector section, then the main above."""
-    text = _CSRC.read_text()
-    headers = [line for line in text.splitlines()
-               if line.startswith("#include <") and "/" not in line and ".h>" not in line]
-    macro = "#define RELPOS_INLINE inline __attribute__((always_inline))\n"
-    exp_start = text.index("static inline float exp_float(float x) {")
-    exp_end = text.index("\n}\n", exp_start) + 3
-    transpose_start = text.index("// r[i] = row i of a 16 x 16 matrix of 32-bit elements")
-    transpose_end = text.index("\n}\n", transpose_start) + 3
-    vec_start = text.index("#if defined(__AVX512F__)\n#define RELPOS_VEC_FLOAT")
-    vec_end = text.index("#endif  // RELPOS_VEC_FLOAT: end of the vector section")
-    return ("\n".join(headers) + "\n#include <immintrin.h>\n" + macro + text[exp_start:exp_end]
-            + "#if defined(__AVX512F__)\n" + text[transpose_start:transpose_end] + "#endif\n"
-            + text[vec_start:vec_end] + "#endif\n" + _MAIN)
+    """The main above, which includes the kernels' vector headers (compiled with ``-I`` csrc)."""
+    return _MAIN
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -241,12 +234,12 @@ def test_the_vector_row_passes_equal_the_scalar_loops(name: str, flags: str,
     source = tmp_path / "vectors.cpp"
     source.write_text(_source())
     binary = tmp_path / "vectors"
-    built = subprocess.run(["c++", "-O2", "-std=c++17", flags, str(source), "-o", str(binary)],
-                           capture_output=True, text=True)
+    built = subprocess.run(["c++", "-O2", "-std=c++17", flags, f"-I{_CSRC}", str(source), "-o",
+                            str(binary)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr
     # the section compiled its vectors, not the scalar fallback
-    probe = subprocess.run(["c++", "-std=c++17", flags, "-dM", "-E", "-x", "c++", str(source)],
-                           capture_output=True, text=True)
+    probe = subprocess.run(["c++", "-std=c++17", flags, f"-I{_CSRC}", "-dM", "-E", "-x", "c++",
+                            str(source)], capture_output=True, text=True)
     assert "#define RELPOS_VEC_FLOAT 1" in probe.stdout
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:]

@@ -25,7 +25,9 @@ __all__ = ["CACHE_DIR_ENV", "NATIVE", "SOURCES", "Target", "build_directory", "c
            "kernels_root", "library_path"]
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = (_CSRC / "relpos_native.cpp", _CSRC / "decode_step.cpp")
+# The translation units the build compiles: the kernels (attention.cpp, which includes the
+# headers), the decode step, the bindings. The headers are in the build's key too.
+SOURCES = (_CSRC / "attention.cpp", _CSRC / "decode_step.cpp", _CSRC / "bindings.cpp")
 CACHE_DIR_ENV = "RELPOS_CACHE_DIR"
 
 
@@ -79,13 +81,14 @@ class Target:
 
     @functools.cached_property
     def key(self) -> str:
-        """A hash of the sources, the flags, torch's version and (``native`` only: it compiles
-        for exactly this CPU) the CPU's flags."""
+        """A hash of the sources (``csrc/``: the translation units and every header, by name
+        and content), the flags, torch's version and (``native`` only: it compiles for exactly
+        this CPU) the CPU's flags."""
         import torch
 
         h = hashlib.sha256()
-        for src in SOURCES:
-            h.update(src.read_bytes())
+        for src in sorted({*SOURCES, *_CSRC.glob("*.h")}):  # every file the compiler reads
+            h.update(src.name.encode() + b"\0" + src.read_bytes())
         h.update(repr((self.cflags, self.ldflags)).encode())
         if self.variant == NATIVE:
             h.update(_cpu_flags().encode())

@@ -17,14 +17,7 @@
 #include <optional>
 #include <vector>
 
-namespace relpos_native {  // relpos_native.cpp
-void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
-                          const int64_t k_s[3], const float* v, const int64_t v_s[3],
-                          const bool* key_mask, int64_t B, int64_t H, int64_t S, int64_t D,
-                          int64_t Dv, float scale, float* out, const int64_t o_s[2]);
-void panel_linear_f32(const float* x, int64_t M, int64_t K, const float* panels, int64_t NP,
-                      const float* bias, int64_t N, float* y);
-}  // namespace relpos_native
+#include "decode.h"  // the kernels it calls: decode_attention_f32, panel_linear_f32
 
 namespace relpos_decode {
 
@@ -36,7 +29,7 @@ using at::Tensor;
 Tensor decode_attention(const Tensor& query, const Tensor& key, const Tensor& value,
                         const std::optional<Tensor>& key_mask) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.dim() == 4,
-              "decode_attention takes query (B, H, D), key (B, H, S, D), value (B, H, S, Dv), "
+              "decode_attention takes query (B, H, D), key (B, H, S, D), value (B, H, S, Dv), ",
               "got ", query.sizes(), ", ", key.sizes(), ", ", value.sizes());
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2), S = key.size(2);
   const int64_t Dv = value.size(3);
@@ -82,7 +75,7 @@ Tensor decode_attention(const Tensor& query, const Tensor& key, const Tensor& va
 // holds, for k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k] (zeros past N), so a panel is
 // one contiguous stream; each row of x broadcasts x[r, k] against it into 16 accumulators.
 
-constexpr int64_t kPanel = 16;  // relpos_native.cpp's kPanel
+using relpos_native::kPanel;  // decode.h
 
 // (ceil(N / 16), K, 16) panels of a float32 weight (N, K).
 Tensor pack_panels(const Tensor& weight) {
@@ -98,15 +91,14 @@ Tensor pack_panels(const Tensor& weight) {
 // y (M, N) = x (M, K) @ weight^T + bias from pack_panels(weight) (N its rows).
 Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<Tensor>& bias,
                     int64_t N) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel &&
-                  panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.scalar_type() == at::kFloat &&
+                  panels.is_contiguous(),
               "panel_linear takes pack_panels' (N / 16, K, 16) float32 panels, got ",
               panels.sizes());
   const int64_t NP = panels.size(0), K = panels.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat &&
-                  x.device().is_cpu(),
-              "panel_linear takes float32 CPU rows (M, ", K, "), got ", x.scalar_type(), " ",
-              x.sizes());
+  TORCH_CHECK(
+      x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+      "panel_linear takes float32 CPU rows (M, ", K, "), got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(N > (NP - 1) * kPanel && N <= NP * kPanel, "N = ", N, " does not fit ", NP,
               " panels of ", kPanel);
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N &&
@@ -116,18 +108,17 @@ Tensor panel_linear(const Tensor& x, const Tensor& panels, const std::optional<T
   const int64_t M = xc.size(0);
   Tensor y = at::empty({M, N}, xc.options());
   relpos_native::panel_linear_f32(xc.data_ptr<float>(), M, K, panels.data_ptr<float>(), NP,
-                                  bias ? bias->data_ptr<float>() : nullptr, N,
-                                  y.data_ptr<float>());
+                                  bias ? bias->data_ptr<float>() : nullptr, N, y.data_ptr<float>());
   return y;
 }
 
 // How a linear reads its weight (relpos.models.decoding.decode_linear's choice, made once).
 enum class LinearKind : int64_t {
-  kLinear = 0,     // at::linear(x, weight, bias)
-  kTransposed = 1, // at::addmm(bias, x, weight^T) / at::mm(x, weight^T) with weight^T stored
-  kMklPacked = 2,  // mkl::_mkl_linear(x, packed, weight, bias, batch)
+  kLinear = 0,        // at::linear(x, weight, bias)
+  kTransposed = 1,    // at::addmm(bias, x, weight^T) / at::mm(x, weight^T) with weight^T stored
+  kMklPacked = 2,     // mkl::_mkl_linear(x, packed, weight, bias, batch)
   kOneDnnPacked = 3,  // mkldnn::_linear_pointwise(x, packed, bias, "none", [], "")
-  kPanels = 4,     // panel_linear(x, pack_panels(weight), bias, out)
+  kPanels = 4,        // panel_linear(x, pack_panels(weight), bias, out)
 };
 
 struct Linear {
@@ -139,8 +130,7 @@ struct Linear {
 
   Tensor operator()(const Tensor& x) const {
     switch (kind) {
-      case LinearKind::kTransposed:
-        return bias ? at::addmm(*bias, x, layout) : at::mm(x, layout);
+      case LinearKind::kTransposed: return bias ? at::addmm(*bias, x, layout) : at::mm(x, layout);
       case LinearKind::kMklPacked: {
         static auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkl::_mkl_linear", "")
@@ -157,11 +147,9 @@ struct Linear {
                               std::optional<c10::string_view>)>();
         return op.call(x, layout, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
       }
-      case LinearKind::kPanels:
-        return panel_linear(x, layout, bias, weight.size(0));
+      case LinearKind::kPanels: return panel_linear(x, layout, bias, weight.size(0));
       case LinearKind::kLinear:
-      default:
-        return at::linear(x, weight, bias);
+      default: return at::linear(x, weight, bias);
     }
   }
 };
@@ -193,8 +181,7 @@ class LayerStack {
   // native_attention: the attention call is decode_attention (float32), else SDPA.
   LayerStack(int64_t E, int64_t H, bool native_attention)
       : E_(E), H_(H), native_attention_(native_attention) {
-    TORCH_CHECK(E > 0 && H > 0 && E % H == 0, "d_model ", E, " must be a multiple of heads ",
-                H);
+    TORCH_CHECK(E > 0 && H > 0 && E % H == 0, "d_model ", E, " must be a multiple of heads ", H);
   }
 
   // norm: (weight, bias or None, eps); each linear: (kind, weight, bias or None, layout or an
@@ -241,8 +228,8 @@ class LayerStack {
     for (size_t i = 0; i < n; ++i) {
       const Layer& layer = layers_[i];
       Tensor k = keys[i], v = values[i];
-      TORCH_CHECK(k.dim() == 4 && k.size(2) == S && v.dim() == 4 && v.size(2) == S,
-                  "layer ", i, ": the cache views must hold S = ", S, " positions");
+      TORCH_CHECK(k.dim() == 4 && k.size(2) == S && v.dim() == 4 && v.size(2) == S, "layer ", i,
+                  ": the cache views must hold S = ", S, " positions");
       Tensor h = at::layer_norm(x, {E_}, layer.norm1.weight, layer.norm1.bias, layer.norm1.eps);
       Tensor qkv = layer.qkv(h).view({B, 3, H_, D});
       k.select(2, p).copy_(qkv.select(1, 1));
