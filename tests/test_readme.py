@@ -65,9 +65,9 @@ def _flat(text: str) -> str:
 
 
 def _min_s(seconds: float) -> str:
-    """``12 min 42 s``."""
+    """``12 min 42 s`` (``38 s`` under a minute)."""
     minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest} s"
+    return f"{minutes} min {rest} s" if minutes else f"{rest} s"
 
 
 def _stated_times() -> dict[str, list[str]]:

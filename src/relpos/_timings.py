@@ -50,11 +50,11 @@ class Measured(NamedTuple):
 
 #: The native kernels' first build on a machine (one library, ``-march=native``: the
 #: message printed while it compiles, ``relpos kernels --build``).
-FIRST_COMPILE_SECONDS = 163
+FIRST_COMPILE_SECONDS = 40
 #: One prebuilt variant (``relpos kernels --build --into DIR``): the fastest and the slowest.
-VARIANT_SECONDS = (88, 105)
+VARIANT_SECONDS = (36, 43)
 #: All five prebuilt variants.
-ALL_VARIANTS_SECONDS = 486
+ALL_VARIANTS_SECONDS = 199
 #: The whole test suite (``python -m pytest -q -n 2`` on a clean clone, the first compile
 #: included), the shortest and the longest of the CI runs measured.
 TEST_SUITE_SECONDS = (594, 624)
@@ -68,7 +68,7 @@ _LONG_MACHINES = "2-core Intel Xeon and AMD EPYC VMs (AVX-512), nothing else run
 #: machine (one a core) where it was measured with others
 #: (:func:`relpos.training.experiment.calibrate.reference_seconds`).
 EXPERIMENT = {
-    "default": Measured(762, jobs=1, compile=FIRST_COMPILE_SECONDS),
+    "default": Measured(137, jobs=2, compile=38),
     "quick": Measured(106, jobs=1, machine=_XEON_LOADED),
     "full": Measured(2342, jobs=1, machine=_XEON_LOADED),
     "long": Measured(23118, jobs=2, machine=_LONG_MACHINES),
@@ -93,8 +93,12 @@ def duration_text(seconds: float) -> str:
 
 
 def range_text(low: float, high: float) -> str:
-    """Two measured durations as a range of minutes to the half minute: ``1.5-2 minutes``
-    (one figure when both round alike: ``about 2 minutes``)."""
+    """Two measured durations as a range: of seconds to the 5 s under 90 s (``35-45 s``),
+    else of minutes to the half minute (``1.5-2 minutes``); one figure when both round alike
+    (``about 2 minutes``)."""
+    if high < 90:
+        lo_s, hi_s = (5 * round(s / 5) for s in (low, high))
+        return f"about {lo_s} s" if lo_s == hi_s else f"{lo_s}-{hi_s} s"
     a, b = (round(2 * s / 60) / 2 for s in (low, high))
     if a == b:
         return f"about {a:g} minute{'' if a == 1 else 's'}"

@@ -16,7 +16,7 @@ options)::
     OMP_WAIT_POLICY=PASSIVE python benchmarks/kernel_variants.py --dir DIR --out benchmarks
 
 ``--dir`` defaults to ``build/kernel-variants``, where the variants are built first if absent
-(1.5-2 minutes each on 2 cores: ``relpos._timings.VARIANT_SECONDS``); writes
+(35-45 s each on 2 cores: ``relpos._timings.VARIANT_SECONDS``); writes
 ``kernel_variants.md`` (``kernel_variants_bf16.md`` for bfloat16). ``--variants NAMES`` times
 only those variants of the directory.
 

@@ -57,7 +57,7 @@ def _models(text: str) -> tuple[str, ...]:
 #: (``relpos._timings``), written out here because that module loads torch and ``--help``
 #: must not (a test checks that they agree, and the README's with them).
 PRESET_TIMES = {
-    "default": "about 5 minutes on 2 CPU cores",
+    "default": "about 2 minutes on 2 CPU cores",
     "quick": "about 1 minute on 2 CPU cores",
     "full": "about 20 minutes on 2 CPU cores",
     "long": "about 6.5 hours on 2 CPU cores",

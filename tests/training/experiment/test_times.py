@@ -104,8 +104,9 @@ def test_a_presets_time_is_its_measured_time_at_one_job_a_core():
             assert reference_seconds(config) < found.sweep
     default = ExperimentConfig()
     assert reference_jobs(default) == 2 and reference_jobs(default, 1) == 1
+    found = EXPERIMENT["default"]
     assert reference_seconds(default) == pytest.approx(
-        EXPERIMENT["default"].sweep * _model(default, 2) / _model(default, 1))
+        found.sweep * _model(default, 2) / _model(default, found.jobs))
     # Another sweep than a preset's: the cost model alone.
     custom = replace(default, seeds=(0,), preset="custom")
     assert measured(custom) is None and measured(replace(default, steps=7)) is None
