@@ -143,7 +143,7 @@ def run_ranks(worker: str, world: int, *args: str, timeout_s: float = 240.0) -> 
     import pytest
 
     from relpos.ops.native import build
-    from relpos.training.distributed import free_port
+    from relpos.training.data_parallel import free_port
 
     build.load(quiet=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -34,6 +34,11 @@ MOVED_MODULES: dict[str, str | tuple[str, ...]] = {
     "relpos.plotting": "relpos.training.plotting",
     "relpos.tasks": "relpos.training.tasks",
     "relpos.training.experiment.signal": "relpos.training.experiment.row_signal",
+    # renamed so that no two modules share a name for different ideas
+    "relpos.training.distributed": "relpos.training.data_parallel",
+    "relpos.training.parallel": "relpos.training.mesh_parallel",
+    "relpos.training.experiment.resume": "relpos.training.experiment.reuse",
+    "relpos.training.experiment.evaluate": "relpos.training.experiment.code_metrics",
 }
 
 #: What :func:`module_getattr` serves for one old name: (the name to use instead, a loader).

@@ -141,7 +141,7 @@ def test_nproc_above_the_usable_cores_warns_once(tmp_path, capsys, monkeypatch, 
 
 def test_a_torchrun_rank_other_than_0_says_nothing_of_an_interrupt(monkeypatch):
     from relpos.cli import _interrupt
-    from relpos.training import distributed
+    from relpos.training import data_parallel as distributed
 
     assert _interrupt.LAUNCHED_ENV == distributed.LAUNCHED_ENV
     for env, silent, status in (({}, False, 130), ({"WORLD_SIZE": "2", "RANK": "0"}, False, 130),

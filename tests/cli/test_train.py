@@ -131,7 +131,7 @@ def test_torchrun_refuses_a_used_out_in_one_line_and_status_2_on_every_rank(tmp_
     import subprocess
     import sys
 
-    from relpos.training.distributed import free_port
+    from relpos.training.data_parallel import free_port
 
     out = tmp_path / "run"
     _train([*TINY, "--out", str(out)], capsys)

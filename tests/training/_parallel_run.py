@@ -1,4 +1,4 @@
-"""The tiny run that tests/training/test_parallel.py trains in one process and on ranks."""
+"""The tiny run that tests/training/test_mesh_parallel.py trains in one process and on ranks."""
 
 from __future__ import annotations
 

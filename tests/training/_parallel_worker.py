@@ -1,4 +1,4 @@
-"""One rank of tests/training/test_parallel.py (a script: RANK WORLD PORT OUT SPEC).
+"""One rank of tests/training/test_mesh_parallel.py (a script: RANK WORLD PORT OUT SPEC).
 
 SPEC is JSON: {"cp": int, "fsdp": bool, "ac": bool, "causal": bool, "dropout": float,
 "steps": int, "resume": bool}. Trains the test's tiny run with relpos.training.train under
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _parallel_run import run_tiny
 
-from relpos.training.distributed import DistContext
-from relpos.training.parallel import Parallelism
+from relpos.training.data_parallel import DistContext
+from relpos.training.mesh_parallel import Parallelism
 
 
 def main() -> int:
@@ -59,7 +59,7 @@ def _optimizer_order(rank: int, world: int, out: Path) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from relpos.models import ModelConfig, build_model
-    from relpos.training.parallel import _names, full_state, load_optimizer_state
+    from relpos.training.mesh_parallel import _names, full_state, load_optimizer_state
     from relpos.training.trainer import _param_groups
 
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 
 from relpos.models import ModelConfig
 from relpos.training import TrainConfig, train
-from relpos.training.distributed import DistContext, rank_share, rank_slice
+from relpos.training.data_parallel import DistContext, rank_share, rank_slice
 from relpos.training.evaluation import forward, masked_stats
 from relpos.training.tasks import Batch, OffsetRecall, TextLM, build_task, task_from_config
 

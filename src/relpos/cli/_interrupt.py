@@ -22,7 +22,7 @@ from types import FrameType
 
 __all__ = ["LAUNCHED_ENV", "exit_status", "is_interrupt", "line", "says", "silent", "watch"]
 
-#: Set by :func:`relpos.training.distributed.launch` in the processes it starts (the same
+#: Set by :func:`relpos.training.data_parallel.launch` in the processes it starts (the same
 #: name there: that module loads torch).
 LAUNCHED_ENV = "RELPOS_LAUNCHED"
 #: How long a process of a multi-process run waits, after an error, for the SIGINT that

@@ -402,8 +402,8 @@ def _out_of_memory(err: BaseException) -> bool:
 
 
 def parallelism(args: argparse.Namespace) -> Any:
-    """The :class:`relpos.training.parallel.Parallelism` the scaling options ask for."""
-    from relpos.training.parallel import Parallelism
+    """The :class:`relpos.training.mesh_parallel.Parallelism` the scaling options ask for."""
+    from relpos.training.mesh_parallel import Parallelism
 
     return Parallelism(
         context_parallel=args.context_parallel or 1,
@@ -512,7 +512,7 @@ def _run(args: argparse.Namespace, out: Path, launching: bool) -> int:
     import torch
 
     from relpos.training import init_distributed, launch, train
-    from relpos.training.distributed import refuse_together, shutdown
+    from relpos.training.data_parallel import refuse_together, shutdown
     from relpos.training.trainer import clear_run, previous_run, summarize
 
     ranks = 1 if launching else int(os.environ.get("WORLD_SIZE", "1"))

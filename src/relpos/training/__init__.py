@@ -10,8 +10,8 @@ from relpos.training.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from relpos.training.distributed import DistContext, init_distributed, launch
-from relpos.training.parallel import Parallelism
+from relpos.training.data_parallel import DistContext, init_distributed, launch
+from relpos.training.mesh_parallel import Parallelism
 from relpos.training.trainer import TrainConfig, evaluate, lr_at, train
 
 __all__ = [

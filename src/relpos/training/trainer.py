@@ -39,10 +39,10 @@ from torch import Tensor, nn
 from relpos._sysinfo import environment
 from relpos.training.checkpoint import atomic_write_json, rng_state, save_checkpoint
 from relpos.training.config import TrainConfig, lr_at
-from relpos.training.distributed import DistContext, rank_share, rank_slice
+from relpos.training.data_parallel import DistContext, rank_share, rank_slice
 from relpos.training.evaluation import evaluate, forward, masked_stats, nats
 from relpos.training.evaluation import summarize as summarize
-from relpos.training.parallel import (
+from relpos.training.mesh_parallel import (
     Layout,
     Parallelism,
     fresh_rng,
@@ -113,7 +113,7 @@ def train(
         log: where the periodic evaluation lines go without a progress bar (rank 0 only;
             None = nowhere). With one they are written above it.
         parallel: context parallelism, FSDP2 and activation checkpointing (see
-            :mod:`relpos.training.parallel`); None = data parallelism (DDP) alone. Under
+            :mod:`relpos.training.mesh_parallel`); None = data parallelism (DDP) alone. Under
             context parallelism or FSDP the returned model is a plain copy of the trained
             weights (on rank 0; the others get the sharded model).
 
@@ -260,7 +260,7 @@ def _resume(run: _Run) -> None:
 def _parallelize(run: _Run) -> None:
     """Make ``run.net``: the model under the run's parallelism. FSDP replaces the weights
     with shards, so the optimizer is rebuilt over them and given the state it had."""
-    from relpos.training.parallel import _names
+    from relpos.training.mesh_parallel import _names
 
     assert run.lay is not None
     run.names = _names(run.model, run.optimizer.param_groups)

@@ -12,8 +12,8 @@ Modules:
         ``results.json.gz``, figures and ``report.md``.
     :mod:`~relpos.training.experiment.config`: the configuration and its presets.
     :mod:`~relpos.training.experiment.sweep`: the plan of runs, their settings, training one.
-    :mod:`~relpos.training.experiment.evaluate`: evaluating a ``pysrc`` model.
-    :mod:`~relpos.training.experiment.resume`: an output directory's files, reusing its
+    :mod:`~relpos.training.experiment.code_metrics`: evaluating a ``pysrc`` model.
+    :mod:`~relpos.training.experiment.reuse`: an output directory's files, reusing its
         finished runs.
     :mod:`~relpos.training.experiment.workers`: runs in parallel processes.
     :mod:`~relpos.training.experiment.calibrate`: the time estimate.

@@ -31,8 +31,8 @@ from relpos._io import atomic_write_bytes, atomic_write_text
 from relpos._sysinfo import environment
 from relpos.training.checkpoint import atomic_write_json
 from relpos.training.experiment.calibrate import calibrate, cost, sweep_seconds, usable_cores
+from relpos.training.experiment.code_metrics import chance, evaluate_code
 from relpos.training.experiment.config import CODE_TASK, ExperimentConfig, default_command
-from relpos.training.experiment.evaluate import chance, evaluate_code
 from relpos.training.experiment.figures import write_figures
 from relpos.training.experiment.report import make_report, make_summary
 from relpos.training.experiment.results import (
@@ -42,7 +42,7 @@ from relpos.training.experiment.results import (
     results_bytes,
     results_path,
 )
-from relpos.training.experiment.resume import (
+from relpos.training.experiment.reuse import (
     REPORT_FILE,
     RUNS_DIR,
     describe,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from relpos.training.experiment.code_metrics import EVAL_SEED, evaluate_code
 from relpos.training.experiment.config import CODE_TASK, ExperimentConfig
-from relpos.training.experiment.evaluate import EVAL_SEED, evaluate_code
 from relpos.training.experiment.results import BUCKETS
 from relpos.training.tasks import Task, build_task
 from relpos.training.trainer import TrainConfig, train

@@ -13,7 +13,7 @@ import pytest
 from relpos.cli import main
 from relpos.models import ModelConfig
 from relpos.training import TrainConfig, distributed, train
-from relpos.training.distributed import DistContext, free_port, rank_slice
+from relpos.training.data_parallel import DistContext, free_port, rank_slice
 from relpos.training.tasks import TextLM
 
 ARGS = [
@@ -117,7 +117,7 @@ import torch
 import torch.distributed as dist
 from relpos.models import ModelConfig
 from relpos.training import TrainConfig, train
-from relpos.training.distributed import DistContext
+from relpos.training.data_parallel import DistContext
 from relpos.training.tasks import TextLM
 
 

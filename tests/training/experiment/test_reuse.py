@@ -1,4 +1,4 @@
-"""An output directory that holds an experiment (relpos.training.experiment.resume): refused,
+"""An output directory that holds an experiment (relpos.training.experiment.reuse): refused,
 reused or replaced, and a sweep extended from its results document alone."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from relpos.training.experiment import load_results, run_experiment
 from relpos.training.experiment.results import results_path
-from relpos.training.experiment.resume import earlier_document, earlier_invocations
+from relpos.training.experiment.reuse import earlier_document, earlier_invocations
 
 
 def _quiet(s: str) -> None:

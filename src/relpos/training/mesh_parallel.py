@@ -3,7 +3,7 @@
 A run of ``P = dp x cp`` processes lays its ranks on a ``(dp, cp)`` device mesh
 (``torch.distributed.device_mesh.init_device_mesh``; rank ``r`` is ``dp_rank * cp +
 cp_rank``). The ``dp`` ranks split each global batch's rows
-(:func:`~relpos.training.distributed.rank_share`); the ``cp`` ranks of one ``dp`` group take
+(:func:`~relpos.training.data_parallel.rank_share`); the ``cp`` ranks of one ``dp`` group take
 the same rows and split their sequence (:func:`relpos.distributed.shard_sequence`:
 ``head_tail`` for a causal model, so every rank gets the same causal work; ``contiguous``
 otherwise), and the model's self-attention runs under
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from relpos.training.distributed import DistContext
+from relpos.training.data_parallel import DistContext
 from relpos.training.tasks import Batch
 
 __all__ = ["Layout", "Parallelism"]

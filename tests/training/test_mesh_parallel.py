@@ -1,5 +1,5 @@
 """Training under context parallelism, FSDP2 and activation checkpointing
-(relpos.training.parallel): runs of 2 and 4 CPU ranks (gloo, 127.0.0.1) equal one process,
+(relpos.training.mesh_parallel): runs of 2 and 4 CPU ranks (gloo, 127.0.0.1) equal one process,
 step by step (losses) and at the end (weights); a run resumes at another world size; the
 refusals.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from relpos.training.distributed import DistContext
-from relpos.training.parallel import Layout, Parallelism, shard_batch
+from relpos.training.data_parallel import DistContext
+from relpos.training.mesh_parallel import Layout, Parallelism, shard_batch
 from relpos.training.tasks import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
