@@ -322,3 +322,21 @@ def test_a_call_where_no_query_sees_a_key_stays_in_the_graph(
         assert grad is not None and grad.shape == packed[name].shape and not grad.any(), name
     if tables:
         assert table.grad is not None and not table.grad.any()
+
+
+@pytest.mark.parametrize("implementation", GROUPED)
+def test_padded_groups_read_non_contiguous_views(no_native: None, implementation: str) -> None:
+    """Slices of one fused QKV projection ``(T, H, 3D)`` (strided views, as a module's
+    projection gives them): the padded groups equal the definition in float64, forward and the
+    five gradients."""
+    lq, lk, D = [3, 1, 7, 4, 1], [3, 9, 7, 4, 6], 4
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(sum(lk), H, 3 * D, generator=g, dtype=torch.float64, requires_grad=True)
+    q = qkv[:sum(lq), :, :D]
+    x = dict(query=q, key=qkv[:, :, D:2 * D], value=qkv[:, :, 2 * D:],
+             cu_seqlens_q=cu_seqlens_from_lengths(lq), cu_seqlens_k=cu_seqlens_from_lengths(lk))
+    assert not any(x[n].is_contiguous() for n in ("query", "key", "value"))
+    tables = _tables((2, 1), D, D, "both", per_head=False)
+    kwargs = dict(max_distance=(2, 1), is_causal=True, **tables)
+    out = relative_attention_varlen(**x, implementation=implementation, **kwargs)
+    _check_equal(out, _definition(x, lq, lk, **kwargs), x, x, tables)
