@@ -23,7 +23,8 @@ PATH = re.compile(r"(?<![\w/.~$-])((?:src|docs|benchmarks|tests)/[\w./-]*\w)")
 OTHER_DESIGN = re.compile(r"DESIGN(?:\.md)?\s*(?:§|section)|(?<![\w/])DESIGN\.md")
 #: Paths that are written, not read: the files a command creates where it runs.
 WRITTEN = {
-    "benchmarks/triton_cuda.md": "benchmarks/cuda_check.py writes it on a machine with a GPU",
+    "benchmarks/triton_cuda.md": "python -m relpos.bench.cuda_check writes it on a machine with a "
+                                 "GPU",
 }
 
 

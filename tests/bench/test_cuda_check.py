@@ -1,4 +1,4 @@
-"""relpos.bench.cuda_check (``python benchmarks/cuda_check.py``): its CPU-side parts
+"""relpos.bench.cuda_check (``python -m relpos.bench.cuda_check``): its CPU-side parts
 (arguments, shapes, report), so that the GPU benchmark is ready to run the day a GPU is
 there."""
 

@@ -1,8 +1,7 @@
 """The benchmark scripts of relpos.bench (cuda_check, w2v_bert, ct2_decode, eole,
-encoder_variants, kernel_variants, varlen, half_precision, last_mile,
-generate_packed): they import no optional
-package until they run, and the launchers in ``benchmarks/`` still start them with the same
-options."""
+encoder_variants, kernel_variants, varlen, half_precision, generate_packed, first_step): they
+import no optional package until they run, and each starts as ``python -m relpos.bench.NAME``,
+the command their committed reports give."""
 
 from __future__ import annotations
 
@@ -13,47 +12,40 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-#: launcher in benchmarks/ -> the module it runs
-SCRIPTS = {
-    "cuda_check.py": "relpos.bench.cuda_check",
-    "w2v_bert.py": "relpos.bench.w2v_bert",
-    "ct2_decode.py": "relpos.bench.ct2_decode",
-    "eole_bench.py": "relpos.bench.eole",
-    "encoder_variants.py": "relpos.bench.encoder_variants",
-    "kernel_variants.py": "relpos.bench.kernel_variants",
-    "varlen.py": "relpos.bench.varlen",
-    "half_precision.py": "relpos.bench.half_precision",
-    "last_mile.py": "relpos.bench.last_mile",
-    "generate_packed.py": "relpos.bench.generate_packed",
-}
+SCRIPTS = ("relpos.bench.cuda_check", "relpos.bench.w2v_bert", "relpos.bench.ct2_decode",
+           "relpos.bench.eole", "relpos.bench.encoder_variants", "relpos.bench.kernel_variants",
+           "relpos.bench.varlen", "relpos.bench.half_precision", "relpos.bench.generate_packed",
+           "relpos.bench.first_step")
 OPTIONAL = ("transformers", "ctranslate2", "eole", "onnx", "triton", "flash_attn")
 
 
 def test_modules_import_no_optional_package() -> None:
-    code = (f"import sys, {', '.join(SCRIPTS.values())}\n"
+    code = (f"import sys, {', '.join(SCRIPTS)}\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {OPTIONAL!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "[]", done.stdout
 
 
-@pytest.mark.parametrize("launcher", sorted(SCRIPTS))
-def test_launcher_runs_the_module(launcher: str) -> None:
-    path = ROOT / "benchmarks" / launcher
-    assert len(path.read_text().splitlines()) < 15, "a launcher, not the benchmark"
-    assert SCRIPTS[launcher] in path.read_text()
-    done = subprocess.run([sys.executable, str(path), "--help"], capture_output=True,
+@pytest.mark.parametrize("module", SCRIPTS)
+def test_each_script_runs_as_a_module(module: str) -> None:
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ")
 
 
-def test_script_command_names_how_it_started(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_benchmarks_holds_scripts_not_launchers() -> None:
+    """A script in ``benchmarks/`` is one of the repository's own (no ``relpos.bench`` module
+    behind it); the benchmarks of the package run as ``python -m relpos.bench.NAME``."""
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        assert len(path.read_text().splitlines()) > 30, f"{path.name}: a launcher?"
+        assert not (ROOT / "src" / "relpos" / "bench" / path.name).exists(), path.name
+
+
+def test_script_command_is_the_module() -> None:
     from relpos.bench import common
 
-    monkeypatch.setattr(sys, "argv", ["/x/benchmarks/eole_bench.py", "--quick"])
-    assert common.script_command("relpos.bench.eole") == "python benchmarks/eole_bench.py"
-    monkeypatch.setattr(sys, "argv", ["/x/src/relpos/bench/eole.py", "--quick"])
     assert common.script_command("relpos.bench.eole") == "python -m relpos.bench.eole"
 
 

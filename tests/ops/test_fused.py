@@ -292,7 +292,7 @@ def test_auto_picks_what_explain_backends_says(
 
 
 # ----------------------------------------------------------------------------------------------
-# CUDA (skipped without a GPU; benchmarks/cuda_check.py is the fuller check)
+# CUDA (skipped without a GPU; python -m relpos.bench.cuda_check is the fuller check)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -16,14 +16,12 @@ Modules:
     :mod:`relpos.bench.hardware`: instruction sets and the OpenMP wait policy, for the
         header, the warning when that policy is unset, and the rerun with it set.
 
-The benchmark scripts, each run as ``python -m relpos.bench.NAME`` (or through its launcher
-``python benchmarks/NAME.py``, the command their committed reports give); the optional
-packages they compare against load only when they run:
+The benchmark scripts, each run as ``python -m relpos.bench.NAME``; the optional packages they
+compare against load only when they run:
     :mod:`relpos.bench.cuda_check`: the fused and triton backends on a CUDA device.
     :mod:`relpos.bench.w2v_bert`: w2v-BERT 2.0 through relpos against stock transformers.
     :mod:`relpos.bench.ct2_decode`: relpos against CTranslate2 on the same language model.
-    :mod:`relpos.bench.eole`: stock eole against eole patched by relpos
-        (``benchmarks/eole_bench.py``).
+    :mod:`relpos.bench.eole`: stock eole against eole patched by relpos.
     :mod:`relpos.bench.encoder_variants`: the ``--preset encoder`` models in eval mode, on
         padded batches and with dropout.
     :mod:`relpos.bench.kernel_variants`: the native kernels' portable variants (``relpos

@@ -58,7 +58,7 @@ def backends() -> tuple[str, ...]:
 def default_backends() -> tuple[str, ...]:
     """What runs without ``--backends``: auto (its note names the backend it picks) and every
     backend but ``decode``, which serves KV-cache steps (``relpos bench --decode``), not
-    whole-sequence attention, and ``triton``, a GPU backend (``benchmarks/cuda_check.py
+    whole-sequence attention, and ``triton``, a GPU backend (``python -m relpos.bench.cuda_check
     --triton`` times it)."""
     return tuple(b for b in backends() if b not in ("decode", "triton"))
 

@@ -234,12 +234,8 @@ def typed_command(args: argparse.Namespace) -> str | None:
 
 
 def script_command(module: str) -> str:
-    """How this benchmark script was started, for a report's command line: ``python
-    benchmarks/NAME.py`` when through its launcher in ``benchmarks/``, else ``python -m
-    module`` (the arguments are the caller's to add)."""
-    program = Path(sys.argv[0])
-    if program.parent.name == "benchmarks" and program.suffix == ".py":
-        return f"python benchmarks/{program.name}"
+    """The command that starts the benchmark script ``module``, for a report's command line:
+    ``python -m module`` (the arguments are the caller's to add)."""
     return f"python -m {module}"
 
 

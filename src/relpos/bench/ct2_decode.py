@@ -15,10 +15,9 @@ process, interleaved round by round, medians:
 The greedy tokens of relpos and CTranslate2 float32 are compared on every case. relpos has
 no int8 path (its linears stay float32), so the int8 column is CTranslate2's only.
 
-Needs the ``ct2`` extra (``pip install 'relpos[ct2]'``). Benchmark, not a test
-(``python -m relpos.bench.ct2_decode`` takes the same options)::
+Needs the ``ct2`` extra (``pip install 'relpos[ct2]'``). Benchmark, not a test::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/ct2_decode.py --out benchmarks/ct2_decode.md
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.ct2_decode --out benchmarks/ct2_decode_xeon.md
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """CUDA check of the fused and triton backends: correctness against the reference, then timing.
 
-Run on a machine with a CUDA device (``python -m relpos.bench.cuda_check`` takes the same
-options)::
+Run on a machine with a CUDA device::
 
-    python benchmarks/cuda_check.py                # checks + fused timings
-    python benchmarks/cuda_check.py --quick        # checks only
-    python benchmarks/cuda_check.py --triton       # checks + the triton benchmark and report
+    python -m relpos.bench.cuda_check             # checks + fused timings
+    python -m relpos.bench.cuda_check --quick     # checks only
+    python -m relpos.bench.cuda_check --triton    # checks + the triton benchmark and report
 
 Correctness: float32 forward and all five gradients of each backend (``--backends``) against
 the reference backend computed in float64 on the same device (shared and per-head tables,

@@ -205,7 +205,7 @@ def settings(args: Any) -> _Settings:
     requested = getattr(args, "backends", None)
     available = available_backends()
     extra = (
-        # triton is a GPU backend (benchmarks/cuda_check.py --triton times it)
+        # triton is a GPU backend (python -m relpos.bench.cuda_check --triton times it)
         [b for b in available if b not in ("reference", "triton")] if requested is None
         else list(common.check_names("--backends", requested, available))
     )

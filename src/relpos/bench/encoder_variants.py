@@ -14,10 +14,9 @@ The models are those of ``relpos bench --preset encoder`` (``relpos.bench.encode
   step (forward + backward), dropout 0.
 - ``dropout``: training step with ``dropout=0.1`` in every layer (attention dropout included).
 
-Run from the repository root (``python -m relpos.bench.encoder_variants`` takes the same
-options)::
+Run from the repository root::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/encoder_variants.py --out benchmarks
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.encoder_variants --out benchmarks
 
 writes ``encoder_variants.md``.
 """

@@ -23,10 +23,10 @@ shared vocabulary of 8000, float32, dropout 0, random weights from eole's own
   between the log-probabilities it computed with its cache and the model's teacher-forced
   log-probabilities of the same tokens.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/eole_bench.py --out benchmarks/eole.md
-    python benchmarks/eole_bench.py --quick          # a smoke run (2 + 2 layers, small sizes)
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.eole --out benchmarks/eole_xeon.md
+    python -m relpos.bench.eole --quick          # a smoke run (2 + 2 layers, small sizes)
 
-(``python -m relpos.bench.eole`` takes the same options.) Needs the ``eole`` extra.
+Needs the ``eole`` extra.
 """
 
 from __future__ import annotations

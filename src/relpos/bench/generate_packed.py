@@ -10,11 +10,10 @@ the packed steps through the modules over a ``PackedKVCache`` (what ``generate_p
 before it used the fast decoder). The cases: 8 prompts of 64 tokens, 8 prompts of 8..256
 tokens; 64 new tokens each. Every function's tokens are checked equal to ``generate``'s.
 
-Run from the repository root (``python -m relpos.bench.generate_packed`` takes the same
-options)::
+Run from the repository root::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/generate_packed.py \
-        --out benchmarks/generate_packed_amd.md
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.generate_packed \
+        --out benchmarks/generate_packed_epyc.md
 """
 
 from __future__ import annotations

@@ -9,10 +9,9 @@ interleaved rounds, medians: the forward under ``torch.no_grad()``, then forward
 of a random upstream gradient. The ratio is 16-bit time over float32 time (< 1: the 16-bit
 call is faster).
 
-Run from the repository root (``python -m relpos.bench.half_precision`` takes the same
-options)::
+Run from the repository root::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/half_precision.py --out benchmarks
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.half_precision --out benchmarks
 
 writes ``half_precision.md`` and ``half_precision.csv``. With ``--bf16-engines amx,avx512bf16,
 mkl,widened`` the bfloat16 call runs once per engine (``RELPOS_NATIVE_BF16_GEMM``: AMX tiles,

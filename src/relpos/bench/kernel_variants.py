@@ -10,10 +10,9 @@ same run. A variant runs
 only where the CPU runs it (``avx512`` needs AVX-512 F/BW/CD/DQ/VL, ``amx`` also AMX-TILE,
 AMX-BF16 and AVX512-BF16).
 
-Run from the repository root (``python -m relpos.bench.kernel_variants`` takes the same
-options)::
+Run from the repository root::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/kernel_variants.py --dir DIR --out benchmarks
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.kernel_variants --dir DIR --out benchmarks
 
 ``--dir`` defaults to ``build/kernel-variants``, where the variants are built first if absent
 (35-45 s each on 2 cores: ``relpos._timings.VARIANT_SECONDS``); writes

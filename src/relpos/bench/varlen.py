@@ -18,9 +18,9 @@ report states the padding fraction that implies.
   lengths: a ``PackedKVCache`` against a ``KVCache`` of the left-padded prompts.
 
 Timed in interleaved rounds (medians), ratios measured in the same run. Run from the
-repository root (``python -m relpos.bench.varlen`` takes the same options)::
+repository root::
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/varlen.py --out benchmarks
+    OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.varlen --out benchmarks
 
 writes ``varlen.md``.
 """

@@ -8,11 +8,11 @@ minus the RSS at that point. Variants: ``eager`` and ``sdpa`` (transformers' att
 implementations, which build an (L, S, head_size) embedding and an (H, L, S) bias per layer)
 and ``relpos`` (the sdpa model after ``relpos.integrations.transformers.patch``).
 
-    python benchmarks/w2v_bert.py --out benchmarks/w2v_bert.md          # the full study
-    python benchmarks/w2v_bert.py --quick                                # a smoke run
+    python -m relpos.bench.w2v_bert --out benchmarks/w2v_bert_xeon.md    # the full study
+    python -m relpos.bench.w2v_bert --quick                               # a smoke run
 
-(``python -m relpos.bench.w2v_bert`` takes the same options.) Needs the ``transformers``
-extra. Set ``OMP_WAIT_POLICY=PASSIVE`` on a shared machine (the report records it).
+Needs the ``transformers`` extra. Set ``OMP_WAIT_POLICY=PASSIVE`` on a shared machine (the
+report records it).
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ with float32 accumulation on CUDA (compute capability 8.0 or newer). Not served 
 Without a GPU: with ``TRITON_INTERPRET=1`` set before the kernels are first imported, Triton's
 interpreter runs them on CPU tensors when ``implementation="triton"`` is asked for by name
 (float64 too), which is how the tests check the numbers; auto-selection never picks this
-backend for CPU tensors. GPU speed is unmeasured (``benchmarks/cuda_check.py`` measures it).
+backend for CPU tensors. GPU speed is unmeasured (``python -m relpos.bench.cuda_check``
+measures it).
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
 K clip distance, R = 2K + 1 table rows.
