@@ -139,7 +139,7 @@ def decode_packing() -> str:
     their vector code (AVX-512 or AVX2: :func:`_vectorized`), else oneDNN, else MKL. On an
     AMD EPYC (Zen 4), 8 rows against 512-2048 x 512 weights, MKL's packed GEMM ran at
     ``F.linear``'s speed, oneDNN's 1.4-1.8x faster and the panels another 1.35-1.7x (16-23
-    GB/s of weights; ``benchmarks/ct2_decode_amd.md``); at batch 1 the panels read 512-2048 x
+    GB/s of weights; ``benchmarks/ct2_decode_epyc.md``); at batch 1 the panels read 512-2048 x
     512 weights at 22-26 GB/s there, 1.2-2.2x the rate of MKL's matrix-vector product in the
     better of its two layouts; the AVX2 build's panels took 0.97-1.09x the AVX-512 build's
     time at one row, 1.15-1.25x at eight (0.76-0.94x oneDNN's). The panels are not measured

@@ -34,7 +34,7 @@ of the call). At these
 sizes the reference's ``(L, S, D)`` gathered tables are small and shared by every batch row
 and head, and its relative terms are batched matmuls, while this backend gathers and
 scatters over all ``B·H·L·S`` scores: the training-shapes table
-(benchmarks/training_shapes.md) has the reference 1.0-1.5x faster in the forward at
+(benchmarks/training_shapes_xeon.md) has the reference 1.0-1.5x faster in the forward at
 n = 64 and 128, and 1.2x faster forward + backward at n = 64 with K = 64."""
 
 _REFERENCE_MAX_TABLE_BYTES = 32 << 20
