@@ -62,3 +62,17 @@ def test_names_moved_out_of_ops_call_warn(name: str, new: str) -> None:
     with pytest.warns(DeprecationWarning, match=rf"relpos\.ops\.call\.{name} is deprecated"):
         value = getattr(call, name)
     assert value is getattr(importlib.import_module(new), name)
+
+
+def test_the_layers_import_from_their_old_module() -> None:
+    import relpos
+
+    sys.modules.pop("relpos.modules.transformer", None)
+    with pytest.warns(DeprecationWarning, match=r"relpos\.modules\.transformer is deprecated; "
+                                                r"use relpos\.modules\.transformer_layers$"):
+        from relpos.modules.transformer import (  # type: ignore[import-not-found]
+            RelativeTransformerDecoderLayer,
+            RelativeTransformerEncoderLayer,
+        )
+    assert RelativeTransformerEncoderLayer is relpos.RelativeTransformerEncoderLayer
+    assert RelativeTransformerDecoderLayer is relpos.RelativeTransformerDecoderLayer

@@ -25,7 +25,7 @@ MODULES = tuple(sorted(
 
 def test_the_core_has_examples() -> None:
     core = {"relpos.functional", "relpos.positions", "relpos.tables", "relpos.cache",
-            "relpos.modules.attention", "relpos.modules.transformer"}
+            "relpos.modules.attention", "relpos.modules.transformer_layers"}
     assert core <= set(MODULES), sorted(core - set(MODULES))
 
 

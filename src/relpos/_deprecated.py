@@ -39,6 +39,7 @@ MOVED_MODULES: dict[str, str | tuple[str, ...]] = {
     "relpos.training.parallel": "relpos.training.mesh_parallel",
     "relpos.training.experiment.resume": "relpos.training.experiment.reuse",
     "relpos.training.experiment.evaluate": "relpos.training.experiment.code_metrics",
+    "relpos.modules.transformer": "relpos.modules.transformer_layers",
 }
 
 #: What :func:`module_getattr` serves for one old name: (the name to use instead, a loader).

@@ -1,5 +1,5 @@
 """``relpos bench --preset encoder``: a training step of a 6-layer Transformer encoder built
-from relpos's :class:`~relpos.modules.transformer.RelativeTransformerEncoderLayer`, against
+from relpos's :class:`~relpos.modules.transformer_layers.RelativeTransformerEncoderLayer`, against
 the same model built from ``nn.TransformerEncoderLayer``.
 
 The two models (:func:`build_models`) are alike but for the attention: 6 layers of E=512,
@@ -89,7 +89,7 @@ def build_models(
         >>> plain(x).shape == rel["auto"](x).shape == x.shape
         True
     """
-    from relpos.modules.transformer import RelativeTransformerEncoderLayer
+    from relpos.modules.transformer_layers import RelativeTransformerEncoderLayer
 
     layer_args: dict[str, Any] = dict(
         d_model=d_model, nhead=nhead, dim_feedforward=dim_feedforward, dropout=0.0,

@@ -32,7 +32,7 @@ from relpos.models.generation import (
     padded_from_packed,
     sample,
 )
-from relpos.modules.transformer import RelativeTransformerEncoderLayer
+from relpos.modules.transformer_layers import RelativeTransformerEncoderLayer
 from relpos.varlen import cu_seqlens_from_lengths
 
 __all__ = ["RelativeTransformerEncoderModel", "RelativeTransformerLM", "build_model"]

@@ -1,7 +1,7 @@
 """``nn.Module`` wrappers: they own the parameters and call :mod:`relpos.functional`."""
 
 from relpos.modules.attention import RelativeMultiheadAttention
-from relpos.modules.transformer import (
+from relpos.modules.transformer_layers import (
     RelativeTransformerDecoderLayer,
     RelativeTransformerEncoderLayer,
 )
