@@ -163,7 +163,7 @@ enum class Bf16Gemm : uint8_t { kWidened, kMkl, kAmx, kDot };
 // VDPBF16PS where this build has it and it pays (dot_products_pay); else MKL's GEMM where the CPU
 // has AMX-BF16 (a portable build on such a CPU: MKL runs it on the tiles); else widened tiles
 // (MKL's bfloat16 GEMM without AMX took 1.06-1.51x their time with MKL held to AVX2, AVX-512 or
-// AVX512-BF16, benchmarks/half_precision_engines.md). RELPOS_NATIVE_BF16_GEMM=amx,
+// AVX512-BF16, benchmarks/half_precision_engines_xeon.md). RELPOS_NATIVE_BF16_GEMM=amx,
 // avx512bf16, mkl or widened asks for one (one this build or CPU lacks gives way to the next in
 // that order); without it RELPOS_NATIVE_HALF_GEMM=0 asks for widened, then RELPOS_NATIVE_AMX=0
 // (older) for mkl, RELPOS_NATIVE_HALF_GEMM=1 for the first 16-bit GEMM there is (amx,
@@ -206,7 +206,7 @@ static Bf16Gemm bf16_gemm() {
 // and dS unrounded) and, for bfloat16, the packed-tile engine its large enough blocks run on
 // (tile_gemms_of). bfloat16 as bf16_gemm() says; float16 only under RELPOS_NATIVE_HALF_GEMM=1
 // (where libtorch has the GEMM): MKL's float16 GEMM measured slower than widened tiles even on
-// a CPU with AVX512-FP16 (benchmarks/half_precision.md), and CPUs without FP16 arithmetic can
+// a CPU with AVX512-FP16 (benchmarks/half_precision_xeon.md), and CPUs without FP16 arithmetic can
 // only convert inside it.
 struct HalfGemms {
   bool low = false;

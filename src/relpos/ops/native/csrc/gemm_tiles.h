@@ -60,7 +60,7 @@ static bool cpu_has_amx_bf16() {
 // best of 9 runs of each (about 0.2 ms, once per process). On Intel's Sapphire Rapids one
 // VDPBF16PS takes 4x an FMA's time and the packed tiles' dot products ran the bfloat16 forward
 // 1.25-1.45x the time of tiles widened to float32 for the FMA GEMMs
-// (benchmarks/half_precision_engines.md); other cores (AMD's Zen 4 and 5 among them, not
+// (benchmarks/half_precision_engines_xeon.md); other cores (AMD's Zen 4 and 5 among them, not
 // measured there) are for this timing to judge.
 static bool dot_products_pay() {
   static const bool pays = [] {
