@@ -140,10 +140,11 @@ CASES: list[tuple[str, Callable[[], object], type[BaseException], str]] = [
      TypeError, "query_start must be an int or None, got 1.5"),
     ("unknown implementation", attn(implementation="Fused"), ValueError,
      "unknown implementation 'Fused'; allowed: None (auto), 'reference'"),
-    ("fused with dropout", attn(dropout_p=0.1, implementation="fused"), RuntimeError,
-     "implementation 'fused' cannot serve this call: dropout_p=0.1"),
-    ("fused with Dv != D", attn(value=torch.randn(B, H, S, 6), rel_values=None,
-                                implementation="fused"), RuntimeError, "Dv=6 differs from D=4"),
+    ("flash_regions with dropout", attn(dropout_p=0.1, implementation="flash_regions"),
+     RuntimeError, "implementation 'flash_regions' cannot serve this call: dropout_p=0.1"),
+    ("flash_regions with Dv != D", attn(value=torch.randn(B, H, S, 6), rel_values=None,
+                                        implementation="flash_regions"),
+     RuntimeError, "Dv=6 differs from D=4"),
     # --- modules: construction ---------------------------------------------------------------
     ("embed_dim % heads", lambda: RelativeMultiheadAttention(10, 3, max_distance=2), ValueError,
      "embed_dim=10 is not divisible by num_heads=3"),
@@ -339,7 +340,7 @@ def test_bad_input(call, error, fragment):
 
 # --- non-finite values (documented in relative_attention's docstring) ----------------------
 
-IMPLEMENTATIONS = ("reference", "bucketed", "fused", "native")
+IMPLEMENTATIONS = ("reference", "bucketed", "flash_regions", "native")
 
 
 def _problem() -> tuple[torch.Tensor, ...]:
@@ -374,7 +375,8 @@ def test_non_finite_key_poisons_the_rows_that_see_it(implementation):
     sees = torch.zeros_like(poisoned)
     sees[0, 1, 4:] = True  # causal: rows 4.. see key 4
     assert (poisoned >= sees).all()
-    if implementation != "fused":  # documented: these keep the rows that cannot see it finite
+    # documented: these keep the rows that cannot see it finite
+    if implementation != "flash_regions":
         assert torch.equal(poisoned, sees)
 
 

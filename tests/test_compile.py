@@ -1,7 +1,7 @@
 """torch.compile: full graphs, no recompilation per sequence length, custom-op checks.
 
 ``eager`` counts what Dynamo captures (graph breaks fail ``fullgraph=True``; fake tensors run
-through every op, the fused custom op's fake implementation included); ``aot_eager`` also
+through every op, the flash_regions custom op's fake implementation included); ``aot_eager`` also
 traces the backward with fake tensors, as Inductor does, without Inductor's slow C++ codegen.
 """
 
@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import relpos
 
 F64 = torch.float64
-BACKENDS = ("bucketed", "fused", "native")
+BACKENDS = ("bucketed", "flash_regions", "native")
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -107,14 +107,14 @@ def _fused_inputs(transposed: bool, causal: bool) -> tuple[tuple[object, ...], d
 
 @pytest.mark.parametrize(("transposed", "causal"), [(False, False), (True, True)])
 def test_opcheck_fused_forward_op(transposed, causal):
-    import relpos.ops.fused  # noqa: F401  (registers relpos::fused_attention)
+    import relpos.ops.flash_regions  # noqa: F401  (registers relpos::fused_attention)
 
     args, options = _fused_inputs(transposed, causal)
     torch.library.opcheck(torch.ops.relpos.fused_attention.default, args, options)
 
 
 def test_opcheck_fused_backward_op():
-    import relpos.ops.fused  # noqa: F401
+    import relpos.ops.flash_regions  # noqa: F401
 
     args, options = _fused_inputs(True, False)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 
 import relpos
 
-IMPLEMENTATIONS = ("reference", "bucketed", "fused", "native")
+IMPLEMENTATIONS = ("reference", "bucketed", "flash_regions", "native")
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +63,8 @@ def test_backend_bitwise_reproducible(implementation, dtype, causal):
 def test_layers_train_step_reproducible(implementation):
     def step() -> list[torch.Tensor]:
         torch.manual_seed(0)
-        dropout = 0.0 if implementation == "fused" else 0.1  # fused has no attention dropout
+        # flash_regions has no attention dropout
+        dropout = 0.0 if implementation == "flash_regions" else 0.1
         enc = relpos.RelativeTransformerEncoderLayer(
             16, 2, 32, dropout=dropout, batch_first=True, max_distance=3,
             implementation=implementation,

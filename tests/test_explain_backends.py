@@ -8,7 +8,7 @@ import torch
 
 import relpos
 from helpers import make_problem
-from relpos.ops import BACKENDS, fused
+from relpos.ops import BACKENDS, flash_regions
 
 
 def _calls() -> dict[str, dict[str, object]]:
@@ -17,7 +17,7 @@ def _calls() -> dict[str, dict[str, object]]:
     base = dict(query=p.query, key=p.key, value=p.value, max_distance=2, rel_keys=p.rel_keys,
                 rel_values=p.rel_values)
     step = make_problem(B=1, H=2, L=2, S=40, D=4, K=3)
-    long = make_problem(B=1, H=1, L=fused.CROSSOVER_KEYS, D=2, K=2, dtype=torch.float32)
+    long = make_problem(B=1, H=1, L=flash_regions.CROSSOVER_KEYS, D=2, K=2, dtype=torch.float32)
     key_mask = torch.ones(2, 6, dtype=torch.bool)
     key_mask[0, :2] = False
     float_mask = torch.zeros(6, 6, dtype=torch.float64)
@@ -63,12 +63,13 @@ def test_the_first_backend_without_a_reason_is_the_one_selected(
 
 def test_reasons_name_what_a_backend_lacks(no_native: None) -> None:
     reasons = relpos.explain_backends(**CALLS["dropout"])  # type: ignore[arg-type]
-    assert "dropout" in str(reasons["fused"]) and "CUDA tensors only" in str(reasons["triton"])
+    assert "dropout" in str(reasons["flash_regions"])
+    assert "CUDA tensors only" in str(reasons["triton"])
     assert reasons["bucketed"] is None and reasons["reference"] is None
     reasons = relpos.explain_backends(**CALLS["long"])  # type: ignore[arg-type]
-    assert reasons["fused"] is None
+    assert reasons["flash_regions"] is None
     assert "not a cache step" in str(reasons["decode"])
-    assert relpos.select_backend(**CALLS["long"]) == "fused"  # type: ignore[arg-type]
+    assert relpos.select_backend(**CALLS["long"]) == "flash_regions"  # type: ignore[arg-type]
 
 
 def test_a_named_implementation_is_the_only_candidate() -> None:
@@ -77,11 +78,11 @@ def test_a_named_implementation_is_the_only_candidate() -> None:
     assert reasons["bucketed"] is None
     assert all(reason == "implementation='bucketed' was asked for"
                for backend, reason in reasons.items() if backend != "bucketed")
-    refused = relpos.explain_backends(**CALLS["dropout"], implementation="fused")  # type: ignore[arg-type]
+    refused = relpos.explain_backends(**CALLS["dropout"], implementation="flash_regions")  # type: ignore[arg-type]
     assert all(reason is not None for reason in refused.values())
     with pytest.raises(RuntimeError, match="no attention dropout"):
-        relpos.select_backend(**CALLS["dropout"], implementation="fused")  # type: ignore[arg-type]
-    assert "no attention dropout" in str(refused["fused"])
+        relpos.select_backend(**CALLS["dropout"], implementation="flash_regions")  # type: ignore[arg-type]
+    assert "no attention dropout" in str(refused["flash_regions"])
 
 
 def test_bad_arguments_are_refused_as_by_relative_attention() -> None:
@@ -97,9 +98,9 @@ def test_why_not_fused_is_a_deprecated_alias(no_native: None) -> None:
                           "relpos.explain_backends"):
             reason = relpos.why_not_fused(**call)  # type: ignore[arg-type]
         selected = relpos.select_backend(**call)  # type: ignore[arg-type]
-        assert (reason is None) == (selected == "fused"), (name, reason, selected)
-        if reason is not None and BACKENDS.index(selected) > BACKENDS.index("fused"):
-            assert reason == relpos.explain_backends(**call)["fused"]  # type: ignore[arg-type]
+        assert (reason is None) == (selected == "flash_regions"), (name, reason, selected)
+        if reason is not None and BACKENDS.index(selected) > BACKENDS.index("flash_regions"):
+            assert reason == relpos.explain_backends(**call)["flash_regions"]  # type: ignore[arg-type]
     with pytest.warns(DeprecationWarning):
         asked = relpos.why_not_fused(**CALLS["plain"], implementation="bucketed")  # type: ignore[arg-type]
     assert asked == "implementation='bucketed' was asked for"

@@ -143,11 +143,12 @@ def test_fully_masked_rows_give_zeros(implementation, how):
         m[2] = float("-inf")
         kwargs["attn_mask"] = m
         dead = (slice(None), slice(None), slice(2, 3))
-    if implementation == "fused" and relpos.explain_backends(
+    if implementation == "flash_regions" and relpos.explain_backends(
         p.query, p.key, p.value, max_distance=2, rel_keys=p.rel_keys, rel_values=p.rel_values,
         **kwargs,  # type: ignore[arg-type]
-    )["fused"] is not None and how != "key_mask":
-        implementation = None  # the fused backend refuses dense masks; auto must still be right
+    )["flash_regions"] is not None and how != "key_mask":
+        # the flash_regions backend refuses dense masks; auto must still be right
+        implementation = None
     out, grads = forward_backward(p, implementation, **kwargs)
     assert torch.equal(out[dead], torch.zeros_like(out[dead]))
     assert torch.isfinite(out).all()

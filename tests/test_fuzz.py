@@ -17,15 +17,16 @@ TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.bfloat16: 6e-2}
 
 @st.composite
 def calls(draw: st.DrawFn) -> dict:
-    implementation = draw(st.sampled_from([None, "reference", "bucketed", "fused", "native"]))
-    # Mostly calls the fused backend serves (no dense mask, Dv == D), so it gets exercised.
-    fused_friendly = implementation == "fused" and draw(st.integers(0, 3)) > 0
+    implementation = draw(
+        st.sampled_from([None, "reference", "bucketed", "flash_regions", "native"]))
+    # Mostly calls the flash_regions backend serves (no dense mask, Dv == D), so it gets exercised.
+    regions_friendly = implementation == "flash_regions" and draw(st.integers(0, 3)) > 0
     dtype = draw(st.sampled_from(list(TOLERANCE)))
     B, H = draw(st.integers(0, 2)), draw(st.integers(1, 3))
     S = draw(st.integers(0, 10))
     L = draw(st.integers(0, 10)) if draw(st.booleans()) else draw(st.integers(0, S))
     D = draw(st.integers(1, 5))
-    Dv = D if fused_friendly else draw(st.sampled_from([D, D, D, draw(st.integers(1, 5))]))
+    Dv = D if regions_friendly else draw(st.sampled_from([D, D, D, draw(st.integers(1, 5))]))
     K = draw(st.integers(0, 6))
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
@@ -41,7 +42,7 @@ def calls(draw: st.DrawFn) -> dict:
         return rnd(H, rows, width) if kind == "per_head" else rnd(rows, width)
 
     attn_mask = None
-    mask_kind = "none" if fused_friendly else draw(
+    mask_kind = "none" if regions_friendly else draw(
         st.sampled_from(["none", "none", "none", "bool", "float", "bool_heads"])
     )
     if mask_kind == "bool":
@@ -94,7 +95,7 @@ def test_clear_error_or_finite_reference_equal_result(call):
 def test_fuzz_reaches_every_backend(monkeypatch):
     """The strategy is not vacuous: every backend serves some drawn calls."""
     served: set[str] = set()
-    for name in ("reference", "bucketed", "fused", "native"):
+    for name in ("reference", "bucketed", "flash_regions", "native"):
         backend = importlib.import_module(f"relpos.ops.{name}")
         original = backend.attention
 
@@ -111,4 +112,4 @@ def test_fuzz_reaches_every_backend(monkeypatch):
             relpos.relative_attention(**call)
 
     probe()
-    assert served == {"reference", "bucketed", "fused", "native"}, served
+    assert served == {"reference", "bucketed", "flash_regions", "native"}, served

@@ -76,7 +76,7 @@ def test_clip_distance_beyond_the_sequence_builds_nothing_of_its_size(implementa
 
 
 @pytest.mark.parametrize("mark_dynamic", [False, True])
-@pytest.mark.parametrize("implementation", [None, "bucketed", "fused", "native"])
+@pytest.mark.parametrize("implementation", [None, "bucketed", "flash_regions", "native"])
 def test_module_compiles_at_most_twice_for_twelve_lengths(implementation, mark_dynamic):
     torch.manual_seed(0)
     mha = relpos.RelativeMultiheadAttention(16, 2, batch_first=True, max_distance=3,
@@ -95,7 +95,7 @@ def test_module_compiles_at_most_twice_for_twelve_lengths(implementation, mark_d
 
 
 @pytest.mark.parametrize("mark_dynamic", [False, True])
-@pytest.mark.parametrize("implementation", [None, "bucketed", "fused", "native"])
+@pytest.mark.parametrize("implementation", [None, "bucketed", "flash_regions", "native"])
 def test_functional_compiles_at_most_twice_for_twelve_lengths(implementation, mark_dynamic):
     table = torch.randn(7, 8, dtype=F64)
 

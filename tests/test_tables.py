@@ -46,7 +46,7 @@ def test_resize_is_differentiable():
     assert table.grad[:, 0].tolist() == [3.0, 1.0, 1.0, 1.0, 3.0]
 
 
-@pytest.mark.parametrize("implementation", ["reference", "bucketed", "fused", "native"])
+@pytest.mark.parametrize("implementation", ["reference", "bucketed", "flash_regions", "native"])
 def test_grown_tables_give_identical_outputs_at_every_length(implementation):
     K, K_big, H, D = 2, 7, 2, 4
     g = torch.Generator().manual_seed(0)
@@ -180,7 +180,7 @@ def test_resize_new_window_errors(new):
         resize_relative_table(torch.zeros(5, 3), new)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "bucketed", "fused", "native"])
+@pytest.mark.parametrize("implementation", ["reference", "bucketed", "flash_regions", "native"])
 @pytest.mark.parametrize(("old", "new"), [((2, 1), (6, 4)), ((0, 3), (5, 3)), ((4, 0), (4, 7)),
                                           ((0, 0), (3, 2))])
 def test_grown_window_tables_give_identical_outputs_at_every_length(implementation, old, new):

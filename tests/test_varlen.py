@@ -20,7 +20,7 @@ K = 3
 # Awkward boundaries: empty sequences, 1, 2, K - 1, K, K + 1 and a long one; keys >= queries.
 LENGTHS_Q = [0, 1, 2, K - 1, K, K + 1, 37, 0, 5]
 LENGTHS_K = [0, 1, 4, K - 1, K + 2, K + 1, 40, 3, 9]
-BACKENDS = ["reference", "bucketed", "fused", "native"]
+BACKENDS = ["reference", "bucketed", "flash_regions", "native"]
 NATIVE = build.load(quiet=True) is not None
 
 
@@ -87,7 +87,7 @@ def test_packed_equals_one_reference_call_per_sequence(
         per_head: bool) -> None:
     if implementation == "native" and not NATIVE:
         pytest.skip("the native kernels are not built here")
-    Dv = 4 if implementation == "fused" else 3  # the flash kernels need Dv == D
+    Dv = 4 if implementation == "flash_regions" else 3  # the flash kernels need Dv == D
     x = _inputs(LENGTHS_Q, LENGTHS_K, Dv=Dv)
     t = _tables(window, 2, 4, Dv, per_head, tables)
     kwargs = dict(max_distance=window, is_causal=is_causal, **t)
@@ -141,7 +141,7 @@ def test_seqused_k_equals_the_compacted_call(
         per_head: bool) -> None:
     if implementation == "native" and not NATIVE:
         pytest.skip("the native kernels are not built here")
-    Dv = 4 if implementation == "fused" else 3
+    Dv = 4 if implementation == "flash_regions" else 3
     compact = _inputs(LENGTHS_Q, LENGTHS_K, Dv=Dv, seed=2)
     spare = _with_spare(compact, LENGTHS_K, SPARE_K)
     t = _tables(window, 2, 4, Dv, per_head, tables)

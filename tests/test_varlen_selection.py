@@ -25,7 +25,7 @@ from relpos.varlen import (
 )
 
 NATIVE = build.load(quiet=True) is not None
-GROUPED = ("decode", "fused", "bucketed", "reference")  # no packed kernel: padded groups
+GROUPED = ("decode", "flash_regions", "bucketed", "reference")  # no packed kernel: padded groups
 H = 2
 
 
@@ -235,7 +235,7 @@ def test_long_sequences_run_alone_or_beside_their_equals(no_native: None,
     packed, compact = _problem(lq, lk, D=4, Dv=4)
     tables = _tables((2, 2), 4, 4, "both", False)
     kwargs = dict(max_distance=2, is_causal=True, **tables)
-    out = relative_attention_varlen(**packed, **kwargs, implementation="fused")
+    out = relative_attention_varlen(**packed, **kwargs, implementation="flash_regions")
     assert sorted(s[0] for s in shapes) == [1, 1, 2, 3], shapes
     _check_equal(out, _definition(compact, lq, lk, **kwargs), packed, compact, tables)
 
@@ -274,8 +274,8 @@ def test_many_sequences_read_each_input_once_in_the_backward(
 
 def test_a_backend_without_key_masks_runs_sequences_alone_and_warns_once(
         no_native: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # As the fused backend on CUDA: no key mask, so sequences of different lengths cannot share
-    # a padded call.
+    # As the flash_regions backend on CUDA: no key mask, so sequences of different lengths
+    # cannot share a padded call.
     original = running._unsupported_reasons
 
     def no_key_mask(call, names):  # type: ignore[no-untyped-def]
@@ -303,7 +303,8 @@ def test_a_backend_without_key_masks_runs_sequences_alone_and_warns_once(
 # Nothing to attend: still in the autograd graph
 
 
-@pytest.mark.parametrize("implementation", ["reference", "bucketed", "decode", "fused", "native"])
+@pytest.mark.parametrize("implementation",
+                         ["reference", "bucketed", "decode", "flash_regions", "native"])
 @pytest.mark.parametrize(("lq", "lk"), [([0, 0], [3, 4]), ([2, 1], [0, 0]), ([0], [0])])
 def test_a_call_where_no_query_sees_a_key_stays_in_the_graph(
         implementation: str, lq: list[int], lk: list[int]) -> None:

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["MOVED_MODULES", "install_moved_modules", "module_getattr", "moved"]
+__all__ = ["MOVED_MODULES", "install_moved_modules", "module_getattr", "moved", "warn"]
 
 #: Modules that moved in 0.1 (old path -> new path, or the new paths of a module that was split,
 #: searched in order); the old paths go in 0.2.
@@ -30,7 +30,7 @@ MOVED_MODULES: dict[str, str | tuple[str, ...]] = {
     "relpos.bench_decode": "relpos.bench.decode",
     "relpos.integrations.ctranslate2": "relpos.export.ctranslate2",
     "relpos.ops.fused.kernels": "relpos.ops._flash",
-    "relpos.ops.fused.merge": ("relpos.ops._lse", "relpos.ops.fused.far_terms"),
+    "relpos.ops.fused.merge": ("relpos.ops._lse", "relpos.ops.flash_regions.far_terms"),
     "relpos.plotting": "relpos.training.plotting",
     "relpos.tasks": "relpos.training.tasks",
     "relpos.training.experiment.signal": "relpos.training.experiment.row_signal",
@@ -40,6 +40,11 @@ MOVED_MODULES: dict[str, str | tuple[str, ...]] = {
     "relpos.training.experiment.resume": "relpos.training.experiment.reuse",
     "relpos.training.experiment.evaluate": "relpos.training.experiment.code_metrics",
     "relpos.modules.transformer": "relpos.modules.transformer_layers",
+    # the flash_regions backend (implementation="fused" before): a decomposition over torch's
+    # flash kernels, not a fused kernel (those are the native and triton backends)
+    "relpos.ops.fused": "relpos.ops.flash_regions",
+    **{f"relpos.ops.fused.{name}": f"relpos.ops.flash_regions.{name}"
+       for name in ("band", "decomposition", "far", "far_terms", "op")},
 }
 
 #: What :func:`module_getattr` serves for one old name: (the name to use instead, a loader).
@@ -73,19 +78,30 @@ def module_getattr(module: str, aliases: Mapping[str, Alias]) -> Callable[[str],
     return __getattr__
 
 
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning raised during an import at the importing line:
-    past this file's frames (``warnings`` itself does not count importlib's)."""
+_HERE = os.path.normcase(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(_HERE) + os.sep
+
+
+def _stacklevel(inside: Callable[[str], bool]) -> int:
+    """The ``stacklevel`` with which the caller's ``warnings.warn`` points at the first frame
+    whose file is not ``inside``: past the caller and every frame ``inside`` (``warnings``
+    itself does not count importlib's)."""
     frame, level = sys._getframe(1), 1
-    here = os.path.normcase(__file__)
-    while frame is not None and (
-        os.path.normcase(frame.f_code.co_filename) == here
-        or frame.f_code.co_filename.startswith("<frozen importlib")
-    ):
-        if not frame.f_code.co_filename.startswith("<frozen importlib"):
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<frozen importlib"):
+            if not inside(os.path.normcase(os.path.abspath(name))):
+                break
             level += 1
         frame = frame.f_back  # type: ignore[assignment]
     return level
+
+
+def warn(message: str) -> None:
+    """A :class:`DeprecationWarning` that points at the first line outside relpos: the user's
+    line that used the old name, however deep in relpos the name was read."""
+    warnings.warn(message, DeprecationWarning,
+                  stacklevel=_stacklevel(lambda name: name.startswith(_PACKAGE)))
 
 
 class _MovedModuleLoader(importlib.abc.Loader):
@@ -99,7 +115,7 @@ class _MovedModuleLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         warnings.warn(
             f"{module.__name__} is deprecated; use {' or '.join(self.targets)}",
-            DeprecationWarning, stacklevel=_caller_stacklevel(),
+            DeprecationWarning, stacklevel=_stacklevel(lambda name: name == _HERE),
         )
         targets = [importlib.import_module(t) for t in self.targets]
 
@@ -126,8 +142,11 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in MOVED_MODULES:
             return None
+        # A moved package (an old path with old submodules below it) gets a __path__, so that
+        # its old submodules are looked up, and found here.
+        package = any(old.startswith(f"{fullname}.") for old in MOVED_MODULES)
         return importlib.machinery.ModuleSpec(
-            fullname, _MovedModuleLoader(MOVED_MODULES[fullname])
+            fullname, _MovedModuleLoader(MOVED_MODULES[fullname]), is_package=package
         )
 
 

@@ -21,7 +21,17 @@ from typing import ParamSpec, TypeVar
 import torch
 from torch import Tensor
 
-from relpos.ops import BACKENDS, Implementation, bucketed, decode, fused, native, reference
+from relpos.ops import (
+    BACKENDS,
+    BackendReasons,
+    Implementation,
+    bucketed,
+    check_implementation,
+    decode,
+    flash_regions,
+    native,
+    reference,
+)
 from relpos.ops import triton as triton_backend
 from relpos.ops.call import AttentionCall, Reason
 from relpos.positions import check_window, resolve_query_start
@@ -39,7 +49,7 @@ __all__ = [
 ]
 
 _MODULES: dict[str, ModuleType] = {
-    "reference": reference, "bucketed": bucketed, "fused": fused, "decode": decode,
+    "reference": reference, "bucketed": bucketed, "flash_regions": flash_regions, "decode": decode,
     "native": native, "triton": triton_backend,
 }
 assert set(_MODULES) == set(BACKENDS)
@@ -251,11 +261,7 @@ def validate_call(
                       ref=q)
     p, sc = _check_scalars(is_causal, dropout_p, scale, D)
     mask, kmask = _check_masks(attn_mask, key_mask, q, B, H, L, S)
-    if implementation is not None and implementation not in BACKENDS:
-        raise ValueError(
-            f"unknown implementation {implementation!r}; allowed: None (auto), "
-            + ", ".join(repr(b) for b in reversed(BACKENDS))  # the definition first
-        )
+    backend = check_implementation(implementation)
     positional = ak is not None or av is not None or is_causal
     # Without relative positions query_start has no effect, but a given one is still checked.
     start = resolve_query_start(L, S, query_start) if positional or query_start is not None else 0
@@ -275,7 +281,7 @@ def validate_call(
     return AttentionCall(
         query=q, key=k, value=v, left=left, right=right, rel_keys=ak, rel_values=av, attn_mask=mask,
         key_mask=kmask, is_causal=is_causal, dropout_p=p, scale=sc, query_start=start,
-        implementation=implementation,
+        implementation=backend,
     )
 
 
@@ -318,7 +324,7 @@ def _auto_reason(name: str, call: AttentionCall) -> Reason | str | None:
     return check(call)
 
 
-def _explain(call: AttentionCall) -> dict[str, str | None]:
+def _explain(call: AttentionCall) -> BackendReasons:
     """Every backend, in :data:`~relpos.ops.BACKENDS` order, with why the call would not run
     it (None: it would serve the call); the first None is what :func:`_backend_for` picks."""
     reasons: dict[str, Reason | str | None]
@@ -331,7 +337,8 @@ def _explain(call: AttentionCall) -> dict[str, str | None]:
         reasons["bucketed"] = None
     else:
         reasons = {name: _auto_reason(name, call) for name in BACKENDS}
-    return {name: None if reason is None else str(reason) for name, reason in reasons.items()}
+    return BackendReasons(
+        (name, None if reason is None else str(reason)) for name, reason in reasons.items())
 
 
 def _unsupported_reasons(call: AttentionCall, names: Iterable[str]) -> dict[str, str | None]:
@@ -395,17 +402,16 @@ def relative_attention(call: AttentionCall) -> Tensor:
         query 0   1 1 1 0      (p_0 = 2)
         query 1   1 1 1 1      (p_1 = 3)
 
-    Non-finite values propagate predictably: a NaN or infinity in query row ``i`` gives a
-    non-finite output row ``i`` and leaves every other row unchanged; a NaN or infinity in key
-    or value ``j`` makes non-finite every row that can see ``j`` (masks do not sanitize: a
-    hidden non-finite value may still reach other rows, through ``0 * inf`` in the value
-    product, and through hidden keys in the fused backend). A NaN or infinity in table row ``r``
-    makes non-finite every row that sees a key at offset ``r`` and leaves the rows with no key
-    at that offset unchanged, except in backends that multiply per-row value buckets by the
-    whole ``rel_values`` table (bucketed, decode, native): there a non-finite ``rel_values`` row
-    reaches every row. ``-inf`` in a float ``attn_mask`` means masked, exactly like ``False`` in
-    a bool mask; ``+inf`` or NaN in it makes that row NaN. Rows that see no key return zeros
-    with zero gradients, never NaN.
+    Non-finite values propagate predictably: a NaN or infinity in query row ``i`` gives a non-finite
+    output row ``i`` and leaves every other row unchanged; a NaN or infinity in key or value ``j``
+    makes non-finite every row that can see ``j`` (masks do not sanitize: a hidden non-finite value
+    may still reach other rows, through ``0 * inf`` in the value product, and through hidden keys in
+    the flash_regions backend). A NaN or infinity in table row ``r`` makes non-finite every row that
+    sees a key at offset ``r`` and leaves the rows with no key at that offset unchanged, except in
+    backends that multiply per-row value buckets by the whole ``rel_values`` table (bucketed,
+    decode, native): there a non-finite ``rel_values`` row reaches every row. ``-inf`` in a float
+    ``attn_mask`` means masked, exactly like ``False`` in a bool mask; ``+inf`` or NaN in it makes
+    that row NaN. Rows that see no key return zeros with zero gradients, never NaN.
 
     Half precision (``float16``/``bfloat16``, native or under ``torch.autocast``) keeps the
     softmax statistics in float32. Under autocast, float32 inputs and tables are cast to the
@@ -428,10 +434,11 @@ def relative_attention(call: AttentionCall) -> Tensor:
         scale: multiplies the content and the relative key term alike; default ``1/sqrt(D)``.
         query_start: position of query 0, ``0 <= query_start <= S - L``; default ``S - L``.
         implementation: ``"reference"`` (the definition, O(L·S·D) memory), ``"bucketed"``
-            (O(B·H·L·(2K+1)) extra), ``"fused"`` (exact region decomposition, O(n) extra
-            memory), ``"decode"`` (KV-cache steps), ``"native"`` (the C++ CPU kernels, one
-            fused pass per direction, O(L·R) extra; compiled on first use), ``"triton"`` (the
-            fused kernel on CUDA GPUs) or None for the best backend that serves the call
+            (O(B·H·L·(2K+1)) extra), ``"flash_regions"`` (exact region decomposition over
+            torch's flash kernels, O(n) extra memory; ``"fused"`` is its deprecated old name),
+            ``"decode"`` (KV-cache steps), ``"native"`` (the C++ CPU kernels, one fused pass
+            per direction, O(L·R) extra; compiled on first use), ``"triton"`` (the fused
+            kernel on CUDA GPUs) or None for the best backend that serves the call
             (:func:`select_backend` names it).
 
     Returns:
@@ -470,7 +477,7 @@ def select_backend(call: AttentionCall) -> str:
 
 
 @_with_arguments_of(validate_call)
-def explain_backends(call: AttentionCall) -> dict[str, str | None]:
+def explain_backends(call: AttentionCall) -> BackendReasons:
     """Why :func:`relative_attention` would or would not run each backend for these arguments.
 
     Takes the same arguments as :func:`relative_attention` and returns every backend name, in
@@ -485,8 +492,8 @@ def explain_backends(call: AttentionCall) -> dict[str, str | None]:
         >>> reasons = explain_backends(q, q, q, max_distance=2, dropout_p=0.1)
         >>> list(reasons) == list(available_backends())
         True
-        >>> reasons["fused"]
-        'dropout_p=0.1 > 0: the fused backend has no attention dropout (the bucketed backend has)'
+        >>> reasons["flash_regions"]
+        'dropout_p=0.1 > 0: the flash_regions backend has no attention dropout (the bucketed ...'
     """
     return _explain(call)
 
@@ -495,21 +502,22 @@ def explain_backends(call: AttentionCall) -> dict[str, str | None]:
 def why_not_fused(call: AttentionCall) -> str | None:
     """Deprecated: use :func:`explain_backends`, which gives every backend's reason.
 
-    Why :func:`relative_attention` would not run the fused backend for these arguments: None
-    when the call goes fused, else one reason (a backend picked before it, or fused's own).
+    Why :func:`relative_attention` would not run the flash_regions backend (named ``"fused"``
+    when this function was written) for these arguments: None when the call goes to it, else
+    one reason (a backend picked before it, or its own).
     """
     warnings.warn("relpos.why_not_fused is deprecated; use relpos.explain_backends",
                   DeprecationWarning, stacklevel=3)
     reasons = _explain(call)
     if call.implementation is None:
         first = next(name for name, reason in reasons.items() if reason is None)
-        if BACKENDS.index(first) < BACKENDS.index("fused"):
+        if BACKENDS.index(first) < BACKENDS.index("flash_regions"):
             if first == "native":
                 return ("the native CPU kernels serve this call and are picked first "
                         "(RELPOS_NATIVE=0 turns them off)")
             return (f"the {first} backend is picked first for L={call.query_len} queries over "
                     f"S={call.key_len} keys")
-    return reasons["fused"]
+    return reasons["flash_regions"]
 
 
 @_with_arguments_of(validate_call)

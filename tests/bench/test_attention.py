@@ -8,12 +8,12 @@ def test_bench_cli_writes_report(tmp_path, capsys) -> None:  # type: ignore[no-u
 
     status = main([
         "bench", "--lengths", "40", "--max-distances", "3", "--heads", "1", "--head-dim", "8",
-        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "fused,reference,sdpa",
-        "--out", str(tmp_path),
+        "--repeats", "1", "--warmup", "0", "--no-memory",
+        "--backends", "flash_regions,reference,sdpa", "--out", str(tmp_path),
     ])
     assert status == 0
     table = capsys.readouterr().out
-    assert "fused" in table and "sdpa" in table
+    assert "flash_regions" in table and "sdpa" in table
     report = (tmp_path / "attention.md").read_text()
     assert "torch" in report and "relpos bench" in report
     rows = (tmp_path / "attention.csv").read_text().splitlines()
@@ -25,7 +25,7 @@ def test_bench_cli_causal(tmp_path, capsys) -> None:  # type: ignore[no-untyped-
 
     status = main([
         "bench", "--lengths", "33", "--max-distances", "2", "--heads", "2", "--head-dim", "8",
-        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "fused,sdpa",
+        "--repeats", "1", "--warmup", "0", "--no-memory", "--backends", "flash_regions,sdpa",
         "--causal", "--out", str(tmp_path),
     ])
     assert status == 0
@@ -66,4 +66,4 @@ def test_the_auto_row_names_the_pytorch_backends_without_the_kernels(capsys, no_
     assert status == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     auto = [r for r in rows if len(r) > 2 and r[2] == "auto"]
-    assert "picks reference" in " ".join(auto[0]) and "picks fused" in " ".join(auto[1])
+    assert "picks reference" in " ".join(auto[0]) and "picks flash_regions" in " ".join(auto[1])

@@ -25,7 +25,7 @@ def test_training_shapes_fill_the_batch(cuda_check):
 def test_arguments(cuda_check):
     args = cuda_check.parse_args(["--triton"])
     assert args.lengths == list(cuda_check.TRAINING_LENGTHS)
-    assert args.backends == ["fused", "triton"] and args.tokens == 16384
+    assert args.backends == ["flash_regions", "triton"] and args.tokens == 16384
     assert cuda_check.parse_args([]).lengths[0] == 1024
     with pytest.raises(SystemExit):
         cuda_check.parse_args(["--backends", "nope"])

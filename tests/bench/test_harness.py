@@ -53,7 +53,7 @@ def test_report_helpers() -> None:
     assert common.markdown_meta({"command": "relpos bench", "torch": "2"}) == [
         "- **command**: `relpos bench`", "- **torch**: 2"]
     with pytest.raises(ValueError, match="unknown"):
-        common.check_names("--backends", "fused,nope", ("fused", "sdpa"))
+        common.check_names("--backends", "flash_regions,nope", ("flash_regions", "sdpa"))
 
 
 def test_settings_and_report_files(tmp_path) -> None:  # type: ignore[no-untyped-def]

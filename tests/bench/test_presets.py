@@ -40,7 +40,7 @@ def test_training_settings_defaults() -> None:
     s = presets.training_settings(argparse.Namespace())
     assert s.shapes == presets.token_shapes(4096)
     assert (s.max_distances, s.causal, s.heads, s.head_dim) == ([16, 64], [False, True], 8, 64)
-    assert s.backends == ["auto", "native", "fused", "bucketed", "reference"]
+    assert s.backends == ["auto", "native", "flash_regions", "bucketed", "reference"]
     only_causal = presets.training_settings(argparse.Namespace(causal=True, max_distances=(3,)))
     assert (only_causal.causal, only_causal.max_distances) == ([True], [3])
     with pytest.raises(ValueError, match="unknown"):
@@ -68,18 +68,18 @@ def test_encoder_models_compare_like_with_like() -> None:
 
 
 def test_encoder_models_share_weights_zero_tables_give_torch() -> None:
-    plain, relative = encoder.build_models(3, ("auto", "fused"), layers=2, d_model=16, nhead=2,
-                                           dim_feedforward=32, dtype=torch.float64)
+    plain, relative = encoder.build_models(3, ("auto", "flash_regions"), layers=2, d_model=16,
+                                           nhead=2, dim_feedforward=32, dtype=torch.float64)
     x = torch.randn(2, 11, 16, dtype=torch.float64)
-    auto, fused = relative["auto"], relative["fused"]
-    torch.testing.assert_close(auto(x), fused(x))  # the same weights and tables
+    auto, regions = relative["auto"], relative["flash_regions"]
+    torch.testing.assert_close(auto(x), regions(x))  # the same weights and tables
     with torch.no_grad():
         for model in relative.values():
             for name, p in model.named_parameters():
                 if name.endswith(("rel_keys", "rel_values")):
                     p.zero_()
     torch.testing.assert_close(auto(x), plain(x))
-    torch.testing.assert_close(fused(x), plain(x))
+    torch.testing.assert_close(regions(x), plain(x))
 
 
 def test_encoder_settings() -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +35,8 @@ def test_training_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> Non
     _header(report)
     assert "- **OMP_WAIT_POLICY**: PASSIVE" in report
     assert "--preset training --tokens 640 --lengths 16,640" in report
-    head = ("| B x n | causal | pass | auto | native | fused | bucketed | reference | SDPA ms | "
-            "auto picks | fastest | auto within 10% of fastest |")
+    head = ("| B x n | causal | pass | auto | native | flash_regions | bucketed | reference | "
+            "SDPA ms | auto picks | fastest | auto within 10% of fastest |")
     assert head in report and head in printed and "### K = 2" in report
     rows = [line for line in report.splitlines() if line.startswith(("| 40 x 16", "| 1 x 640"))]
     assert len(rows) == 2 * 2 * 2  # shapes x causal x passes
@@ -42,14 +45,14 @@ def test_training_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> Non
         assert cells[1] in ("yes", "no") and cells[2] in ("fwd", "fwd+bwd")
         # auto picks the native kernels wherever they serve a call: every call here
         assert cells[9] == "native"
-        for cell in cells[3:7]:  # auto, native, fused, bucketed ran: "ms (ratio x)"
+        for cell in cells[3:7]:  # auto, native, flash_regions, bucketed ran: "ms (ratio x)"
             assert cell.endswith("x)") and " ms (" in cell
         if cells[0] == "1 x 640":
             assert cells[7].startswith("skipped: n > 512")  # the reference, with its reason
-            assert cells[10] in ("native", "fused", "bucketed")
+            assert cells[10] in ("native", "flash_regions", "bucketed")
         else:
             assert cells[7].endswith("x)")
-            assert cells[10] in ("native", "fused", "bucketed", "reference")
+            assert cells[10] in ("native", "flash_regions", "bucketed", "reference")
         assert cells[11].startswith(("yes (", "no ("))
     csv = (tmp_path / "training.csv").read_text().splitlines()
     assert csv[0] == "B,n,K,causal,pass,backend,auto_backend,ms,over_sdpa,note"
@@ -60,7 +63,7 @@ def test_training_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> Non
 def test_encoder_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     status = main(["bench", "--preset", "encoder", "--tokens", "16", "--lengths", "8",
-                   "--backends", "auto,fused", *TINY, "--out", str(tmp_path)])
+                   "--backends", "auto,flash_regions", *TINY, "--out", str(tmp_path)])
     assert status == 0
     captured = capsys.readouterr()
     assert "OMP_WAIT_POLICY is unset" in captured.err
@@ -68,14 +71,26 @@ def test_encoder_preset_writes_its_report(tmp_path, capsys, monkeypatch) -> None
     _header(report)
     assert "- **OMP_WAIT_POLICY**: unset" in report
     assert "E=512, H=8, FF=2048" in report and "norm_first=True" in report
-    head = ("| B x n | pass | nn.TransformerEncoderLayer | relpos K=16 auto | relpos K=16 fused | "
-            "auto picks |")
+    head = ("| B x n | pass | nn.TransformerEncoderLayer | relpos K=16 auto | "
+            "relpos K=16 flash_regions | auto picks |")
     assert head in report and head in captured.out
     # auto runs the native kernels
     assert "| 2 x 8 | fwd+bwd |" in report and "K=16: native" in report
     csv = (tmp_path / "encoder.csv").read_text().splitlines()
     assert csv[0].startswith("B,n,K,model,implementation,attention_backend,pass,ms,over_torch")
-    assert len(csv) - 1 == 3 * 2  # (torch, auto, fused) x passes
+    assert len(csv) - 1 == 3 * 2  # (torch, auto, flash_regions) x passes
+
+
+def test_an_old_backend_name_runs_under_its_new_name_with_a_warning(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run(
+        [sys.executable, "-m", "relpos", "bench", "--lengths", "33", "--max-distances", "2",
+         "--heads", "1", "--head-dim", "8", *TINY, "--no-memory", "--backends", "fused,sdpa",
+         "--out", str(tmp_path)], capture_output=True, text=True, env=env, check=True)
+    assert ("DeprecationWarning: --backends fused: deprecated; use flash_regions (the same "
+            "backend, renamed)") in done.stderr
+    report = (tmp_path / "attention.md").read_text()
+    assert "--backends flash_regions,sdpa" in report and "| fused" not in report
 
 
 def test_command_argv_parses_back_to_the_same_options() -> None:
@@ -205,14 +220,14 @@ def test_the_attention_plot_keeps_its_legend_off_the_lines(tmp_path) -> None:
     from relpos.bench.attention import Result, _figure, _plot
 
     results = [Result(n=n, K=K, backend=b, fwdbwd_ms=t * n / 512)
-               for K in (16, 64) for b, t in (("fused", 50.0), ("sdpa", 20.0))
+               for K in (16, 64) for b, t in (("flash_regions", 50.0), ("sdpa", 20.0))
                for n in (512, 1024, 2048)]
     fig = _figure(results)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     renderer = canvas.get_renderer()
     (legend,) = fig.legends
-    assert [t.get_text() for t in legend.get_texts()] == ["fused", "sdpa"]
+    assert [t.get_text() for t in legend.get_texts()] == ["flash_regions", "sdpa"]
     box = legend.get_window_extent(renderer)
     for ax in fig.axes:
         assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()

@@ -305,7 +305,7 @@ def test_left_padded_batch_equal_at_real_tokens():
 
 def test_training_batches_go_to_relpos_as_key_masks(monkeypatch):
     """eole's (B, 1, L, S) causal-and-padding masks reach relpos as a (B, S) key mask with
-    is_causal (the fused backend's O(n) form), not as dense masks."""
+    is_causal (the flash_regions backend's O(n) form), not as dense masks."""
     _, patched = _pair("seq2seq", 2)
     seen: list[dict] = []
     real = rp_eole.relative_attention

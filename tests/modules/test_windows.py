@@ -158,7 +158,7 @@ def test_table_size_limit_counts_both_sides():
 def test_attention_matches_dense_reference(window, causal):
     for (share_heads, (keys, values)), implementation in itertools.product(
             itertools.product((True, False), ((True, True), (True, False), (False, True))),
-            (None, "reference", "bucketed", "fused", "native")):
+            (None, "reference", "bucketed", "flash_regions", "native")):
         mha = _mha(window, share_heads=share_heads, relative_keys=keys, relative_values=values,
                    implementation=implementation)
         x = torch.randn(2, 9, E, dtype=F64, generator=torch.Generator().manual_seed(1))
@@ -174,7 +174,7 @@ def test_attention_matches_dense_reference(window, causal):
 
 @pytest.mark.parametrize("window", [(0, 5), (5, 0), (64, 8), (0, 0)])
 def test_gradients_match_dense_reference(window):
-    for implementation in ("bucketed", "fused", "native"):
+    for implementation in ("bucketed", "flash_regions", "native"):
         mha = _mha(window, share_heads=False, implementation=implementation)
         x = torch.randn(2, 11, E, dtype=F64, requires_grad=True)
         up = torch.randn(2, 11, E, dtype=F64)

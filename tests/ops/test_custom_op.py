@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import relpos.ops.fused.op
+import relpos.ops.flash_regions.op
 import relpos.ops.native.op
 import relpos.ops.triton.op  # noqa: F401  (registers the ops)
 from relpos.ops._custom_op import empty_gradients, empty_outputs, is_empty
@@ -121,7 +121,7 @@ print(len(compile_stack), compile_stack[:5])
 """
 
 
-@pytest.mark.parametrize("implementation", ["native", "fused", "bucketed", "reference"])
+@pytest.mark.parametrize("implementation", ["native", "flash_regions", "bucketed", "reference"])
 def test_first_differentiable_call_imports_no_compile_stack(implementation):
     """A process's first forward + backward runs the op eagerly, without importing
     torch._dynamo / torch._inductor / sympy (about 900 modules and 150 MiB that

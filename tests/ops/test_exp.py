@@ -1,4 +1,4 @@
-"""``relpos.ops._numerics.exp_``: the exponential the fused and decode backends use; and the
+"""``relpos.ops._numerics.exp_``: the exponential the flash_regions and decode backends use; and the
 native kernels' own float32 exponential."""
 
 import math

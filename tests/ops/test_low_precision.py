@@ -18,7 +18,7 @@ import torch
 import relpos
 from relpos._sysinfo import cpu_flags
 from relpos.functional import AttentionCall
-from relpos.ops import fused
+from relpos.ops import flash_regions
 from relpos.ops.reference import masked_softmax
 
 F64 = torch.float64
@@ -74,11 +74,11 @@ NAMES = ("out", "dq", "dk", "dv", "drel_keys", "drel_values")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mode", ["native", "autocast"])
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
-@pytest.mark.parametrize("implementation", ["bucketed", "fused", "native"])
+@pytest.mark.parametrize("implementation", ["bucketed", "flash_regions", "native"])
 def test_error_at_most_twice_the_reference_in_same_precision(implementation, dtype, mode, causal):
-    if implementation == "fused":
+    if implementation == "flash_regions":
         x = _inputs()[0].to(dtype)
-        reason = fused.unsupported_reason(AttentionCall(
+        reason = flash_regions.unsupported_reason(AttentionCall(
             x, x, x, rel_keys=x[0, :1, : 2 * K + 1], rel_values=x[0, :1, : 2 * K + 1],
             left=K, right=K, attn_mask=None, key_mask=_key_mask(), is_causal=causal,
             dropout_p=0.0, scale=D**-0.5, query_start=0,

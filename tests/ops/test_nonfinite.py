@@ -63,7 +63,7 @@ def test_nan_query_row_gives_nan_in_that_row(implementation, K):
     assert out[0, 0].isfinite().all() and out[0, 1, 1:].isfinite().all()
 
 
-VALUE_ROWS_CONTAINED = ("reference", "fused")
+VALUE_ROWS_CONTAINED = ("reference", "flash_regions")
 """The backends that keep a non-finite ``rel_values`` row from the rows with no key at its
 offset; the others multiply per-row value buckets by the whole table (documented)."""
 

@@ -45,7 +45,7 @@ def test_every_backend_matches_the_reference_at_every_scale(scale, L, S, causal,
                   leaves, upstream)
     assert all(t.isfinite().all() for t in want)
     backends = serving_backends(**call)
-    assert "fused" in backends and "bucketed" in backends
+    assert "flash_regions" in backends and "bucketed" in backends
     compared = 6 if abs(scale) <= 1e3 else 1
     for name in backends:
         got = _grads(lambda n=name: relpos.relative_attention(**call, implementation=n),

@@ -51,7 +51,7 @@ def _check(p, implementation, **kw):
     torch.testing.assert_close(fast, ref.detach(), rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("implementation", ["bucketed", "fused", "decode", "native"])
+@pytest.mark.parametrize("implementation", ["bucketed", "flash_regions", "decode", "native"])
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_matches_reference(implementation, window, causal):
@@ -62,7 +62,7 @@ def test_window_matches_reference(implementation, window, causal):
                implementation, is_causal=causal)
 
 
-@pytest.mark.parametrize("implementation", ["bucketed", "fused", "decode", "native"])
+@pytest.mark.parametrize("implementation", ["bucketed", "flash_regions", "decode", "native"])
 @pytest.mark.parametrize("window", [(0, 5), (5, 0), (64, 8), (3, 1)])
 def test_window_with_key_mask_and_query_start(implementation, window):
     p = _problem(4, 13, window, seed=3)
@@ -73,7 +73,7 @@ def test_window_with_key_mask_and_query_start(implementation, window):
         _check(p, implementation, key_mask=key_mask, query_start=3)
 
 
-@pytest.mark.parametrize("implementation", ["bucketed", "fused", "native"])
+@pytest.mark.parametrize("implementation", ["bucketed", "flash_regions", "native"])
 def test_window_gradcheck(implementation):
     p = _problem(5, 7, (2, 1))
 
@@ -136,7 +136,7 @@ def test_window_compiles_at_most_twice_for_twelve_lengths():
 
     def attend(q):
         return relpos.relative_attention(q, q, q, max_distance=(8, 3), rel_keys=table,
-                                         implementation="fused")
+                                         implementation="flash_regions")
 
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(attend, fullgraph=True, backend=counter)

@@ -18,7 +18,7 @@ Modules:
 
 The benchmark scripts, each run as ``python -m relpos.bench.NAME``; the optional packages they
 compare against load only when they run:
-    :mod:`relpos.bench.cuda_check`: the fused and triton backends on a CUDA device.
+    :mod:`relpos.bench.cuda_check`: the flash_regions and triton backends on a CUDA device.
     :mod:`relpos.bench.w2v_bert`: w2v-BERT 2.0 through relpos against stock transformers.
     :mod:`relpos.bench.ct2_decode`: relpos against CTranslate2 on the same language model.
     :mod:`relpos.bench.eole`: stock eole against eole patched by relpos.

@@ -108,7 +108,7 @@ def config(args: argparse.Namespace) -> Config:
     quick = bool(getattr(args, "quick", False))
     chosen = (
         default_backends() if args.backends is None
-        else common.check_names("--backends", args.backends, backends())
+        else common.check_backends(args.backends, backends())
     )
     lengths = list(args.lengths or (QUICK_LENGTHS if quick else DEFAULT_LENGTHS))
     if any(n < 1 for n in lengths):
@@ -152,7 +152,7 @@ def estimate_bytes(backend: str, n: int, K: int, cfg: Config) -> int:
     bhnd = B * H * n * D * e
     if backend == "sdpa":
         return 6 * bhnd
-    if backend in ("fused", "decode"):
+    if backend in ("flash_regions", "decode"):
         return 12 * bhnd
     if backend in ("native", "triton"):  # out, lse, the gradients, O(n·R) per head
         return 8 * bhnd + 4 * B * H * n * (2 * K + 1) * e

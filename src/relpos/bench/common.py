@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,24 @@ def check_names(
             f"{option}: unknown {unknown or list(names)!r}; allowed: {', '.join(allowed)}"
         )
     return names
+
+
+def check_backends(value: str | Iterable[str], allowed: Sequence[str]) -> tuple[str, ...]:
+    """The backends ``--backends`` names (:func:`check_names`); an old name of
+    :data:`relpos.ops.RENAMED_BACKENDS` stands for its new one, with a DeprecationWarning
+    (shown on the command line: ``relpos bench`` shows the warnings that start ``--backends``).
+    """
+    from relpos.ops import RENAMED_BACKENDS
+
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = []
+    for name in (n.strip() for n in items):
+        if name in RENAMED_BACKENDS and RENAMED_BACKENDS[name] in allowed:
+            warnings.warn(f"--backends {name}: deprecated; use {RENAMED_BACKENDS[name]} (the "
+                          f"same backend, renamed)", DeprecationWarning, stacklevel=2)
+            name = RENAMED_BACKENDS[name]
+        names.append(name)
+    return check_names("--backends", names, allowed)
 
 
 def check_dtype(value: str | None) -> str:

@@ -1,8 +1,9 @@
-"""CUDA check of the fused and triton backends: correctness against the reference, then timing.
+"""CUDA check of the flash_regions and triton backends: correctness against the reference,
+then timing.
 
 Run on a machine with a CUDA device::
 
-    python -m relpos.bench.cuda_check             # checks + fused timings
+    python -m relpos.bench.cuda_check             # checks + flash_regions timings
     python -m relpos.bench.cuda_check --quick     # checks only
     python -m relpos.bench.cuda_check --triton    # checks + the triton benchmark and report
 
@@ -11,7 +12,7 @@ the reference backend computed in float64 on the same device (shared and per-hea
 causal and not, L != S, K = 0, K >= n - 1, one decode step), plus a bitwise determinism check of
 the backward. Exits 1 on a failed check.
 
-Fused timing: forward and forward + backward of ``fused`` and plain
+flash_regions timing: forward and forward + backward of ``flash_regions`` and plain
 ``F.scaled_dot_product_attention`` (no relative terms), median of CUDA-event-timed repeats, and
 peak CUDA memory.
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from relpos import _sysinfo as sysinfo
+from relpos.bench import common
 from relpos.functional import available_backends, relative_attention, select_backend
 
 CASES = [
@@ -135,8 +137,8 @@ def _peak_mib(fn: Callable[[], object]) -> float:
 def bench(lengths: list[int], K: int, dtype: torch.dtype, repeats: int) -> None:
     B, H, D = 1, 8, 64
     print(f"\ntiming: B={B} H={H} D={D} K={K} {dtype}, median of {repeats} (ms), peak MiB")
-    print(f"{'n':>6} {'sdpa fwd':>9} {'fused fwd':>10} {'ratio':>6} {'sdpa f+b':>9} "
-          f"{'fused f+b':>10} {'ratio':>6} {'sdpa MiB':>9} {'fused MiB':>10}")
+    print(f"{'n':>6} {'sdpa fwd':>9} {'regions fwd':>12} {'ratio':>6} {'sdpa f+b':>9} "
+          f"{'regions f+b':>12} {'ratio':>6} {'sdpa MiB':>9} {'regions MiB':>12}")
     for n in lengths:
         q, k, v, ak, av = _problem(B, H, n, n, D, K, False, dtype)
         go = torch.randn_like(q)
@@ -144,20 +146,20 @@ def bench(lengths: list[int], K: int, dtype: torch.dtype, repeats: int) -> None:
         def sdpa(q=q, k=k, v=v) -> torch.Tensor:
             return F.scaled_dot_product_attention(q, k, v)
 
-        def fused(q=q, k=k, v=v, ak=ak, av=av) -> torch.Tensor:
+        def regions(q=q, k=k, v=v, ak=ak, av=av) -> torch.Tensor:
             return relative_attention(q, k, v, max_distance=K, rel_keys=ak, rel_values=av,
-                                      implementation="fused")
+                                      implementation="flash_regions")
 
         res = {}
-        for name, fn in (("sdpa", sdpa), ("fused", fused)):
+        for name, fn in (("sdpa", sdpa), ("regions", regions)):
             with torch.no_grad():
                 res[name + "_f"] = _time(fn, repeats)
             res[name + "_fb"] = _time(functools.partial(_backward, fn, go), repeats)
             res[name + "_mib"] = _peak_mib(functools.partial(_backward, fn, go))
-        print(f"{n:>6} {res['sdpa_f']:>9.2f} {res['fused_f']:>10.2f} "
-              f"{res['fused_f'] / res['sdpa_f']:>6.2f} {res['sdpa_fb']:>9.2f} "
-              f"{res['fused_fb']:>10.2f} {res['fused_fb'] / res['sdpa_fb']:>6.2f} "
-              f"{res['sdpa_mib']:>9.0f} {res['fused_mib']:>10.0f}")
+        print(f"{n:>6} {res['sdpa_f']:>9.2f} {res['regions_f']:>12.2f} "
+              f"{res['regions_f'] / res['sdpa_f']:>6.2f} {res['sdpa_fb']:>9.2f} "
+              f"{res['regions_fb']:>12.2f} {res['regions_fb'] / res['sdpa_fb']:>6.2f} "
+              f"{res['sdpa_mib']:>9.0f} {res['regions_mib']:>12.0f}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,14 +270,14 @@ def format_report(rows: Sequence[dict[str, object]], meta: dict[str, str]) -> st
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="correctness checks only")
-    parser.add_argument("--backends", default="fused,triton",
+    parser.add_argument("--backends", default="flash_regions,triton",
                         help="comma-separated backends to check against the reference")
     parser.add_argument("--lengths", default=None,
-                        help="comma-separated lengths (fused timing: 1024..16384; triton: "
+                        help="comma-separated lengths (flash_regions timing: 1024..16384; triton: "
                              "128..8192)")
     parser.add_argument("--max-distance", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype of the fused timing (the triton benchmark is bfloat16)")
+                        help="dtype of the flash_regions timing (the triton benchmark is bfloat16)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--triton", action="store_true",
                         help="run the triton benchmark (bfloat16 training shapes) and write "
@@ -291,11 +293,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "measured (the reference materializes n x n x D)")
     parser.add_argument("--report", type=Path, default=Path("benchmarks/triton_cuda.md"))
     args = parser.parse_args(argv)
-    args.backends = [b for b in args.backends.split(",") if b]
-    unknown = set(args.backends) - set(available_backends())
-    if unknown:
-        parser.error(f"unknown backends {sorted(unknown)}; allowed: "
-                     f"{', '.join(available_backends())}")
+    try:
+        args.backends = list(common.check_backends(args.backends, available_backends()))
+    except ValueError as e:
+        parser.error(str(e))
     default = TRAINING_LENGTHS if args.triton else (1024, 2048, 4096, 8192, 16384)
     args.lengths = (list(default) if args.lengths is None
                     else [int(x) for x in args.lengths.split(",")])

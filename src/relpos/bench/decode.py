@@ -207,7 +207,7 @@ def settings(args: Any) -> _Settings:
     extra = (
         # triton is a GPU backend (python -m relpos.bench.cuda_check --triton times it)
         [b for b in available if b not in ("reference", "triton")] if requested is None
-        else list(common.check_names("--backends", requested, available))
+        else list(common.check_backends(requested, available))
     )
     return _Settings(
         lengths=_ints(getattr(args, "lengths", None),

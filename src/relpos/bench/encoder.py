@@ -54,7 +54,7 @@ QUICK_TOKENS = 512
 QUICK_LENGTHS = (64,)
 #: What ``--backends`` may name with ``--preset encoder``: the relpos layers' implementation
 #: (``auto`` = None). The torch model always runs.
-IMPLEMENTATIONS = ("auto", "native", "fused", "bucketed", "reference")
+IMPLEMENTATIONS = ("auto", "native", "flash_regions", "bucketed", "reference")
 TORCH = "nn.TransformerEncoderLayer"
 
 
@@ -177,7 +177,7 @@ def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
         repeats=get("repeats") or (2 if quick else 5),
         warmup=get("warmup") if get("warmup") is not None else 1,
         implementations=(["auto"] if get("backends") is None else list(
-            common.check_names("--backends", get("backends"), IMPLEMENTATIONS))),
+            common.check_backends(get("backends"), IMPLEMENTATIONS))),
     )
     if settings.repeats < 1 or settings.warmup < 0 or min(settings.max_distances) < 0:
         raise ValueError("--repeats must be >= 1, --warmup and --max-distances >= 0")

@@ -7,7 +7,7 @@ of two from 64 up to the budget, B = tokens // n; :func:`token_shapes`). At each
 times self-attention with both relative terms (keys and values, tables shared by the heads),
 H=8, D=64, for K in {16, 64}, causal and not, forward (under ``torch.no_grad``) and forward +
 backward (of a random upstream gradient), with the backends ``auto`` (``implementation=None``,
-and the backend :func:`relpos.select_backend` says it picks), ``native``, ``fused``,
+and the backend :func:`relpos.select_backend` says it picks), ``native``, ``flash_regions``,
 ``bucketed`` and ``reference``, and ``F.scaled_dot_product_attention`` without relative
 terms. All cases of one shape (every K, causal flag, backend and SDPA) run in the same
 interleaved rounds, the order rotated by one case each round
@@ -153,7 +153,7 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
     if lengths is None and quick:
         lengths = [n for n in (64, 256, 1024) if n <= tokens] or None
     backends = (list(training_backends()) if get("backends") is None
-                else list(common.check_names("--backends", get("backends"), training_backends())))
+                else list(common.check_backends(get("backends"), training_backends())))
     dtype = common.check_dtype(get("dtype"))
     budget = get("memory_budget")
     if budget is not None and not budget > 0:

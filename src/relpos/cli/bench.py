@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -76,8 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "names the backend), any of relpos.available_backends() and sdpa "
                         "(default: all but decode; with --decode: the backends timed by name "
                         "besides relpos (auto) and sdpa, default all but reference; with "
-                        "--preset training: any of auto,fused,bucketed,reference, default all, "
-                        "SDPA always runs; with --preset encoder: the relpos layers' "
+                        "--preset training: any of auto,flash_regions,bucketed,reference, "
+                        "default all, SDPA always runs; with --preset encoder: the relpos layers' "
                         "implementations, default auto, torch's model always runs)")
     _args.add_threads(p, "torch threads (default: torch's default)")
     p.add_argument("--out", default=None,
@@ -194,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     """``relpos bench``: check the options, warn when ``OMP_WAIT_POLICY`` is unset (or rerun
     with ``--omp-wait-policy``), then run the attention benchmark, the decode one
     (``--decode``) or a preset (``--preset``)."""
+    # An old backend name typed on the command line: its DeprecationWarning is for the user.
+    warnings.filterwarnings("default", "--backends ", DeprecationWarning)
     _check_combination(args)
     output_files(args)
     check, benchmark = _benchmark(args)

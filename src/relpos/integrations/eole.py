@@ -113,7 +113,7 @@ def _masks(attn_mask: Tensor | None, B: int, L: int, S: int) -> tuple[
     eole's mask is bool, True = may attend (relpos's functional meaning), ``(B, 1, 1, S)``
     (encoder, decoding steps) or ``(B, 1, L, S)`` (decoder: causal and padding). A padding-only
     mask becomes a ``(B, S)`` key mask and a causal-and-padding one a key mask with
-    ``is_causal`` (both O(n) memory in the fused backend); anything else (a prefix LM, a
+    ``is_causal`` (both O(n) memory in the flash_regions backend); anything else (a prefix LM, a
     sliding window) is passed on as it is.
     """
     if attn_mask is None:

@@ -10,11 +10,11 @@ the released checkpoints), both score terms scaled by ``head_size ** -0.5``. Tha
 relpos's math with ``max_distance=(left, right)``, ``rel_keys=distance_embedding.weight``.
 
 ``transformers`` builds an ``(L, S, head_size)`` embedding and a dense ``(B, H, L, S)`` bias in
-every layer; relpos serves the same numbers with the fused backend's O(n) memory. Attention maps
-come back when asked for as ``transformers`` asks: by the call's ``output_attentions`` or,
-without it, by ``config.output_attentions``. Every ``transformers`` the extra allows (5.x) is
-served: before 5.16 the attention modules have no ``scaling`` and the patch uses theirs,
-``head_size ** -0.5``.
+every layer; relpos serves the same numbers with the flash_regions backend's O(n) memory.
+Attention maps come back when asked for as ``transformers`` asks: by the call's
+``output_attentions`` or, without it, by ``config.output_attentions``. Every ``transformers`` the
+extra allows (5.x) is served: before 5.16 the attention modules have no ``scaling`` and the patch
+uses theirs, ``head_size ** -0.5``.
 
 Parameters, buffers, the config and the state dict are untouched (only each attention module's
 ``forward`` is replaced). ``torch.save`` / ``torch.load`` (``weights_only=False``) keep the
@@ -75,7 +75,7 @@ def _key_mask(attention_mask: Tensor | None, B: int, L: int) -> tuple[Tensor | N
     """``(key_mask, attn_mask)`` for relpos from the 4-D mask ``transformers`` hands a layer.
 
     A padding-only mask (every query row the same) becomes a ``(B, S)`` key mask (True = real
-    frame), which the fused backend serves in O(n) memory; anything else is passed on as a
+    frame), which the flash_regions backend serves in O(n) memory; anything else is passed on as a
     dense mask (bool True = may attend, or float added to the scores). Under
     ``torch.compile`` the values cannot be inspected without a data-dependent branch, so every
     mask is passed on dense (a float one with ``-inf`` where hidden): one graph, the same

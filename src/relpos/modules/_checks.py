@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from relpos.functional import available_backends
+from relpos.ops import check_implementation
 from relpos.positions import check_int, check_window
 
 __all__ = [
@@ -86,13 +86,6 @@ def check_dropout(value: object) -> float:
     if not 0.0 <= float(value) < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {value}")
     return float(value)
-
-
-def check_implementation(value: object) -> Any:
-    if value is not None and value not in available_backends():
-        allowed = ", ".join(repr(b) for b in reversed(available_backends()))
-        raise ValueError(f"unknown implementation {value!r}; allowed: None (auto), {allowed}")
-    return value
 
 
 def check_module_max_distance(

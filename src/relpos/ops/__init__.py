@@ -20,11 +20,55 @@ Rows with no visible key return zeros (and zero gradients), never NaN.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
-__all__ = ["BACKENDS", "Implementation"]
+from relpos import _deprecated
 
-Implementation = Literal["triton", "native", "decode", "fused", "bucketed", "reference"]
+__all__ = ["BACKENDS", "RENAMED_BACKENDS", "BackendReasons", "Implementation",
+           "check_implementation"]
+
+Implementation = Literal["triton", "native", "decode", "flash_regions", "bucketed", "reference"]
 """Backend names, in the order auto-selection tries them: the first that serves a call wins."""
 
 BACKENDS: tuple[str, ...] = get_args(Implementation)
+
+RENAMED_BACKENDS: dict[str, str] = {"fused": "flash_regions"}
+"""Old backend names (old -> new), still accepted with a DeprecationWarning and served by the
+same backend; they go in 0.2. ``"fused"`` named a decomposition over torch's flash kernels, not
+a fused kernel (the native and triton backends are those)."""
+
+
+def _warn_renamed(old: str, what: str) -> str:
+    new = RENAMED_BACKENDS[old]
+    _deprecated.warn(f"{what}{old!r} is deprecated; use {what}{new!r} (the same backend, "
+                     f"renamed)")
+    return new
+
+
+def check_implementation(value: object) -> Implementation | None:
+    """The backend that ``implementation=value`` names, or None (auto-selection). An old name
+    (:data:`RENAMED_BACKENDS`) warns and gives the new one.
+
+    Raises:
+        ValueError: if ``value`` names no backend.
+    """
+    if isinstance(value, str) and value in RENAMED_BACKENDS:
+        return cast(Implementation, _warn_renamed(value, "implementation="))
+    if value is not None and value not in BACKENDS:
+        raise ValueError(f"unknown implementation {value!r}; allowed: None (auto), "
+                         + ", ".join(repr(b) for b in reversed(BACKENDS)))  # the definition first
+    return cast(Implementation | None, value)
+
+
+class BackendReasons(dict[str, "str | None"]):
+    """Each backend, in :data:`BACKENDS` order, with why a call would not run it (None: it
+    would). An old name (:data:`RENAMED_BACKENDS`) still reads its backend's reason, with a
+    DeprecationWarning; only the new names are listed."""
+
+    def __missing__(self, key: str) -> str | None:
+        if isinstance(key, str) and key in RENAMED_BACKENDS:
+            return self[_warn_renamed(key, "the backend name ")]
+        raise KeyError(key)
+
+    def get(self, key: str, default: object = None) -> object:  # type: ignore[override]
+        return self[key] if key in self or key in RENAMED_BACKENDS else default

@@ -1,15 +1,15 @@
 """What the attention custom ops share: the empty call, the backward op and the autograd formula.
 
-Three backends run as custom ops (``relpos::fused_attention``, ``relpos::native_attention``,
-``relpos::triton_attention``; packed variable-length batches:
-``relpos::native_attention_varlen``), so that ``torch.compile`` and ``torch.export`` trace them.
-Each op takes ``query, key, value, rel_keys, rel_values`` and then inputs of its own (masks, a
-dropout seed, cumulative sequence lengths: none of them gets a gradient), keyword options
-(``left``, ``right``, ``is_causal``, ...), and returns ``out``, the logsumexp, then whatever else
-its backward needs. :func:`define_op` registers an op (in place of ``torch.library.custom_op``,
-whose eager path imports the compile stack: see its docstring). A backend's ``op.py`` keeps what
-is its own: the forward, the fake (its outputs' shapes) and the backward's computation;
-:func:`register_attention_autograd` builds the rest from them:
+Three backends run as custom ops (flash_regions as ``relpos::fused_attention``, the name it had
+before the backend was renamed; ``relpos::native_attention``, ``relpos::triton_attention``; packed
+variable-length batches: ``relpos::native_attention_varlen``), so that ``torch.compile`` and
+``torch.export`` trace them. Each op takes ``query, key, value, rel_keys, rel_values`` and then
+inputs of its own (masks, a dropout seed, cumulative sequence lengths: none of them gets a
+gradient), keyword options (``left``, ``right``, ``is_causal``, ...), and returns ``out``, the
+logsumexp, then whatever else its backward needs. :func:`define_op` registers an op (in place of
+``torch.library.custom_op``, whose eager path imports the compile stack: see its docstring). A
+backend's ``op.py`` keeps what is its own: the forward, the fake (its outputs' shapes) and the
+backward's computation; :func:`register_attention_autograd` builds the rest from them:
 
 - the backward op ``<name>_backward``: ``grad_out``, the forward's inputs and outputs and the
   same options in, the five gradients out (an empty tensor for an absent table), with a fake;
@@ -116,8 +116,8 @@ def empty_outputs(outputs: _Outputs) -> _Outputs:
 
 
 def run_key_mask_op(op: Callable[..., tuple[Tensor, ...]], call: AttentionCall) -> Tensor:
-    """``out`` of ``op`` for ``call``, an op that takes the call's ``key_mask`` as it is (fused,
-    triton): ``op(query, key, value, rel_keys, rel_values, key_mask, *, left, right,
+    """``out`` of ``op`` for ``call``, an op that takes the call's ``key_mask`` as it is
+    (flash_regions, triton): ``op(query, key, value, rel_keys, rel_values, key_mask, *, left, right,
     is_causal, scale, query_start)``."""
     return op(
         call.query, call.key, call.value, call.rel_keys, call.rel_values, call.key_mask,

@@ -1,6 +1,7 @@
-"""torch's flash kernels that return logsumexp, guarded: what the fused and decode backends call.
+"""torch's flash kernels that return logsumexp, guarded: what the flash_regions and decode
+backends call.
 
-The fused backend needs, for one "lower region" (query ``i`` sees keys ``j <= i + c``), the
+The flash_regions backend needs, for one "lower region" (query ``i`` sees keys ``j <= i + c``), the
 plain attention output, its logsumexp, and a backward that takes an arbitrary ``out`` and
 ``logsumexp``; the decode backend needs the same forward over a KV cache's far keys. torch
 exposes exactly that through internal ops:
@@ -16,7 +17,7 @@ dimension (a transposed or otherwise strided input gives silently wrong numbers)
 Both apply ``is_causal`` top-left aligned (query ``a`` sees key ``b <= a``), so a region with
 an offset is cut into at most two pieces (:func:`lower_pieces`). Internal ops change between
 torch releases: :data:`EXPECTED_SCHEMAS` holds the signatures this module was written
-against, and ``tests/ops/test_fused.py`` fails loudly when they differ.
+against, and ``tests/ops/test_flash_regions.py`` fails loudly when they differ.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim.
 """

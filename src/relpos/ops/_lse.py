@@ -1,4 +1,4 @@
-"""Merging partial attentions by logsumexp: what the fused and decode backends share.
+"""Merging partial attentions by logsumexp: what the flash_regions and decode backends share.
 
 A query row's keys split into regions ``X``; each contributes its plain output ``o^X`` and its
 log-mass ``z^X`` (the logsumexp of its scores, plus any constant the region adds to every
@@ -6,7 +6,7 @@ score), and the whole row is (docs/design.md §3)::
 
     LSE = logsumexp_X z^X,   m^X = exp(z^X - LSE),   out = sum_X m^X o^X
 
-(plus, in the fused and decode backends, each far region's value row times its mass).
+(plus, in the flash_regions and decode backends, each far region's value row times its mass).
 
 Rows with no visible key get ``LSE = +inf`` and masses 0, never NaN.
 

@@ -26,7 +26,7 @@ def exp_(x: Tensor) -> Tensor:
 
     On CPU, ``torch.exp`` goes through MKL's vector math, whose underflow handling makes each
     element below about -87 (float32; -708 in float64), ``-inf`` included, cost 10 to 80
-    times a normal one. Masked scores are exactly such elements: in the fused band three
-    quarters of a tile's scores are ``-inf`` at K = 16. ``torch.exp2`` has no such path.
+    times a normal one. Masked scores are exactly such elements: in the flash_regions backend's
+    band three quarters of a tile's scores are ``-inf`` at K = 16. ``torch.exp2`` has no such path.
     """
     return x.mul_(_LOG2_E).exp2_()

@@ -135,7 +135,7 @@ def ensure_served(backend: str, reason: Reason | str | None) -> None:
 
 def no_dropout_or_dense_mask(call: AttentionCall, backend: str) -> Reason | str | None:
     """Why a backend that has no attention dropout and reads padding only as a ``(B, S)``
-    ``key_mask`` (fused, triton) cannot serve the call on those grounds, or None."""
+    ``key_mask`` (flash_regions, triton) cannot serve the call on those grounds, or None."""
     if call.dropout_p > 0.0:
         return (f"dropout_p={call.dropout_p} > 0: the {backend} backend has no attention dropout "
                 "(the bucketed backend has)")

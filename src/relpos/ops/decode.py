@@ -18,10 +18,10 @@ plain tensor ops. Used for ``L <= MAX_QUERIES`` queries aligned to the end of th
 Equivalent to :mod:`relpos.ops.reference`.
 
 Inference fast path (CPU, no autograd, no dense ``attn_mask``, no dropout, ``D == Dv``): the
-far keys go through the guarded flash-kernel wrapper the fused backend uses too
+far keys go through the guarded flash-kernel wrapper the flash_regions backend uses too
 (:func:`relpos.ops._flash.flash_forward`, which returns the logsumexp), the band of the
 last ``W`` keys is computed explicitly, and the two are merged by logsumexp
-(:func:`relpos.ops._lse.combine_log_masses`), as in the fused backend's region
+(:func:`relpos.ops._lse.combine_log_masses`), as in the flash_regions backend's region
 decomposition. That keeps a single-token step close to plain SDPA over the same cache.
 
 Shape legend: B batch, H heads, t = L queries, S keys, D head dim, Dv value head dim,
@@ -45,7 +45,8 @@ from relpos.positions import relative_position_index
 __all__ = ["MAX_QUERIES", "attention", "auto_reason", "band_width", "unsupported_reason"]
 
 MAX_QUERIES = 64
-"""Largest number of queries (t) served: beyond it the fused/bucketed backends are preferred."""
+"""Largest number of queries (t) served: beyond it the flash_regions/bucketed backends are
+preferred."""
 
 _FLASH_DTYPES = (torch.float32, torch.float64)
 
@@ -242,7 +243,7 @@ def unsupported_reason(call: AttentionCall) -> Reason | str | None:
 
 def auto_reason(call: AttentionCall) -> Reason | str | None:
     """Why ``implementation=None`` does not pick the decode backend: a call that is not a cache
-    step (``L >= S``: whole-sequence attention, served by fused/bucketed), or a hard limit.
+    step (``L >= S``: whole-sequence attention, served by flash_regions/bucketed), or a hard limit.
     None = decode is picked. (The cache-step test comes first: a compiled self-attention then
     depends on ``L >= S`` only, not on how ``L`` compares with ``MAX_QUERIES``.)"""
     if call.query_len >= call.key_len:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from relpos.functional import _with_arguments_of
+from relpos.ops import BackendReasons
 from relpos.varlen import running, selection
 from relpos.varlen.call import (
     VarlenCall,
@@ -128,7 +129,7 @@ def relative_attention_varlen(call: VarlenCall) -> Tensor:
 
 
 @_with_arguments_of(validate_varlen_call)
-def explain_backends_varlen(call: VarlenCall) -> dict[str, str | None]:
+def explain_backends_varlen(call: VarlenCall) -> BackendReasons:
     """For the arguments of :func:`relative_attention_varlen`: each backend, in the order
     auto-selection tries them (native first), with why it would not serve the call, or None.
     The first None is what :func:`select_backend_varlen` names: a backend whose reason is None

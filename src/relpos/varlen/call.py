@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from relpos.functional import Implementation, _check_scalars, _check_table, _check_tensor
-from relpos.ops import BACKENDS
+from relpos.ops import check_implementation
 from relpos.positions import check_int, check_window
 
 __all__ = ["VarlenCall", "validate_varlen_call"]
@@ -230,12 +230,10 @@ def validate_varlen_call(
                 raise ValueError(
                     f"sequence {s} has {L} queries but {keys}: relative positions align the "
                     f"queries to the end of their keys and need L <= S in every sequence")
-    if implementation is not None and implementation not in BACKENDS:
-        raise ValueError(f"unknown implementation {implementation!r}; allowed: None (auto), "
-                         + ", ".join(repr(b) for b in reversed(BACKENDS)))
+    backend = check_implementation(implementation)
     return VarlenCall(
         query=q, key=k, value=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, lengths_q=lengths_q,
         lengths_k=lengths_k, left=left, right=right, rel_keys=ak, rel_values=av,
-        is_causal=is_causal, dropout_p=p, scale=sc, implementation=implementation,
+        is_causal=is_causal, dropout_p=p, scale=sc, implementation=backend,
         seqused_k=used_k, regions_k=regions_k,
     )

@@ -102,7 +102,7 @@ def zeros(call: VarlenCall) -> Tensor:
 
 def _parts(call: VarlenCall, group: Group, backend: str) -> tuple[list[Group], str | None]:
     """``group`` as the padded calls that run it: itself, or, where ``backend`` serves no key
-    mask (the fused backend on CUDA), one call per sequence, with the reason."""
+    mask (the flash_regions backend on CUDA), one call per sequence, with the reason."""
     if not group.masked:
         return [group], None
     reason = _unsupported_reasons(group_call(call, group, masked=True), [backend])[backend]

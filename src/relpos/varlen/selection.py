@@ -1,7 +1,7 @@
 """Which backend serves a packed call, and why the others do not.
 
 The native kernels take a packed call whole (one op), and so do the triton kernels wherever the
-padded triton backend serves the call's sequences. Every other backend (decode, fused,
+padded triton backend serves the call's sequences. Every other backend (decode, flash_regions,
 bucketed, reference) serves it in padded groups of sequences of similar lengths
 (:mod:`relpos.varlen.running`): one padded call per group, each sequence's queries and keys
 aligned to the end of the group's rows. Such a backend serves the packed call only if it
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from relpos.functional import Implementation, _unsupported_reasons, validate_call
-from relpos.ops import BACKENDS
+from relpos.ops import BACKENDS, BackendReasons
 from relpos.ops.call import AttentionCall
 from relpos.varlen.call import VarlenCall
 
@@ -259,10 +259,10 @@ def _reasons(call: VarlenCall) -> tuple[dict[str, str | None], tuple[Group, ...]
     return reasons, groups
 
 
-def explain(call: VarlenCall) -> dict[str, str | None]:
+def explain(call: VarlenCall) -> BackendReasons:
     """Every backend, native first, with why it would not serve the packed call (None: it
     would); auto-selection takes the first None."""
-    return _reasons(call)[0]
+    return BackendReasons(_reasons(call)[0])
 
 
 def plan(call: VarlenCall) -> Plan:

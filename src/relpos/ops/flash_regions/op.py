@@ -1,4 +1,5 @@
-"""The fused backend as the custom op ``relpos::fused_attention``, with its autograd formula.
+"""The flash_regions backend as the custom op ``relpos::fused_attention`` (the name it had before
+the backend was renamed, kept so that exported programs still load), with its autograd formula.
 
 The op has a fake implementation (for ``torch.compile`` and ``torch.export``) and a backward
 through the op ``relpos::fused_attention_backward``; both are checked with
@@ -21,7 +22,7 @@ from relpos.ops._custom_op import (
     register_attention_autograd,
 )
 from relpos.ops._numerics import accumulation_dtype
-from relpos.ops.fused.decomposition import fused_backward, fused_forward
+from relpos.ops.flash_regions.decomposition import fused_backward, fused_forward
 
 __all__ = ["fused_attention"]
 

@@ -9,9 +9,9 @@ lies in exactly one region:
 
 for a window ``(left, right)`` (``left = right = K`` for a clip distance). For ``left = 0`` the
 offset 0 belongs to FL only, so it is counted once. FL and FR are plain
-attention through the flash kernels (:mod:`~relpos.ops.fused.far`), the band is explicit
-(:mod:`~relpos.ops.fused.band`), and the three are merged by logsumexp
-(:mod:`~relpos.ops._lse`; the far rows' terms: :mod:`~relpos.ops.fused.far_terms`). The
+attention through the flash kernels (:mod:`~relpos.ops.flash_regions.far`), the band is explicit
+(:mod:`~relpos.ops.flash_regions.band`), and the three are merged by logsumexp
+(:mod:`~relpos.ops._lse`; the far rows' terms: :mod:`~relpos.ops.flash_regions.far_terms`). The
 backward hands each far region's flash backward the GLOBAL output and logsumexp, shifted by
 the region's constant, so its probabilities and its ``delta`` are the global ones. The
 constants' own gradients are closed-form: ``dc_FL = m_FL (dO . (o_FL + aV[-K]) - delta)``,
@@ -32,9 +32,20 @@ from torch import Tensor
 
 from relpos.ops._lse import combine_log_masses
 from relpos.ops._numerics import accumulation_dtype, exp_
-from relpos.ops.fused.band import BandLayout, BandOperands, band_backward, band_forward, pad_rows
-from relpos.ops.fused.far import far_backward, far_forward, key_bias
-from relpos.ops.fused.far_terms import add_far_rows, add_rows_times_table, far_key_terms, row_dot
+from relpos.ops.flash_regions.band import (
+    BandLayout,
+    BandOperands,
+    band_backward,
+    band_forward,
+    pad_rows,
+)
+from relpos.ops.flash_regions.far import far_backward, far_forward, key_bias
+from relpos.ops.flash_regions.far_terms import (
+    add_far_rows,
+    add_rows_times_table,
+    far_key_terms,
+    row_dot,
+)
 
 __all__ = ["fused_backward", "fused_forward", "region_offsets"]
 

@@ -1,4 +1,5 @@
-"""The band of the fused backend: offsets ``-left < j - p_i < fr`` (``<= 0`` when causal), explicit.
+"""The band of the flash_regions backend: offsets ``-left < j - p_i < fr`` (``<= 0`` when
+causal), explicit.
 
 (``-K < j - p_i < K`` for a clip distance K; ``fr = max(right, 1 - left)`` starts far-right.)
 Tile ``t`` of a flat head holds queries ``tT .. tT + T - 1``; its window holds the ``W`` keys

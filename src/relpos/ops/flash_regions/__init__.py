@@ -1,4 +1,6 @@
-"""Fused backend: exact clipped relative attention at about the cost of one flash attention.
+"""The flash_regions backend: exact clipped relative attention at about the cost of one flash
+attention, as a decomposition into regions served by torch's flash kernels (not a kernel of its
+own: the fused kernels are the native and triton backends).
 
 Exact region decomposition (docs/design.md §3): for query ``i`` at position ``p_i`` every key with
 ``j - p_i <= -K`` sees the relative row ``-K`` and every key with ``j - p_i >= K`` the row
@@ -9,9 +11,11 @@ backward the global output and logsumexp, so the whole backward is exact too, an
 deterministic (no atomics, no scatter with duplicate indices). Equivalent to
 :mod:`relpos.ops.reference`.
 
-Registered as the custom op ``relpos::fused_attention`` (:mod:`~relpos.ops.fused.op`, with a
-fake implementation and an autograd formula through ``relpos::fused_attention_backward``), so
-it can be traced by ``torch.compile(fullgraph=True)``.
+Registered as the custom op ``relpos::fused_attention`` (:mod:`~relpos.ops.flash_regions.op`,
+with a fake implementation and an autograd formula through ``relpos::fused_attention_backward``),
+so it can be traced by ``torch.compile(fullgraph=True)``. The op keeps the name it had before
+the backend was renamed (``implementation="fused"``, still accepted with a DeprecationWarning),
+so programs exported with it still load.
 
 Files: ``far.py`` the far regions, ``band.py`` the band, ``far_terms.py`` the far rows'
 closed-form relative terms, ``decomposition.py`` the forward and backward that put them
@@ -27,14 +31,15 @@ dropout, a dense ``attn_mask``, ``Dv != D``.
 
 Internal torch ops: ``aten::_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``) on
 CPU and ``aten::_efficient_attention_forward`` / ``_backward`` on CUDA. Tested torch range:
-2.13.x on CPU (the CUDA path is checked separately by ``benchmarks/cuda_check.py`` and is only
-used when asked for by name). ``tests/ops/test_fused.py`` compares the ops' schemas with the ones
-this module was written against and fails loudly when a torch release changes them.
+2.13.x on CPU (the CUDA path is checked separately by ``python -m relpos.bench.cuda_check`` and
+is only used when asked for by name). ``tests/ops/test_flash_regions.py`` compares the ops'
+schemas with the ones this module was written against and fails loudly when a torch release
+changes them.
 
 Auto-selection (:func:`auto_reason`) also leaves short sequences to the bucketed backend,
 which is faster there: below :func:`crossover_keys` keys, a threshold that depends on
 whether the call needs a backward pass and on causality (:data:`CROSSOVER`); asking for
-``implementation="fused"`` by name only refuses the hard limitations of
+``implementation="flash_regions"`` by name only refuses the hard limitations of
 :func:`unsupported_reason`.
 
 Shape legend: B batch, H heads, L queries, S keys, D head dim, Dv value head dim,
@@ -54,7 +59,7 @@ from relpos.ops.call import (
     needs_backward,
     no_dropout_or_dense_mask,
 )
-from relpos.ops.fused import op  # noqa: F401  (registers relpos::fused_attention)
+from relpos.ops.flash_regions import op  # noqa: F401  (registers relpos::fused_attention)
 
 __all__ = [
     "CROSSOVER",
@@ -66,29 +71,31 @@ __all__ = [
 ]
 
 CROSSOVER: dict[tuple[bool, bool], int] = {
-    # (needs a backward pass, causal) -> fewest keys S at which auto picks fused on CPU
+    # (needs a backward pass, causal) -> fewest keys S at which auto picks flash_regions on CPU
     (False, True): 256,
     (False, False): 512,
     (True, True): 256,
     (True, False): 512,
 }
-"""Where the fused backend overtakes the bucketed one on CPU, from the training-shapes
+"""Where the flash_regions backend overtakes the bucketed one on CPU, from the training-shapes
 table (``relpos bench --preset training``, 4096 tokens per batch, K = 16 and 64, H=8, D=64;
-benchmarks/training_shapes.md, five runs): the bucketed backend's cost grows with B·H·L·S
-(every score gathered and scattered), the fused one's with the flash kernel's work plus
-the O(L·K) band. With a causal mask the flash kernel skips the masked half and fused wins
+benchmarks/training_shapes_xeon.md, five runs): the bucketed backend's cost grows with B·H·L·S
+(every score gathered and scattered), the flash_regions one's with the flash kernel's work plus
+the O(L·K) band. With a causal mask the flash kernel skips the masked half and flash_regions wins
 from S = 256; without one, the two far regions each fill the kernel's 512-key blocks, and
 bucketed (or the reference) stays as fast up to S = 256. At S = 128 causal forward, K = 64,
-fused was 1.17-1.31x slower than the reference or bucketed in three of four runs (with
+flash_regions was 1.17-1.31x slower than the reference or bucketed in three of four runs (with
 K = 16 the three came within about 20% of each other), so the pass does not move the
 crossover on this CPU; it stays a key because another CPU may differ."""
 
 CROSSOVER_KEYS = max(CROSSOVER.values())
-"""From this many keys (S) auto-selection picks the fused backend for every call it serves."""
+"""From this many keys (S) auto-selection picks the flash_regions backend for every call it
+serves."""
 
 
 def crossover_keys(call: AttentionCall) -> int:
-    """The fewest keys at which auto-selection picks fused for ``call`` (:data:`CROSSOVER`)."""
+    """The fewest keys at which auto-selection picks flash_regions for ``call``
+    (:data:`CROSSOVER`)."""
     return CROSSOVER[(needs_backward(call), bool(call.is_causal))]
 
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -96,19 +103,19 @@ _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def attention(call: AttentionCall) -> Tensor:
-    """Fused backend: see :func:`relpos.relative_attention` for the meaning of the call.
+    """The flash_regions backend: see :func:`relpos.relative_attention` for the meaning of the call.
 
     Returns:
         ``(B, H, L, Dv)``; rows that see no key are zeros.
     """
-    ensure_served("fused", unsupported_reason(call))
+    ensure_served("flash_regions", unsupported_reason(call))
     return run_key_mask_op(torch.ops.relpos.fused_attention, call)
 
 
 def unsupported_reason(call: AttentionCall) -> Reason | str | None:
-    """Why the fused backend cannot serve the call (hard limitations only), or None."""
+    """Why the flash_regions backend cannot serve the call (hard limitations only), or None."""
     query = call.query
-    reason = no_dropout_or_dense_mask(call, "fused")
+    reason = no_dropout_or_dense_mask(call, "flash_regions")
     if reason is not None:
         return reason
     *_, D, Dv = call.dims
@@ -123,24 +130,24 @@ def unsupported_reason(call: AttentionCall) -> Reason | str | None:
         if query.dtype not in _CUDA_DTYPES:
             return f"dtype {query.dtype} is not supported on CUDA (allowed: {_CUDA_DTYPES})"
         if call.key_mask is not None:
-            return "key_mask is not supported by the fused backend on CUDA"
+            return "key_mask is not supported by the flash_regions backend on CUDA"
     else:
         return f"device {query.device} is not supported (allowed: cpu, cuda)"
     return None
 
 
 def auto_reason(call: AttentionCall) -> Reason | str | None:
-    """Why ``implementation=None`` does not pick the fused backend: a hard limitation
-    (:func:`unsupported_reason`) or, for short sequences, speed. None = fused is picked."""
+    """Why ``implementation=None`` does not pick the flash_regions backend: a hard limitation
+    (:func:`unsupported_reason`) or, for short sequences, speed. None = flash_regions is picked."""
     reason = unsupported_reason(call)
     if reason is not None:
         return reason
     if call.query.device.type == "cuda":
-        return ("the CUDA path of the fused backend is only picked when asked for "
-                "(implementation='fused'); check it with benchmarks/cuda_check.py")
+        return ("the CUDA path of the flash_regions backend is only picked when asked for "
+                "(implementation='flash_regions'); check it with python -m relpos.bench.cuda_check")
     crossover = crossover_keys(call)
     if call.key_len < crossover:
-        return Reason.of("sequence length S={S} below the fused crossover (S >= {crossover} on "
-                         "CPU for this call); bucketed is faster", S=call.key_len,
-                         crossover=crossover)
+        return Reason.of("sequence length S={S} below the flash_regions crossover (S >= "
+                         "{crossover} on CPU for this call); bucketed is faster",
+                         S=call.key_len, crossover=crossover)
     return None

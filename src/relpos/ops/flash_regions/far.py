@@ -1,4 +1,4 @@
-"""The far regions of the fused backend: plain attention through the flash kernels.
+"""The far regions of the flash_regions backend: plain attention through the flash kernels.
 
 Every key at offset ``j - p_i <= -K`` (far-left) sees the relative row ``-K``, every key at
 ``j - p_i >= max(K, 1)`` (far-right) the row ``+K``; within a region the relative key term is
