@@ -76,3 +76,13 @@ def test_the_layers_import_from_their_old_module() -> None:
         )
     assert RelativeTransformerEncoderLayer is relpos.RelativeTransformerEncoderLayer
     assert RelativeTransformerDecoderLayer is relpos.RelativeTransformerDecoderLayer
+
+
+@pytest.mark.parametrize("module", ["relpos.varlen", "relpos.varlen.call"])
+def test_the_packed_call_keeps_its_old_name(module: str) -> None:
+    from relpos.varlen import PackedAttentionCall
+
+    with pytest.warns(DeprecationWarning, match=rf"{module}\.VarlenCall is deprecated; use "
+                                                r"relpos\.varlen(\.call)?\.PackedAttentionCall$"):
+        old = importlib.import_module(module).VarlenCall
+    assert old is PackedAttentionCall

@@ -35,18 +35,19 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from relpos._deprecated import module_getattr, moved
 from relpos.functional import _with_arguments_of
 from relpos.ops import BackendReasons
 from relpos.varlen import running, selection
 from relpos.varlen.call import (
-    VarlenCall,
+    PackedAttentionCall,
     _check_cu_seqlens,  # noqa: F401  (relpos.models reads packed ids)
     validate_varlen_call,
 )
 from relpos.varlen.packing import cu_seqlens_from_lengths, pack, unpack
 
 __all__ = [
-    "VarlenCall",
+    "PackedAttentionCall",
     "cu_seqlens_from_lengths",
     "explain_backends_varlen",
     "pack",
@@ -57,13 +58,13 @@ __all__ = [
 ]
 
 
-def _per_sequence(call: VarlenCall, plan: selection.Plan) -> Tensor:
+def _per_sequence(call: PackedAttentionCall, plan: selection.Plan) -> Tensor:
     """The sequences through a backend without a packed kernel: one padded call per group of
     sequences of similar lengths; ``(Tq, H, Dv)``."""
     return running.grouped(call, plan.backend, plan.groups)
 
 
-def _run(call: VarlenCall) -> Tensor:
+def _run(call: PackedAttentionCall) -> Tensor:
     plan = selection.plan(call)
     if plan.backend == "native":
         return running.native(call)
@@ -77,7 +78,7 @@ def _run(call: VarlenCall) -> Tensor:
 
 
 @_with_arguments_of(validate_varlen_call)
-def relative_attention_varlen(call: VarlenCall) -> Tensor:
+def relative_attention_varlen(call: PackedAttentionCall) -> Tensor:
     r"""Clipped relative attention over a packed batch of sequences of different lengths.
 
     :func:`relpos.relative_attention` for each sequence, without padding: sequence ``s`` has
@@ -129,7 +130,7 @@ def relative_attention_varlen(call: VarlenCall) -> Tensor:
 
 
 @_with_arguments_of(validate_varlen_call)
-def explain_backends_varlen(call: VarlenCall) -> BackendReasons:
+def explain_backends_varlen(call: PackedAttentionCall) -> BackendReasons:
     """For the arguments of :func:`relative_attention_varlen`: each backend, in the order
     auto-selection tries them (native first), with why it would not serve the call, or None.
     The first None is what :func:`select_backend_varlen` names: a backend whose reason is None
@@ -138,7 +139,13 @@ def explain_backends_varlen(call: VarlenCall) -> BackendReasons:
 
 
 @_with_arguments_of(validate_varlen_call)
-def select_backend_varlen(call: VarlenCall) -> str:
+def select_backend_varlen(call: PackedAttentionCall) -> str:
     """The backend :func:`relative_attention_varlen` runs for these arguments (for every
     sequence)."""
     return selection.plan(call).backend
+
+
+# Renamed in 0.1 (the C++ kernels' VarlenCall is another thing).
+__getattr__ = module_getattr(__name__, {
+    "VarlenCall": moved("relpos.varlen.PackedAttentionCall"),
+})

@@ -1,5 +1,9 @@
-"""The validated packed call: :class:`VarlenCall` and :func:`validate_varlen_call`, the checks
-of :func:`relpos.relative_attention_varlen`'s arguments.
+"""The validated packed call: :class:`PackedAttentionCall` and :func:`validate_varlen_call`,
+the checks of :func:`relpos.relative_attention_varlen`'s arguments.
+
+:class:`PackedAttentionCall` was ``VarlenCall`` before 0.1; the old name is still served, with
+a DeprecationWarning (the native kernels' C++ ``VarlenCall`` is another thing: a packing's
+geometry and buffer sizes).
 
 Shape legend: Tq, Tk total queries and keys, N sequences, H heads, D head dim, Dv value head
 dim, R = left + right + 1 table rows; L_s, S_s the queries and the keys sequence s uses.
@@ -14,15 +18,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from relpos._deprecated import module_getattr, moved
 from relpos.functional import Implementation, _check_scalars, _check_table, _check_tensor
 from relpos.ops import check_implementation
 from relpos.positions import check_int, check_window
 
-__all__ = ["VarlenCall", "validate_varlen_call"]
+__all__ = ["PackedAttentionCall", "validate_varlen_call"]
 
 
 @dataclass(frozen=True)
-class VarlenCall:
+class PackedAttentionCall:
     """One validated call of :func:`relpos.relative_attention_varlen`.
 
     Attributes:
@@ -196,7 +201,7 @@ def validate_varlen_call(
     dropout_p: float = 0.0,
     scale: float | None = None,
     implementation: Implementation | None = None,
-) -> VarlenCall:
+) -> PackedAttentionCall:
     """Check the arguments of :func:`relpos.relative_attention_varlen`; the call as one object.
 
     Raises:
@@ -231,9 +236,15 @@ def validate_varlen_call(
                     f"sequence {s} has {L} queries but {keys}: relative positions align the "
                     f"queries to the end of their keys and need L <= S in every sequence")
     backend = check_implementation(implementation)
-    return VarlenCall(
+    return PackedAttentionCall(
         query=q, key=k, value=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, lengths_q=lengths_q,
         lengths_k=lengths_k, left=left, right=right, rel_keys=ak, rel_values=av,
         is_causal=is_causal, dropout_p=p, scale=sc, implementation=backend,
         seqused_k=used_k, regions_k=regions_k,
     )
+
+
+# Renamed in 0.1 (the C++ kernels' VarlenCall is another thing).
+__getattr__ = module_getattr(__name__, {
+    "VarlenCall": moved("relpos.varlen.call.PackedAttentionCall"),
+})

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from relpos.functional import _unsupported_reasons, relative_attention
-from relpos.varlen.call import VarlenCall
+from relpos.varlen.call import PackedAttentionCall
 from relpos.varlen.selection import Group, _native_reason, group_call, longest
 
 __all__ = ["grouped", "native", "triton", "triton_one_call", "zeros"]
@@ -41,7 +41,7 @@ warns, once per process: each call's fixed cost then adds up."""
 _warned = False
 
 
-def native(call: VarlenCall) -> Tensor:
+def native(call: PackedAttentionCall) -> Tensor:
     """The packed call in one call of ``relpos::native_attention_varlen``; ``(Tq, H, Dv)``."""
     from relpos.ops.native import draw_seed, op
 
@@ -64,7 +64,7 @@ def native(call: VarlenCall) -> Tensor:
     return torch.ops.relpos.native_attention_varlen(*args, **options)[0]
 
 
-def triton_one_call(call: VarlenCall) -> bool:
+def triton_one_call(call: PackedAttentionCall) -> bool:
     """Whether the triton backend, serving the call, takes it in one call
     (``relpos::triton_attention_varlen``) rather than in padded groups: whenever some sequence
     has a (query, key) pair (else the groups give the zeros, no kernel)."""
@@ -73,7 +73,7 @@ def triton_one_call(call: VarlenCall) -> bool:
     return s >= 0 and call.lengths_q[s] > 0 and call.lengths_k[s] > 0
 
 
-def triton(call: VarlenCall) -> Tensor:
+def triton(call: PackedAttentionCall) -> Tensor:
     """The packed call in one call of ``relpos::triton_attention_varlen``; ``(Tq, H, Dv)``."""
     from relpos.ops.triton import op  # noqa: F401  (registers the op; imports no Triton)
 
@@ -86,7 +86,7 @@ def triton(call: VarlenCall) -> Tensor:
     )[0]
 
 
-def zeros(call: VarlenCall) -> Tensor:
+def zeros(call: PackedAttentionCall) -> Tensor:
     """``(Tq, H, Dv)`` zeros that stay in the autograd graph of every input (zero gradients,
     as the native op gives): the result of a call in which no query sees a key. Joined
     through empty slices, so a non-finite input cannot reach the zeros."""
@@ -100,7 +100,7 @@ def zeros(call: VarlenCall) -> Tensor:
     return out + nothing
 
 
-def _parts(call: VarlenCall, group: Group, backend: str) -> tuple[list[Group], str | None]:
+def _parts(call: PackedAttentionCall, group: Group, backend: str) -> tuple[list[Group], str | None]:
     """``group`` as the padded calls that run it: itself, or, where ``backend`` serves no key
     mask (the flash_regions backend on CUDA), one call per sequence, with the reason."""
     if not group.masked:
@@ -148,7 +148,7 @@ class _Layout:
     tensors seen as ``(n, step)`` rows (views, cut by one split for every call), or gathered
     rows."""
 
-    def __init__(self, call: VarlenCall, group: Group) -> None:
+    def __init__(self, call: PackedAttentionCall, group: Group) -> None:
         assert call.lengths_q is not None and call.lengths_k is not None
         members = group.members
         regions = call.lengths_k if call.regions_k is None else call.regions_k
@@ -195,7 +195,7 @@ def _pieces(x: Tensor, blocks: dict[int, tuple[int, int]]) -> dict[int, Tensor]:
             if key is not None}
 
 
-def _run_group(call: VarlenCall, layout: _Layout, backend: str,
+def _run_group(call: PackedAttentionCall, layout: _Layout, backend: str,
                pieces: tuple[Tensor | None, Tensor | None, Tensor | None]) -> Tensor:
     """The group's padded call; the outputs ``(rows, H, Dv)`` of its queries, in the order of
     :meth:`_Layout.query_rows`. ``pieces``: its query and key blocks, where views."""
@@ -225,7 +225,7 @@ def _run_group(call: VarlenCall, layout: _Layout, backend: str,
     return out
 
 
-def _warn_slow(call: VarlenCall, backend: str, alone: int, reason: str) -> None:
+def _warn_slow(call: PackedAttentionCall, backend: str, alone: int, reason: str) -> None:
     global _warned
     if _warned:
         return
@@ -238,7 +238,7 @@ def _warn_slow(call: VarlenCall, backend: str, alone: int, reason: str) -> None:
         f"not serve it ({native})", RuntimeWarning, stacklevel=7)
 
 
-def grouped(call: VarlenCall, backend: str, groups: tuple[Group, ...]) -> Tensor:
+def grouped(call: PackedAttentionCall, backend: str, groups: tuple[Group, ...]) -> Tensor:
     """The packed call through ``backend``'s padded calls, one per group; ``(Tq, H, Dv)``.
     Rows of sequences without keys are zeros."""
     if not groups:

@@ -29,7 +29,7 @@ from torch import Tensor
 from relpos.functional import Implementation, _unsupported_reasons, validate_call
 from relpos.ops import BACKENDS, BackendReasons
 from relpos.ops.call import AttentionCall
-from relpos.varlen.call import VarlenCall
+from relpos.varlen.call import PackedAttentionCall
 
 __all__ = ["CALL_SCORES", "GATHER_MOST", "GROUP_MOST", "Group", "Plan", "explain",
            "group_call",
@@ -78,7 +78,7 @@ class Plan:
     groups: tuple[Group, ...] = ()
 
 
-def group_sequences(call: VarlenCall) -> tuple[Group, ...]:
+def group_sequences(call: PackedAttentionCall) -> tuple[Group, ...]:
     """The sequences that attend something (``L_s > 0``, ``S_s > 0``) in groups.
 
     A short sequence (keys and values of at most :data:`GATHER_MOST` bytes) is copied into a
@@ -138,7 +138,7 @@ def _stand_in(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = 
     return t.detach().requires_grad_(True) if grad else t
 
 
-def group_call(call: VarlenCall, group: Group, *, masked: bool) -> AttentionCall:
+def group_call(call: PackedAttentionCall, group: Group, *, masked: bool) -> AttentionCall:
     """A call of ``group``'s padded shape (with its key mask when ``masked``), to ask backends
     whether they serve it; its tensors hold no data."""
     n, H, D = len(group.members), call.query.shape[1], call.query.shape[2]
@@ -154,7 +154,7 @@ def group_call(call: VarlenCall, group: Group, *, masked: bool) -> AttentionCall
                          key_mask=key_mask)
 
 
-def _native_reason(call: VarlenCall) -> str | None:
+def _native_reason(call: PackedAttentionCall) -> str | None:
     """Why the native kernels do not serve the packed call: they cannot, or, picking by
     itself (``implementation=None``), they have no vector code and a sequence has more than
     ``native.SCALAR_MAX_KEYS`` keys, and the other backends can take the call in padded
@@ -175,14 +175,14 @@ def _native_reason(call: VarlenCall) -> str | None:
     return None
 
 
-def longest(call: VarlenCall) -> int:
+def longest(call: PackedAttentionCall) -> int:
     """The sequence with the most query-key pairs (-1 without sequences)."""
     assert call.lengths_q is not None and call.lengths_k is not None
     pairs = [L * S for L, S in zip(call.lengths_q, call.lengths_k, strict=True)]
     return max(range(len(pairs)), key=pairs.__getitem__) if pairs else -1
 
 
-def _longest_reasons(call: VarlenCall) -> dict[str, str | None]:
+def _longest_reasons(call: PackedAttentionCall) -> dict[str, str | None]:
     """Every backend with why the padded call of the sequence with the most query-key pairs
     would not run it (auto-selection's reasons, or the named implementation's), or None; all
     None when no sequence attends anything."""
@@ -197,7 +197,7 @@ def _longest_reasons(call: VarlenCall) -> dict[str, str | None]:
                             implementation=cast(Implementation | None, call.implementation))
 
 
-def _group_reasons(call: VarlenCall, groups: tuple[Group, ...], names: tuple[str, ...]
+def _group_reasons(call: PackedAttentionCall, groups: tuple[Group, ...], names: tuple[str, ...]
                    ) -> dict[str, str | None]:
     """Every backend of ``names`` with why it cannot serve some group (its first refusal,
     naming the group's sequence with the most queries), or None: it serves them all. A
@@ -227,7 +227,7 @@ _COMPILE_REASON = ("under torch.compile only the native kernels serve a packed c
                    "the others would read the sequence lengths)")
 
 
-def _reasons(call: VarlenCall) -> tuple[dict[str, str | None], tuple[Group, ...]]:
+def _reasons(call: PackedAttentionCall) -> tuple[dict[str, str | None], tuple[Group, ...]]:
     """Every backend, native first, with why it would not serve the packed call (None: it
     would), and the groups the grouped backends would run."""
     reasons: dict[str, str | None] = {"native": _native_reason(call)}
@@ -259,13 +259,13 @@ def _reasons(call: VarlenCall) -> tuple[dict[str, str | None], tuple[Group, ...]
     return reasons, groups
 
 
-def explain(call: VarlenCall) -> BackendReasons:
+def explain(call: PackedAttentionCall) -> BackendReasons:
     """Every backend, native first, with why it would not serve the packed call (None: it
     would); auto-selection takes the first None."""
     return BackendReasons(_reasons(call)[0])
 
 
-def plan(call: VarlenCall) -> Plan:
+def plan(call: PackedAttentionCall) -> Plan:
     """The backend that runs the packed call (and its groups): the one asked for, if it serves
     the call, or the first whose reason is None.
 
