@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import numbers
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -29,6 +29,30 @@ def _check_capacity(capacity: object, growable: object) -> tuple[int | None, boo
     if int(capacity) <= 0:
         raise ValueError(f"capacity must be a positive int or None, got {capacity}")
     return int(capacity), growable
+
+
+_Layer = TypeVar("_Layer")
+
+
+class _LayerStack(Generic[_Layer]):
+    """What :class:`~relpos.cache.KVCache` and :class:`~relpos.cache.PackedKVCache` share: one
+    cache per attention layer in ``layers``, read by layer (``cache[i]``, ``len``, ``iter``)."""
+
+    layers: list[_Layer]
+
+    def __len__(self) -> int:
+        """Number of layers (not the cached length)."""
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> _Layer:
+        return self.layers[layer]
+
+    def __iter__(self) -> Iterator[_Layer]:
+        return iter(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
 
 class _Transactional(Protocol):

@@ -11,6 +11,7 @@ from torch import Tensor
 from relpos.cache._common import (
     _check_capacity,
     _check_indices,
+    _LayerStack,
     _rollback_on_error,
 )
 from relpos.cache.layer import LayerCache
@@ -18,7 +19,7 @@ from relpos.cache.layer import LayerCache
 __all__ = ["KVCache"]
 
 
-class KVCache:
+class KVCache(_LayerStack[LayerCache]):
     """One :class:`LayerCache` per layer, indexed by layer: ``cache[i]``.
 
     Args:
@@ -43,20 +44,6 @@ class KVCache:
         self.layers: list[LayerCache] = [
             LayerCache(capacity=capacity, growable=growable) for _ in range(int(num_layers))
         ]
-
-    def __len__(self) -> int:
-        """Number of layers (the cached length is :attr:`length`)."""
-        return len(self.layers)
-
-    def __getitem__(self, layer: int) -> LayerCache:
-        return self.layers[layer]
-
-    def __iter__(self) -> Iterator[LayerCache]:
-        return iter(self.layers)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
 
     @property
     def length(self) -> int:

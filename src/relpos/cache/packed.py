@@ -14,6 +14,7 @@ from torch import Tensor
 from relpos.cache._common import (
     _DEFAULT_CAPACITY,
     _check_capacity,
+    _LayerStack,
     _rollback_on_error,
 )
 
@@ -203,7 +204,7 @@ class PackedLayerCache:
                 f"lengths={list(self._lengths)}, capacity={self._capacity})")
 
 
-class PackedKVCache:
+class PackedKVCache(_LayerStack[PackedLayerCache]):
     """A :class:`PackedLayerCache` per layer: incremental decoding of ``N`` sequences of
     different lengths without padding (prompts of any lengths, steps that append any number
     of tokens to each, sequences that have finished simply append none).
@@ -224,19 +225,6 @@ class PackedKVCache:
         self.layers: list[PackedLayerCache] = [
             PackedLayerCache(num_sequences, capacity=capacity, growable=growable)
             for _ in range(int(num_layers))]
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def __getitem__(self, layer: int) -> PackedLayerCache:
-        return self.layers[layer]
-
-    def __iter__(self) -> Iterator[PackedLayerCache]:
-        return iter(self.layers)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
 
     @property
     def num_sequences(self) -> int:
