@@ -36,6 +36,7 @@ gradient).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -237,6 +238,23 @@ def _wait(requests: list[Any]) -> None:
         r.wait()
 
 
+def _ring(plan: _Plan, held: list[Tensor], acc: torch.dtype) -> Iterator[
+    tuple[list[Tensor], list[tuple[slice, int, slice, int]]]
+]:
+    """The ring's steps, one a rank: the shard held at each (its owner's keys, values and key
+    bias) widened to ``acc``, and the kernel calls it serves (:meth:`_Plan.pairs`). The next
+    shard's transfer is posted before a step's calls and waited for after them, so the two
+    overlap."""
+    for step in range(plan.world):
+        last = step == plan.world - 1
+        if not last:
+            coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
+        yield [t.to(acc) for t in held], plan.pairs((plan.rank - step) % plan.world)
+        if not last:
+            _wait(requests)
+            held = coming
+
+
 def _key_bias(key_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     if key_mask is None:
         return None
@@ -264,12 +282,8 @@ class _Ring(torch.autograd.Function):
         filled: set[int] = set()
         # The visiting shard: keys, values (and key bias) as they are, no copy made to send.
         held = [k.contiguous(), v.contiguous()] + ([] if kb is None else [kb.contiguous()])
-        for step in range(plan.world):
-            owner = (plan.rank - step) % plan.world
-            if step < plan.world - 1:
-                coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
-            wide = [t.to(acc) for t in held]
-            for qs, gq, ks, gk in plan.pairs(owner):
+        for wide, pairs in _ring(plan, held, acc):
+            for qs, gq, ks, gk in pairs:
                 o, lse = op.forward(
                     q[:, :, qs], wide[0][:, :, ks], wide[1][:, :, ks], rk, rv,
                     None if kb is None else wide[2][:, ks], None, plan.seed_at(gq, gk),
@@ -277,9 +291,6 @@ class _Ring(torch.autograd.Function):
                 log_mass = lse.masked_fill(lse == torch.inf, -torch.inf)  # empty rows: no mass
                 merge_rows(out, z, qs, o, log_mass, first=gq not in filled)
                 filled.add(gq)
-            if step < plan.world - 1:
-                _wait(requests)
-                held = coming
         lse = z.masked_fill(z == -torch.inf, torch.inf)  # the kernels' convention: +inf
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, rk, rv, kb, out, lse)
@@ -300,12 +311,8 @@ class _Ring(torch.autograd.Function):
         # The gradient of the visiting shard's keys and values, riding along with it.
         dkv = [held[0].new_zeros(held[0].shape, dtype=acc),
                held[1].new_zeros(held[1].shape, dtype=acc)]
-        for step in range(plan.world):
-            owner = (plan.rank - step) % plan.world
-            if step < plan.world - 1:
-                coming, requests = _ring_exchange(held, plan.group, plan.rank, plan.world)
-            wide = [t.to(acc) for t in held]
-            for qs, gq, ks, gk in plan.pairs(owner):
+        for wide, pairs in _ring(plan, held, acc):
+            for qs, gq, ks, gk in pairs:
                 g = op._backward(
                     grad_out[:, :, qs], q[:, :, qs], wide[0][:, :, ks], wide[1][:, :, ks], rk,
                     rv, None if kb is None else wide[2][:, ks], None, plan.seed_at(gq, gk),
@@ -320,9 +327,6 @@ class _Ring(torch.autograd.Function):
             # This shard's gradient goes on to the next rank (after the last step: its owner).
             sent = dkv
             dkv, grad_requests = _ring_exchange(sent, plan.group, plan.rank, plan.world)
-            if step < plan.world - 1:
-                _wait(requests)
-                held = coming
             _wait(grad_requests)
             del sent
         return (dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), drk, drv, None, None)
