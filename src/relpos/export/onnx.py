@@ -114,6 +114,12 @@ def _io_layout(module: nn.Module) -> tuple[str, int, int, int | None, torch.dtyp
     return "x", batch, length, attn.embed_dim, dtype
 
 
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
 def _example(module: nn.Module, batch_size: int, length: int) -> Tensor:
     _, b_axis, l_axis, features, dtype = _io_layout(module)
     if features is None:
@@ -162,14 +168,8 @@ def export_onnx(
         TypeError, ValueError: for a module that cannot be exported or bad sizes.
     """
     require_onnx()
-    if isinstance(example_length, bool) or not isinstance(example_length, int) or (
-        example_length < 2
-    ):
-        raise ValueError(f"example_length must be an int >= 2, got {example_length!r}")
-    if isinstance(example_batch, bool) or not isinstance(example_batch, int) or (
-        example_batch < 2
-    ):
-        raise ValueError(f"example_batch must be an int >= 2, got {example_batch!r}")
+    _check_int("example_length", example_length, 2)
+    _check_int("example_batch", example_batch, 2)
     name, b_axis, l_axis, _, _ = _io_layout(module)
     x = _example(module, example_batch, example_length)
     wrapper = _OnnxWrapper(module, is_causal=bool(is_causal))
@@ -327,12 +327,6 @@ def _feature_size(model: nn.Module) -> int:
     return size
 
 
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
 def export_speech_encoder(
     model: nn.Module,
     path: str | os.PathLike[str],
@@ -362,10 +356,7 @@ def export_speech_encoder(
         path: destination ``.onnx`` file (its directory is created).
         attention_mask: add the ``attention_mask`` input.
         mask_dtype: its dtype: ``torch.int64``, ``torch.int32`` or ``torch.bool``.
-        example_length: the length of the tracing example (>= 2); the graph serves every length.
-        example_batch: the batch of the tracing example (>= 2, so the batch axis stays dynamic).
-        opset_version: ONNX opset (None = the exporter's default).
-        optimize: run the exporter's graph optimizer.
+        example_length, example_batch, opset_version, optimize: as in :func:`export_onnx`.
 
     Returns:
         The path written.
