@@ -68,17 +68,15 @@ def default_backends() -> tuple[str, ...]:
 
 
 @dataclass
-class Config:
-    """One benchmark run: the sweep (lengths x clip distances x backends) and the shape."""
+class Config(common.Timing):
+    """One benchmark run: the sweep (lengths x clip distances x backends), the shape and how
+    each case is timed."""
 
     lengths: list[int]
     max_distances: list[int]
     batch: int
     heads: int
     head_dim: int
-    dtype: str
-    repeats: int
-    warmup: int
     backends: list[str]
     memory: bool
     causal: bool = False
@@ -120,9 +118,7 @@ def config(args: argparse.Namespace) -> Config:
         batch=args.batch or 1,
         heads=args.heads or 8,
         head_dim=args.head_dim or 64,
-        dtype=args.dtype or "float32",
-        repeats=args.repeats or (2 if quick else 3),
-        warmup=args.warmup if args.warmup is not None else 1,
+        **common.timing(args, repeats=3),
         backends=list(chosen),
         memory=bool(getattr(args, "memory", True)),
         causal=bool(getattr(args, "causal", False)),
@@ -417,8 +413,8 @@ def _effective_command(cfg: Config, threads: int, out: str | None) -> str:
     return (
         f"relpos bench --lengths {','.join(map(str, cfg.lengths))} --max-distances "
         f"{','.join(map(str, cfg.max_distances))} --batch {cfg.batch} --heads {cfg.heads} "
-        f"--head-dim {cfg.head_dim} --dtype {cfg.dtype} --repeats {cfg.repeats} "
-        f"--warmup {cfg.warmup} --backends {','.join(cfg.backends)} --threads {threads}"
+        f"--head-dim {cfg.head_dim} {cfg.timing_options()} --backends {','.join(cfg.backends)} "
+        f"--threads {threads}"
         + ("" if cfg.memory else " --no-memory") + (" --causal" if cfg.causal else "")
         + (f" --out {out}" if out else "")
     )
@@ -427,12 +423,8 @@ def _effective_command(cfg: Config, threads: int, out: str | None) -> str:
 def _meta(
     args: argparse.Namespace, cfg: Config, threads: int, clock: common.RunClock
 ) -> dict[str, str]:
-    effective = _effective_command(cfg, threads, args.out)
     return {
-        "date": common.report_date(),
-        "command": common.typed_command(args) or effective,
-        "equivalent command": effective,
-        **common.environment(threads),
+        **common.command_header(args, _effective_command(cfg, threads, args.out), threads),
         "shape": f"B={cfg.batch}, H={cfg.heads}, D={cfg.head_dim}, self-attention (L = S = n), "
                  f"{cfg.dtype}, keys and values terms, shared tables, "
                  + ("causal" if cfg.causal else "not causal"),

@@ -73,6 +73,46 @@ def check_names(
     return names
 
 
+@dataclass
+class Timing:
+    """How a run times each case: in ``dtype``, the median of ``repeats`` interleaved rounds
+    after ``warmup`` untimed ones (``--dtype``, ``--repeats``, ``--warmup``)."""
+
+    dtype: str
+    repeats: int
+    warmup: int
+
+    def timing_options(self) -> str:
+        """The options that ask for this timing, as a command spells them."""
+        return f"--dtype {self.dtype} --repeats {self.repeats} --warmup {self.warmup}"
+
+
+def timing(args: Any, *, repeats: int, quick_repeats: int = 2) -> dict[str, Any]:
+    """The :class:`Timing` fields the options ``args`` ask for (read with ``getattr``; missing
+    or None = the default: ``repeats`` rounds, ``quick_repeats`` with ``--quick``, 1 warm-up).
+
+    Raises:
+        ValueError: on a dtype not in :data:`DTYPES`, ``--repeats`` < 1 or ``--warmup`` < 0.
+    """
+    rounds = getattr(args, "repeats", None) or (
+        quick_repeats if getattr(args, "quick", False) else repeats)
+    warmup = getattr(args, "warmup", None)
+    warmup = 1 if warmup is None else warmup
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {rounds} and {warmup}")
+    return {"dtype": check_dtype(getattr(args, "dtype", None)), "repeats": rounds,
+            "warmup": warmup}
+
+
+def add_timing_options(parser: argparse.ArgumentParser, *, repeats: int, warmup: int = 1) -> None:
+    """The options a benchmark script times its cases by: ``--repeats`` (timed rounds; each
+    case reports its median) and ``--warmup`` (untimed rounds before them)."""
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"timed rounds, each case's median reported (default {repeats})")
+    parser.add_argument("--warmup", type=int, default=warmup,
+                        help=f"untimed rounds before them (default {warmup})")
+
+
 def check_backends(value: str | Iterable[str], allowed: Sequence[str]) -> tuple[str, ...]:
     """The backends ``--backends`` names (:func:`check_names`); an old name of
     :data:`relpos.ops.RENAMED_BACKENDS` stands for its new one, with a DeprecationWarning
@@ -250,6 +290,18 @@ def typed_command(args: argparse.Namespace) -> str | None:
             program.name == "__main__.py" and program.parent.name in ("relpos", "cli"))):
         typed = "relpos " + " ".join(sys.argv[1:])
     return typed
+
+
+def command_header(args: argparse.Namespace, equivalent: str, threads: int) -> dict[str, str]:
+    """How a ``relpos bench`` report begins: ``date``, ``command`` (as typed, else
+    ``equivalent``), ``equivalent command`` (every setting spelled out) and the
+    :func:`environment`."""
+    return {
+        "date": report_date(),
+        "command": typed_command(args) or equivalent,
+        "equivalent command": equivalent,
+        **environment(threads),
+    }
 
 
 def script_command(module: str) -> str:

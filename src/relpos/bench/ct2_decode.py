@@ -36,6 +36,7 @@ import torch
 
 from relpos.bench import memory
 from relpos.bench.common import (
+    add_timing_options,
     csv_text,
     environment,
     interleaved_medians,
@@ -153,8 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    add_timing_options(p, repeats=3)
     p.add_argument("--forward-length", type=int, default=2048,
                    help="tokens of the timed forward pass (0: decoding only)")
     p.add_argument("--out", type=Path, default=None, help="markdown report (and .csv beside)")

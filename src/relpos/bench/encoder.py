@@ -131,57 +131,39 @@ def _parameter_count(model: nn.Module) -> int:
 
 
 @dataclass
-class EncoderSettings:
+class EncoderSettings(presets.TokenSweep):
     """One ``--preset encoder`` run, resolved from the options."""
 
-    tokens: int
-    shapes: list[tuple[int, int]]
-    max_distances: list[int]
-    dtype: str
-    repeats: int
-    warmup: int
     implementations: list[str]
 
     def command(self, threads: int, out: str | None) -> str:
         """The ``relpos bench --preset encoder`` command with every setting spelled out."""
         return (
-            f"relpos bench --preset encoder --tokens {self.tokens} --lengths "
-            f"{','.join(str(n) for _, n in self.shapes)} --max-distances "
-            f"{','.join(map(str, self.max_distances))} --dtype {self.dtype} --repeats "
-            f"{self.repeats} --warmup {self.warmup} --backends {','.join(self.implementations)} "
-            f"--threads {threads}" + (f" --out {out}" if out else "")
+            f"relpos bench --preset encoder {self.sweep_options()} {self.timing_options()} "
+            f"--backends {','.join(self.implementations)} --threads {threads}"
+            + (f" --out {out}" if out else "")
         )
 
 
 def encoder_settings(args: argparse.Namespace) -> EncoderSettings:
-    """The run the ``relpos bench --preset encoder`` options ask for (attributes read with
-    ``getattr``; missing or None = the default), checked.
+    """The run the ``relpos bench --preset encoder`` options ask for, read as
+    :func:`relpos.bench.presets.training_settings` reads them (with this preset's defaults),
+    checked.
 
     Raises:
         ValueError: on an unknown implementation or a setting out of range.
     """
-
-    def get(name: str) -> Any:
-        return getattr(args, name, None)
-
-    quick = bool(get("quick"))
-    tokens = int(get("tokens") or (QUICK_TOKENS if quick else presets.DEFAULT_TOKENS))
-    lengths = get("lengths") or (QUICK_LENGTHS if quick else DEFAULT_LENGTHS)
-    dtype = common.check_dtype(get("dtype"))
-    Ks = get("max_distances")
-    settings = EncoderSettings(
-        tokens=tokens,
-        shapes=presets.token_shapes(tokens, list(lengths)),
-        max_distances=list(Ks if Ks is not None else DEFAULT_MAX_DISTANCES),
-        dtype=dtype,
-        repeats=get("repeats") or (2 if quick else 5),
-        warmup=get("warmup") if get("warmup") is not None else 1,
-        implementations=(["auto"] if get("backends") is None else list(
-            common.check_backends(get("backends"), IMPLEMENTATIONS))),
+    quick = bool(getattr(args, "quick", False))
+    tokens = int(getattr(args, "tokens", None) or (QUICK_TOKENS if quick
+                                                   else presets.DEFAULT_TOKENS))
+    backends = getattr(args, "backends", None)
+    return EncoderSettings(
+        **presets.read_sweep(args, tokens=tokens,
+                             lengths=QUICK_LENGTHS if quick else DEFAULT_LENGTHS,
+                             max_distances=DEFAULT_MAX_DISTANCES),
+        implementations=(["auto"] if backends is None
+                         else list(common.check_backends(backends, IMPLEMENTATIONS))),
     )
-    if settings.repeats < 1 or settings.warmup < 0 or min(settings.max_distances) < 0:
-        raise ValueError("--repeats must be >= 1, --warmup and --max-distances >= 0")
-    return settings
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,16 +214,9 @@ def _picked(B: int, n: int, K: int, model: nn.TransformerEncoder, dtype: torch.d
 
 
 def run_encoder(args: argparse.Namespace) -> int:
-    """Run ``relpos bench --preset encoder``: print the table, and write ``encoder.md`` and
-    ``encoder.csv`` into ``args.out`` when it is set.
-
-    Args:
-        args: the ``relpos bench`` options (see :func:`encoder_settings`), plus ``threads``
-            and ``out``.
-
-    Returns:
-        0 (the exit status).
-    """
+    """Run ``relpos bench --preset encoder`` (the options :func:`encoder_settings` reads, plus
+    ``threads`` and ``out``): print the table, write ``encoder.md`` and ``encoder.csv`` into
+    ``args.out`` when it is set, and return 0 (the exit status)."""
     s = encoder_settings(args)
     threads = common.use_threads(getattr(args, "threads", None))
     dtype = getattr(torch, s.dtype)
@@ -272,10 +247,7 @@ def run_encoder(args: argparse.Namespace) -> int:
         counts = ", ".join(f"K={K}: {_parameter_count(plain):,} + {tables[K]:,} in the tables"
                            for K in s.max_distances)
         meta = {
-            "date": common.report_date(),
-            "command": common.typed_command(args) or s.command(threads, out),
-            "equivalent command": s.command(threads, out),
-            **common.environment(threads),
+            **common.command_header(args, s.command(threads, out), threads),
             "model": f"nn.TransformerEncoder of {LAYERS} layers (E={D_MODEL}, H={NHEAD}, "
                      f"FF={DIM_FEEDFORWARD}, ReLU, dropout 0, batch_first=True, "
                      f"norm_first={NORM_FIRST}) and a final LayerNorm, "

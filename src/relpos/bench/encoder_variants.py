@@ -103,8 +103,7 @@ def run(repeats: int, warmup: int) -> tuple[list[str], dict[str, str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=1)
+    common.add_timing_options(parser, repeats=7)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     table, meta = run(args.repeats, args.warmup)

@@ -111,8 +111,7 @@ def run(repeats: int, warmup: int, new_tokens: int, threads: int | None = None
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=1)
+    common.add_timing_options(parser, repeats=7)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None,

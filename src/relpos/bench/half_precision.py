@@ -107,8 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="comma-separated bfloat16 engines timed side by side instead of "
                          f"--dtypes: {', '.join(ENGINES)}")
     ap.add_argument("--causal", action="store_true", help="causal calls (default: not)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
+    common.add_timing_options(ap, repeats=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="directory for the report")
     args = ap.parse_args(argv)

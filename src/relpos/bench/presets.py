@@ -106,29 +106,57 @@ def training_backends() -> tuple[str, ...]:
 
 
 @dataclass
-class TrainingSettings:
-    """One ``--preset training`` run, resolved from the options."""
+class TokenSweep(common.Timing):
+    """What the presets sweep: batches of ``tokens`` tokens, one ``(B, n)`` of ``shapes`` per
+    sequence length, each clip distance of ``max_distances``; each case timed as
+    :class:`~relpos.bench.common.Timing` says."""
 
     tokens: int
     shapes: list[tuple[int, int]]
     max_distances: list[int]
+
+    def sweep_options(self) -> str:
+        """``--tokens``, ``--lengths`` and ``--max-distances``, as a command spells them."""
+        return (f"--tokens {self.tokens} --lengths {','.join(str(n) for _, n in self.shapes)} "
+                f"--max-distances {','.join(map(str, self.max_distances))}")
+
+
+def read_sweep(args: Any, *, tokens: int, lengths: Sequence[int] | None,
+               max_distances: Sequence[int]) -> dict[str, Any]:
+    """The :class:`TokenSweep` fields a preset's options ``args`` ask for at ``tokens`` tokens
+    a batch (``--lengths`` and ``--max-distances`` read with ``getattr``; missing or None = the
+    defaults given, :func:`token_shapes`'s when ``lengths`` is None), checked.
+
+    Raises:
+        ValueError: on a length that does not fit ``tokens``, a negative clip distance or a
+            timing out of range (:func:`~relpos.bench.common.timing`).
+    """
+    chosen = getattr(args, "lengths", None) or lengths
+    Ks = getattr(args, "max_distances", None)
+    Ks = list(max_distances if Ks is None else Ks)
+    if min(Ks, default=0) < 0:
+        raise ValueError("--max-distances must be >= 0")
+    return {"tokens": tokens, "shapes": token_shapes(tokens, None if chosen is None
+                                                     else list(chosen)),
+            "max_distances": Ks, **common.timing(args, repeats=5)}
+
+
+@dataclass
+class TrainingSettings(TokenSweep):
+    """One ``--preset training`` run, resolved from the options."""
+
     causal: list[bool]
     heads: int
     head_dim: int
-    dtype: str
-    repeats: int
-    warmup: int
     backends: list[str]
     memory_budget_gib: float | None
 
     def command(self, threads: int, out: str | None) -> str:
         """The ``relpos bench --preset training`` command with every setting spelled out."""
         return (
-            f"relpos bench --preset training --tokens {self.tokens} --lengths "
-            f"{','.join(str(n) for _, n in self.shapes)} --max-distances "
-            f"{','.join(map(str, self.max_distances))} --heads {self.heads} --head-dim "
-            f"{self.head_dim} --dtype {self.dtype} --repeats {self.repeats} --warmup "
-            f"{self.warmup} --backends {','.join(self.backends)} --threads {threads}"
+            f"relpos bench --preset training {self.sweep_options()} --heads {self.heads} "
+            f"--head-dim {self.head_dim} {self.timing_options()} --backends "
+            f"{','.join(self.backends)} --threads {threads}"
             + (" --causal" if self.causal == [True] else "")
             + ("" if self.memory_budget_gib is None
                else f" --memory-budget {self.memory_budget_gib:g}")
@@ -148,37 +176,26 @@ def training_settings(args: argparse.Namespace) -> TrainingSettings:
         return getattr(args, name, None)
 
     quick = bool(get("quick"))
-    tokens = get("tokens") or (QUICK_TOKENS if quick else DEFAULT_TOKENS)
-    lengths = get("lengths")
-    if lengths is None and quick:
-        lengths = [n for n in (64, 256, 1024) if n <= tokens] or None
+    tokens = int(get("tokens") or (QUICK_TOKENS if quick else DEFAULT_TOKENS))
     backends = (list(training_backends()) if get("backends") is None
                 else list(common.check_backends(get("backends"), training_backends())))
-    dtype = common.check_dtype(get("dtype"))
     budget = get("memory_budget")
     if budget is not None and not budget > 0:
         raise ValueError(f"--memory-budget must be a positive number of GiB, got {budget}")
-    Ks = get("max_distances")
+    quick_lengths = [n for n in (64, 256, 1024) if n <= tokens] or None
     settings = TrainingSettings(
-        tokens=int(tokens),
-        shapes=token_shapes(int(tokens), None if lengths is None else list(lengths)),
-        max_distances=list(Ks if Ks is not None
-                           else QUICK_MAX_DISTANCES if quick else DEFAULT_MAX_DISTANCES),
+        **read_sweep(args, tokens=tokens, lengths=quick_lengths if quick else None,
+                     max_distances=QUICK_MAX_DISTANCES if quick else DEFAULT_MAX_DISTANCES),
         causal=[True] if get("causal") else [False, True],
         heads=get("heads") or 8,
         head_dim=get("head_dim") or 64,
-        dtype=dtype,
-        repeats=get("repeats") or (2 if quick else 5),
-        warmup=get("warmup") if get("warmup") is not None else 1,
         backends=backends,
         memory_budget_gib=budget,
     )
-    for name in ("heads", "head_dim", "repeats"):
+    for name in ("heads", "head_dim"):
         if getattr(settings, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                              f"{getattr(settings, name)}")
-    if settings.warmup < 0 or min(settings.max_distances, default=0) < 0:
-        raise ValueError("--warmup and --max-distances must be >= 0")
     return settings
 
 
@@ -337,10 +354,7 @@ def run_training(args: argparse.Namespace) -> int:
     out = getattr(args, "out", None)
     if out:
         meta = {
-            "date": common.report_date(),
-            "command": common.typed_command(args) or s.command(threads, out),
-            "equivalent command": s.command(threads, out),
-            **common.environment(threads),
+            **common.command_header(args, s.command(threads, out), threads),
             "shapes": f"{s.tokens} tokens per batch: B = {s.tokens} // n; H={s.heads}, "
                       f"D={s.head_dim}, self-attention (L = S = n), {s.dtype}, keys and values "
                       "terms (tables of 2K+1 rows shared by the heads)",
