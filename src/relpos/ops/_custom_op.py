@@ -33,8 +33,8 @@ from torch import Tensor
 from relpos.ops.call import AttentionCall
 
 __all__ = [
-    "AttentionOp", "Gradients", "define_op", "empty_gradients", "empty_outputs", "is_empty",
-    "register_attention_autograd", "run_key_mask_op",
+    "AttentionOp", "Gradients", "define_key_mask_op", "define_op", "empty_gradients",
+    "empty_outputs", "is_empty", "register_attention_autograd", "run_key_mask_op",
 ]
 
 Gradients = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
@@ -113,6 +113,43 @@ def empty_outputs(outputs: _Outputs) -> _Outputs:
         t.new_full(t.shape, math.inf) if i == 1 else t.new_zeros(t.shape)
         for i, t in enumerate(outputs)
     ))
+
+
+def _key_mask_arguments(
+    query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
+    rel_values: Tensor | None, key_mask: Tensor | None, *, left: int, right: int,
+    is_causal: bool, scale: float, query_start: int,
+) -> Tensor:
+    """The arguments of an op that takes a call's ``key_mask`` as it is (its schema is read
+    from this signature; never called)."""
+    raise NotImplementedError
+
+
+def define_key_mask_op(qualname: str, forward: Callable[..., Any], fake: Callable[..., Any], *,
+                       outputs: int, doc: str) -> AttentionOp:
+    """Define the op ``qualname`` of a backend that takes a call's ``key_mask`` as it is
+    (flash_regions, triton; :func:`run_key_mask_op` runs it), with ``outputs`` tensors out, and
+    register its ``fake``. A call with nothing to attend returns :func:`empty_outputs` shaped
+    by the fake; any other runs ``forward`` on the contiguous query, key and value (the op
+    reads its inputs in any layout), the tables, the key mask and the options.
+
+    Returns:
+        The op, documented by ``doc``.
+    """
+    arguments = torch.library.infer_schema(_key_mask_arguments, mutates_args=())
+    schema = arguments.rsplit(" -> ", 1)[0] + f" -> ({', '.join(['Tensor'] * outputs)})"
+
+    def op(query: Tensor, key: Tensor, value: Tensor, *masks_and_tables: Tensor | None,
+           **options: Any) -> Any:
+        if is_empty(query, key):
+            return empty_outputs(fake(query, key, value, *masks_and_tables, **options))
+        return forward(query.contiguous(), key.contiguous(), value.contiguous(),
+                       *masks_and_tables, **options)
+
+    op.__doc__ = doc
+    defined: AttentionOp = define_op(qualname, op, schema=schema)
+    defined.register_fake(fake)
+    return defined
 
 
 def run_key_mask_op(op: Callable[..., tuple[Tensor, ...]], call: AttentionCall) -> Tensor:

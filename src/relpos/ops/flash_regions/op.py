@@ -14,13 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
-from relpos.ops._custom_op import (
-    Gradients,
-    define_op,
-    empty_outputs,
-    is_empty,
-    register_attention_autograd,
-)
+from relpos.ops._custom_op import Gradients, define_key_mask_op, register_attention_autograd
 from relpos.ops._numerics import accumulation_dtype
 from relpos.ops.flash_regions.decomposition import fused_backward, fused_forward
 
@@ -38,32 +32,12 @@ def _fake(query: Tensor, key: Tensor, value: Tensor, *_tables: object, **_option
     return out, lse, query.new_empty(B, H, L, Dv), query.new_empty(B, H, L, 2, dtype=acc)
 
 
-@define_op("relpos::fused_attention")
-def fused_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    rel_keys: Tensor | None,
-    rel_values: Tensor | None,
-    key_mask: Tensor | None,
-    *,
-    left: int,
-    right: int,
-    is_causal: bool,
-    scale: float,
-    query_start: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``out (B, H, L, Dv)``, logsumexp ``(B, H, L)``, the far-left output and the
-    far masses ``(B, H, L, 2)`` (the last three for the backward)."""
-    if is_empty(query, key):
-        return empty_outputs(_fake(query, key, value))
-    return fused_forward(
-        query.contiguous(), key.contiguous(), value.contiguous(), rel_keys, rel_values, key_mask,
-        left=left, right=right, is_causal=is_causal, scale=scale, query_start=query_start,
-    )
-
-
-fused_attention.register_fake(_fake)
+fused_attention = define_key_mask_op(
+    "relpos::fused_attention", fused_forward, _fake, outputs=4,
+    doc="""``(query, key, value, rel_keys, rel_values, key_mask, *, left, right, is_causal,
+    scale, query_start)`` -> ``out (B, H, L, Dv)``, logsumexp ``(B, H, L)``, the far-left
+    output and the far masses ``(B, H, L, 2)`` (the last three for the backward).""",
+)
 
 
 def _backward(

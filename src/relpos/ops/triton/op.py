@@ -17,9 +17,9 @@ from torch import Tensor
 
 from relpos.ops._custom_op import (
     Gradients,
+    define_key_mask_op,
     define_op,
     empty_outputs,
-    is_empty,
     register_attention_autograd,
 )
 from relpos.ops._numerics import accumulation_dtype
@@ -38,35 +38,19 @@ def _fake(query: Tensor, key: Tensor, value: Tensor, rel_keys: Tensor | None,
             query.new_empty(pb_shape, dtype=acc))
 
 
-@define_op("relpos::triton_attention")
-def triton_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    rel_keys: Tensor | None,
-    rel_values: Tensor | None,
-    key_mask: Tensor | None,
-    *,
-    left: int,
-    right: int,
-    is_causal: bool,
-    scale: float,
-    query_start: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``out (B, H, L, Dv)``, logsumexp ``(B, H, L)`` and the bucket masses
-    ``Pb (B, H, L, R)`` (empty without a values table; the last two for the backward)."""
-    if is_empty(query, key):
-        return empty_outputs(_fake(query, key, value, rel_keys, rel_values, key_mask, left=left,
-                                   right=right))
-    from relpos.ops.triton import launch
+def _forward(*inputs: Tensor | None, **options: Any) -> tuple[Tensor, Tensor, Tensor]:
+    from relpos.ops.triton import launch  # Triton loads on the first call
 
-    return launch.forward(
-        query.contiguous(), key.contiguous(), value.contiguous(), rel_keys, rel_values, key_mask,
-        left=left, right=right, is_causal=is_causal, scale=scale, query_start=query_start,
-    )
+    return launch.forward(*inputs, **options)  # type: ignore[arg-type]
 
 
-triton_attention.register_fake(_fake)
+triton_attention = define_key_mask_op(
+    "relpos::triton_attention", _forward, _fake, outputs=3,
+    doc="""``(query, key, value, rel_keys, rel_values, key_mask, *, left, right, is_causal,
+    scale, query_start)`` -> ``out (B, H, L, Dv)``, logsumexp ``(B, H, L)`` and the bucket
+    masses ``Pb (B, H, L, R)`` (empty without a values table; the last two for the
+    backward).""",
+)
 
 
 def _backward(
