@@ -496,10 +496,10 @@ static RELPOS_INLINE void backward_task(const Geometry& g, const Head<T, I>& hd,
           convert(w.dp.data(), w.ds_low.data(), nq * nk);
           // dV_J (nk, Dv) += P_IJ^T @ dO_I; dq_acc_I (nq, D) += dS_IJ @ K_J;
           // dK_J (nk, D) += scale · dS_IJ^T @ Q_I
-          low_gemm<I>(true, false, nk, Dv, nq, T(1), w.p_low.data(), do_block, T(1), dv + j0 * Dv);
-          low_gemm<I>(false, false, nq, D, nk, T(1), w.ds_low.data(), k_tile, T(1),
+          gemm16<I>(true, false, nk, Dv, nq, T(1), w.p_low.data(), do_block, T(1), dv + j0 * Dv);
+          gemm16<I>(false, false, nq, D, nk, T(1), w.ds_low.data(), k_tile, T(1),
                       w.dq_acc.data());
-          low_gemm<I>(true, false, nk, D, nq, scale, w.ds_low.data(), q_block, T(1), dk + j0 * D);
+          gemm16<I>(true, false, nk, D, nq, scale, w.ds_low.data(), q_block, T(1), dk + j0 * D);
         }
       } else {
         // dV_J (nk, Dv) += P_IJ^T @ dO_I (nq, Dv)

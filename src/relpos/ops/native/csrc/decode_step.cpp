@@ -71,7 +71,7 @@ Tensor decode_attention(const Tensor& query, const Tensor& key, const Tensor& va
 // multiply-adds, about what a core's FMA units do while the memory delivers it. The packed
 // GEMMs of MKL and oneDNN read 512-2048 x 512 weights at about 12 GB/s on an AMD EPYC (Zen 4),
 // where a plain sum streams 25 GB/s; these panels read them at 16-23 GB/s
-// (benchmarks/ct2_decode_amd.md). A weight (N, K) is stored as panels of 16 outputs: panel t
+// (benchmarks/ct2_decode_epyc.md). A weight (N, K) is stored as panels of 16 outputs: panel t
 // holds, for k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k] (zeros past N), so a panel is
 // one contiguous stream; each row of x broadcasts x[r, k] against it into 16 accumulators.
 

@@ -1,7 +1,7 @@
 // The forward: one thread's state (ForwardBlock); the phases of a query block (prologue: QA;
 // per row of a tile: band key term, masks, the online-softmax step with its rescale, dropout and
 // the bucket update; epilogue: the table term, out and lse); the 16-bit GEMMs of a call with
-// 16-bit inputs (packed tiles or MKL's); the task (one query block of one head, streamed
+// 16-bit inputs (packed tiles or brgemm); the task (one query block of one head, streamed
 // through its key blocks); and its loops: forward_impl (padded: (batch, head, query block)) and
 // forward_varlen_impl (varlen: (sequence, head, query block)).
 
@@ -210,7 +210,7 @@ static RELPOS_INLINE void drop_row(T* s, const RowSegments& seg, const Dropout& 
 // out (nq, n) = scale · A (nq, K) @ B^T for rows A and B (n, K) in I (Q_I or dO_I against K_J,
 // V_J, aK or aV), 16-bit operands: on packed tiles (tiles), A packed as rows in a_rows (the scale
 // already in it where a_scaled) and B packed into op unless it holds B already (or b_packed:
-// packed already, op null); else MKL's GEMM on a_low and b.
+// packed already, op null); else brgemm on a_low and b.
 template <typename T, typename I>
 static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, int64_t n, int64_t K,
                                    T scale, const AmxBuffer& a_rows, bool a_scaled, const I* a_low,
@@ -231,11 +231,11 @@ static inline void gemm_scores_low(TileGemm tiles, AmxOperand* op, int64_t nq, i
     }
   }
 #endif
-  low_gemm<I>(false, true, nq, n, K, scale, a_low, b, T(0), out);
+  gemm16<I>(false, true, nq, n, K, scale, a_low, b, T(0), out);
 }
 
 // acc_I (nq, Dv) += A (nq, n) @ B (n, Dv), A float (P or Pb, row stride n) rounded to I (into
-// a_pack for the packed tiles, a_low for MKL), B in I (V_J or aV; packed into op unless it
+// a_pack for the packed tiles, a_low for brgemm), B in I (V_J or aV; packed into op unless it
 // holds B already). Packed tiles with a_rows: A is there already, in bfloat16 rows of stride
 // lda (zeros past n; a_pack null); with b_packed, B too (op null).
 template <typename T, typename I>
@@ -264,7 +264,7 @@ static inline void values_low(ForwardBlock<T, I>& w, AmxOperand* op, int64_t nq,
   }
 #endif
   convert(a, a_low, nq * n);
-  low_gemm<I>(false, false, nq, Dv, n, T(1), a_low, b, T(1), w.acc.data());
+  gemm16<I>(false, false, nq, Dv, n, T(1), a_low, b, T(1), w.acc.data());
 }
 
 // Prologue of a query block: QA of its rows; the online softmax's state emptied.
