@@ -51,9 +51,9 @@
 // The files: this one is the kernels' translation unit. It includes the headers bottom up, each
 // once, so the compiler sees every phase, task and loop of the kernels together and inlines
 // them as in one file; it holds the entry points (the checked tensors, the dtype dispatch,
-// padded and varlen), gemm_engines and build_info. bindings.cpp binds them for Python (the module's second
-// translation unit); decode_step.cpp (the third) reaches the decode kernels through decode.h.
-// docs/design.md §6 has the map.
+// padded and varlen), gemm_engines and build_info. bindings.cpp binds them for Python (the module's
+// second translation unit); decode_step.cpp (the third) reaches the decode kernels through
+// decode.h. docs/design.md §6 has the map.
 //
 //   attention.h       AttentionOptions and the entry points, as bindings.cpp sees them
 //   config.h          standard headers, intrinsics, RELPOS_INLINE, the instruction-set flags

@@ -74,9 +74,8 @@ constexpr int64_t kTransposedRows = 8;
 // multiply: float64's GEMMs, and float32's where B is read transposed by fewer than
 // kTransposedRows rows (the BLAS reads B^T in place).
 template <typename T>
-static inline void blas_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha,
-                             const T* A, int64_t lda, const T* B, int64_t ldb, T beta, T* C,
-                             int64_t ldc) {
+static inline void blas_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                             int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
 #ifdef RELPOS_HAVE_BLAS
   // Column-major BLAS on row-major data: C^T = op(B)^T op(A)^T.
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);

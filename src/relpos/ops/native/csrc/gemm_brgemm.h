@@ -110,8 +110,7 @@ static void brgemm_bf16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float
   }
   if (static_cast<int64_t>(c_buf.size()) < M * N) c_buf.resize(M * N);
   at::native::cpublas::brgemm(M, N, K2, lda, N, N, false, a, bp, c_buf.data(), true);
-  for (int64_t x = 0; x < M * N; ++x)
-    C[x] = (beta == 0.0f ? 0.0f : C[x]) + alpha * c_buf[x];
+  for (int64_t x = 0; x < M * N; ++x) C[x] = (beta == 0.0f ? 0.0f : C[x]) + alpha * c_buf[x];
 }
 
 }  // namespace relpos_native
