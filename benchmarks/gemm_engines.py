@@ -41,7 +41,10 @@ SHAPES = ((64, 64), (16, 256), (4, 1024), (1, 4096))
 H, D = 8, 64
 FLOAT_ENGINES = ("vec", "brgemm")
 BF16_ENGINES = ("avx512bf16", "amx", "widened", "brgemm")
-SWITCH = {torch.float32: "RELPOS_NATIVE_FLOAT_GEMM", torch.bfloat16: "RELPOS_NATIVE_BF16_GEMM"}
+SWITCH = {
+    torch.float32: "RELPOS_NATIVE_FLOAT_GEMM",
+    torch.bfloat16: "RELPOS_NATIVE_BF16_GEMM",
+}
 
 
 _ASKED: dict[torch.dtype, tuple[str, ...]] = {}
@@ -59,7 +62,7 @@ def _engines(dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(e for e in BF16_ENGINES if e != "amx" or have_amx)
 
 
-def _cases(dtype: torch.dtype, B: int, n: int, K: int, causal: bool):  # noqa: ANN202
+def _cases(dtype: torch.dtype, B: int, n: int, K: int, causal: bool):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for _ in range(3))
     ak, av = (torch.randn(2 * K + 1, D, generator=g).to(dtype) * 0.1 for _ in range(2))
@@ -71,7 +74,7 @@ def _cases(dtype: torch.dtype, B: int, n: int, K: int, causal: bool):  # noqa: A
                                          max_distance=K, is_causal=causal,
                                          implementation="native")
 
-    def with_engine(engine: str, fn):  # noqa: ANN001, ANN202
+    def with_engine(engine: str, fn):
         def run() -> object:
             os.environ[SWITCH[dtype]] = engine
             try:
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {**common.environment(threads), "date": common.report_date(),
             "command": "OMP_WAIT_POLICY=PASSIVE python benchmarks/gemm_engines.py "
                        + " ".join(argv if argv is not None else sys.argv[1:])}
-    lines = [f"# The native kernels' GEMM engines on the training shapes ({meta.get('hardware', '')})",
+    cpu_name = meta.get("hardware", "")
+    lines = [f"# The native kernels' GEMM engines on the training shapes ({cpu_name})",
              "", *common.markdown_meta(meta), ""]
     by_dtype: dict[str, list] = {}
     for engines, row in rows:

@@ -284,9 +284,9 @@ struct HeadGradients {
 
 // One backward task: one head, its query blocks of BQ rows, and in each the key blocks of BK
 // keys, as the forward did. With 16-bit inputs the five tile GEMMs take 16-bit operands (P and
-// dS rounded to scalar_t, as torch's flash kernel rounds them) with float accumulation, dK and dV are
-// accumulated in float and rounded once at the end; without 16-bit GEMMs K_J and V_J are widened
-// per tile and the float GEMMs serve.
+// dS rounded to scalar_t, as torch's flash kernel rounds them) with float accumulation, dK and dV
+// are accumulated in float and rounded once at the end; without 16-bit GEMMs K_J and V_J are
+// widened per tile and the float GEMMs serve.
 template <typename accum_t, typename scalar_t>
 static RELPOS_INLINE void backward_task(const Geometry& g, const Head<accum_t, scalar_t>& hd,
                                         const HeadGradients<accum_t, scalar_t>& gr,
