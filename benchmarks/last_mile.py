@@ -404,9 +404,8 @@ def measure(out: Path, *, quick: bool = False) -> None:
 
 #: Environment variables that change what a measurement runs (recorded by ``--run``): the
 #: kernels relpos loads and how, torch's, MKL's, oneDNN's and CTranslate2's instruction sets.
-SETTINGS = ("RELPOS_NATIVE", "RELPOS_KERNELS_DIR", "RELPOS_NATIVE_SGEMM", "RELPOS_NATIVE_BLAS",
-            "RELPOS_NATIVE_AMX", "RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM",
-            "RELPOS_DECODE_PACKING",
+SETTINGS = ("RELPOS_NATIVE", "RELPOS_KERNELS_DIR", "RELPOS_NATIVE_FLOAT_GEMM",
+            "RELPOS_NATIVE_BF16_GEMM", "RELPOS_DECODE_PACKING",
             "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
             "CT2_FORCE_CPU_ISA")
 

@@ -10,11 +10,12 @@ and float, windows, shared and per-head tables, keys or values only, no tables, 
 scale, rows that see no key, several query and key blocks, a decode-like row), varlen forward
 and backward (empty sequences, seqused_k, tables, causal), dropout with fixed seeds (the outputs
 and the keep masks, padded and varlen), float32, float64, bfloat16 (on each 16-bit GEMM engine
-this CPU and build have: widened tiles, MKL, VDPBF16PS tiles, AMX tiles) and float16 (widened
-and on libtorch's 16-bit GEMM), and decode steps of a small language model through
+this CPU and build have: widened tiles, libtorch's brgemm, VDPBF16PS tiles, AMX tiles) and
+float16 (widened tiles), and decode steps of a small language model through
 relpos.models.decoding.StepDecoder on the kernels' C++ step (packed linears and F.linear).
-Each process runs them all; one process per GEMM setting read once per process (the default,
-RELPOS_NATIVE_SGEMM=blas, RELPOS_NATIVE_BLAS=aten). Two threads; the kernels give the same bits
+Each process runs them all; one process per float32 GEMM setting (the default, and
+RELPOS_NATIVE_FLOAT_GEMM=brgemm), each printing the engines its kernels report
+(gemm_engines()). Two threads; the kernels give the same bits
 at every thread count.
 
 The kernels load as the package builds them (RELPOS_CACHE_DIR as set; the tests' cache is the
@@ -29,13 +30,12 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-# (name, environment): the GEMM settings a process reads once
+# (name, environment): a process per float32 GEMM setting
 SETTINGS = {
     "default": {},
-    "sgemm_blas": {"RELPOS_NATIVE_SGEMM": "blas"},
-    "blas_aten": {"RELPOS_NATIVE_BLAS": "aten"},
+    "float_brgemm": {"RELPOS_NATIVE_FLOAT_GEMM": "brgemm"},
 }
-BF16_ENGINES = ("widened", "mkl", "avx512bf16", "amx")
+BF16_ENGINES = ("widened", "brgemm", "avx512bf16", "amx")
 
 
 def _cases() -> Iterator[tuple[str, Callable[[], dict[str, object]]]]:
@@ -165,10 +165,8 @@ def _cases() -> Iterator[tuple[str, Callable[[], dict[str, object]]]]:
         for name in half_cases:
             yield f"bf16_{engine}/{name}", _with_env(
                 {"RELPOS_NATIVE_BF16_GEMM": engine}, padded(bf16, **padded_cases[name]))
-    for half_gemm in ("0", "1"):
-        for name in ("plain", "causal_per_head", "dropout", "long_d64"):
-            yield f"f16_half{half_gemm}/{name}", _with_env(
-                {"RELPOS_NATIVE_HALF_GEMM": half_gemm}, padded(f16, **padded_cases[name]))
+    for name in ("plain", "causal_per_head", "dropout", "long_d64"):  # always widened tiles
+        yield f"f16/{name}", padded(f16, **padded_cases[name])
     # varlen
     varlen_cases = {
         "plain": ([5, 0, 33, 130], [5, 0, 33, 130], dict()),
@@ -259,7 +257,7 @@ def _run_setting(out_file: Path) -> None:
     """Runs every case in this process; saves {case/tensor: tensor} and the engines seen."""
     import torch
 
-    from relpos.ops.native.build import load
+    from relpos.ops.native.build import gemm_engines, load
 
     torch.set_num_threads(2)
     module = load()
@@ -271,13 +269,14 @@ def _run_setting(out_file: Path) -> None:
         if engine.startswith(("bf16_", "varlen_bf16_")):
             want = engine.rsplit("_", 1)[1]
             os.environ["RELPOS_NATIVE_BF16_GEMM"] = want
-            got = module.bf16_gemm()
+            got = gemm_engines(module)["bfloat16"]
             del os.environ["RELPOS_NATIVE_BF16_GEMM"]
             if got != want:  # an engine this CPU or build lacks runs as the next one: skip
                 continue
         for key, tensor in run().items():
             results[f"{name}/{key}"] = tensor
     results["_build_info"] = module.build_info()
+    results["_gemm_engines"] = ", ".join(f"{d} {e}" for d, e in gemm_engines(module).items())
     torch.save(results, out_file)
 
 
@@ -311,8 +310,8 @@ def main(argv: list[str]) -> int:
                        env={**os.environ, **env}, check=True)
         now = torch.load(out_file)
         calls += len({k.rsplit("/", 1)[0] for k in now if not k.startswith("_")})
-        tensors += len(now) - 1
-        print(f"{setting}: {now['_build_info']}")
+        tensors += sum(not k.startswith("_") for k in now)
+        print(f"{setting}: {now['_build_info']}; GEMMs: {now['_gemm_engines']}")
         if mode == "check":
             before = torch.load(target)
             for key in sorted(set(before) | set(now)):

@@ -1,7 +1,10 @@
 """relpos's environment switches, read one way: a value is stripped and lower-cased; unset or
 empty means the default; a value that is none of those allowed means the default too, said in
 one warning (per value and process) that names the values allowed and what serves instead.
-No switch ever makes a call fail.
+No such switch makes a call fail. The exceptions are the native kernels' two GEMM switches
+(:func:`strict_choice`), which the kernels read themselves and which name an engine: a value
+that names none is refused with a ValueError, never run on an engine other than the one asked
+for. A switch that no longer has an effect is said once (:func:`removed`).
 
 Nothing here imports torch.
 """
@@ -13,7 +16,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["FLAG_WORDS", "choice", "flag", "path", "watch"]
+__all__ = ["FLAG_WORDS", "choice", "flag", "path", "removed", "strict_choice", "watch"]
 
 #: The words a yes/no switch takes, and the value each stands for.
 FLAG_WORDS: Mapping[str, str] = {"1": "1", "true": "1", "on": "1", "yes": "1",
@@ -51,6 +54,36 @@ def choice(name: str, allowed: Iterable[str], *, default: str = "", fallback: st
         warnings.warn(f"relpos: {name}={raw!r} is none of {', '.join(words)} (or unset); it is "
                       f"ignored: {fallback}.", RuntimeWarning, stacklevel=2)
     return default
+
+
+def strict_choice(name: str, allowed: Iterable[str]) -> str:
+    """The value of the switch ``name``, stripped and lower-cased, one of ``allowed``; "" when
+    it is unset or empty; a ValueError naming the variable, the value given and those allowed
+    when it is none of them.
+
+    Example:
+        >>> os.environ["RELPOS_EXAMPLE"] = " Brgemm "
+        >>> strict_choice("RELPOS_EXAMPLE", ("vec", "brgemm"))
+        'brgemm'
+        >>> del os.environ["RELPOS_EXAMPLE"]
+    """
+    raw = os.environ.get(name)
+    value = (raw or "").strip().lower()
+    allowed = tuple(allowed)
+    if value and value not in allowed:
+        raise ValueError(f"relpos: {name}={raw!r} is none of {', '.join(allowed)} (or unset); "
+                         f"set {name} to one of them, or unset it")
+    return value
+
+
+def removed(name: str, instead: str) -> None:
+    """Say once per process, where the variable ``name`` is set (whatever its value), that it
+    no longer has an effect and what replaces it (``instead``)."""
+    if os.environ.get(name) is None or (name, "") in _warned:
+        return
+    _warned.add((name, ""))
+    warnings.warn(f"relpos: {name} no longer has an effect; instead: {instead}.",
+                  RuntimeWarning, stacklevel=3)
 
 
 def flag(name: str, *, default: bool, fallback: str) -> bool:

@@ -52,17 +52,23 @@ def test_script_command_is_the_module() -> None:
 def test_half_precision_times_each_bfloat16_engine(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """``--bf16-engines`` times the bfloat16 call once per engine beside float32 and names,
     per row, the engine that ran (an engine this machine lacks gives way to the next, so two
-    requests may name one engine: it is timed once)."""
+    requests may name one engine: it is timed once); the header records the engines the
+    loaded kernels run each dtype on."""
     from relpos.bench import half_precision
+    from relpos.ops.native import build
 
     assert half_precision.main([
         "--tokens", "32", "--lengths", "16", "--max-distances", "2", "--repeats", "1",
-        "--warmup", "0", "--bf16-engines", "mkl,widened", "--out", str(tmp_path)]) == 0
+        "--warmup", "0", "--bf16-engines", "brgemm,widened", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "half_precision_engines.md").read_text()
     rows = (tmp_path / "half_precision_engines.csv").read_text().splitlines()
     assert "| bfloat16 widened |" in report
     names = [row.split(",")[3] for row in rows[1:]]
     assert names[-1] == "bfloat16 widened" and len(names) == len(set(names)) >= 1
+    module = build.load()
+    assert module is not None
+    engines = build.gemm_engines(module)
+    assert f"float32 {engines['float32']}, float64 {engines['float64']}, bfloat16 " in report
     assert not (tmp_path / "half_precision.md").exists()
 
 
@@ -108,10 +114,10 @@ def test_ct2_decode_without_the_forward_decodes_only(tmp_path) -> None:  # type:
     assert "forward |" not in out.read_text()
 
 
-def test_kernel_variants_times_each_build_on_both_blas_routes(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """``--aten`` times every build (the native one and each variant asked for) on MKL's
-    sgemm_ and on libtorch's matrix multiply, each in its own process with the switches set,
-    and gives each at::addmm column's ratio to the same build on sgemm_."""
+def test_kernel_variants_times_each_build_and_records_its_gemms(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every build (the native one and each variant asked for) is timed in its own process,
+    each ratio to the native build's; the header records the GEMM engines each build's
+    kernels said they ran."""
     from relpos.bench import kernel_variants
     from relpos.ops.native import build
 
@@ -126,19 +132,20 @@ def test_kernel_variants_times_each_build_on_both_blas_routes(tmp_path, monkeypa
 
     def one(env, threads, repeats, dtype):  # type: ignore[no-untyped-def]
         seen.append(env)
-        ms = 10.0 * (2 if env["RELPOS_KERNELS_DIR"] else 1)  # a variant: twice the native time
-        ms *= 1.5 if env.get("RELPOS_NATIVE_BLAS") == "aten" else 1.0
-        return {kernel_variants._key(s): ms for s in kernel_variants.SHAPES}
+        variant = bool(env["RELPOS_KERNELS_DIR"])
+        ms = 10.0 * (2 if variant else 1)  # a variant: twice the native time
+        return {"ms": {kernel_variants._key(s): ms for s in kernel_variants.SHAPES},
+                "gemms": {"float32": "brgemm" if variant else "vec", "float64": "blas"}}
 
     monkeypatch.setattr(kernel_variants, "_one", one)
     table, meta = kernel_variants.run(tmp_path, rounds=1, repeats=1, threads=1,
-                                      variants=["baseline"], aten=True)
-    assert table[0] == ("| B x n | native ms | native on at::addmm ms (/ native) | baseline ms "
-                        "(/ native) | baseline on at::addmm ms (/ baseline) |")
-    assert table[2] == "| 32 x 64 | 10.0 | 15.0 (1.50x) | 20.0 (2.00x) | 30.0 (1.50x) |"
-    assert meta["command"].endswith("--variants baseline --aten")
-    assert len(seen) == 4 and all(env["RELPOS_NATIVE_SGEMM"] == "blas" for env in seen)
-    assert sorted(env["RELPOS_NATIVE_BLAS"] for env in seen) == ["aten", "aten", "blas", "blas"]
+                                      variants=["baseline"])
+    assert table[0] == "| B x n | native ms | baseline ms (/ native) |"
+    assert table[2] == "| 32 x 64 | 10.0 | 20.0 (2.00x) |"
+    assert meta["command"].endswith("--variants baseline")
+    assert meta["native GEMMs"] == "float32 vec, float64 blas"
+    assert meta["baseline GEMMs"] == "float32 brgemm, float64 blas"
+    assert len(seen) == 2
     assert not any("avx2" in env["RELPOS_KERNELS_DIR"] for env in seen)
 
 

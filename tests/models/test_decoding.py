@@ -315,10 +315,10 @@ class _Kernels:
     panel_linear = pack_panels = decode_attention = staticmethod(lambda *args: None)
 
     def __init__(self, vectors: str | None) -> None:
-        self.info = "blas=mkl sgemm=blas" + (f" vectors={vectors}" if vectors else "")
+        self.info = "blas=mkl amx=none" + (f" vectors={vectors}" if vectors else "")
 
     def build_info(self) -> str:
-        return self.info + " half_gemm=none"
+        return self.info
 
 
 def test_decode_packing_default_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,10 +127,9 @@ def test_module_under_autocast_keeps_float32_parameters():
 
 
 # ------------------------------------------------------------------------------------------
-# The native forward reads 16-bit inputs directly: with the 16-bit GEMMs (where libtorch's MKL
-# has them: bfloat16's default, RELPOS_NATIVE_HALF_GEMM=1) and with K and V widened per tile
-# (float16's default, RELPOS_NATIVE_HALF_GEMM=0), at
-# shapes with several query blocks and key tiles, padded and packed.
+# The native forward reads 16-bit inputs directly: bfloat16 with the 16-bit GEMMs (on each
+# engine RELPOS_NATIVE_BF16_GEMM selects) and with its tiles widened to float32 (float16 always
+# is), at shapes with several query blocks and key tiles, padded and packed.
 
 
 @contextlib.contextmanager
@@ -143,27 +142,51 @@ def _env(name: str, value: str) -> Iterator[None]:
         yield
     finally:
         if old is None:
-            os.environ.pop(name, None)  # (relpos drops a value it does not know)
+            os.environ.pop(name, None)
         else:
             os.environ[name] = old
 
 
-def _half_gemms(value: str) -> contextlib.AbstractContextManager[None]:
-    """RELPOS_NATIVE_HALF_GEMM=value inside: "1" the 16-bit GEMMs (where libtorch has them,
-    else the widened tiles), "0" the widened tiles."""
-    return _env("RELPOS_NATIVE_HALF_GEMM", value)
-
-
 #: Where bfloat16 calls can run their GEMMs (RELPOS_NATIVE_BF16_GEMM): AMX tiles, VDPBF16PS on
-#: the same packed tiles, MKL's bfloat16 GEMM (an engine the build or CPU lacks gives way to the
-#: next; the kernels' bf16_gemm() says which runs).
-BF16_ENGINES = ("amx", "avx512bf16", "mkl")
+#: the same packed tiles, libtorch's brgemm, tiles widened to float32 (an engine the build or
+#: CPU lacks gives way to the next; the kernels' gemm_engines() says which runs).
+BF16_ENGINES = ("amx", "avx512bf16", "brgemm", "widened")
+
+
+def _kernels():  # type: ignore[no-untyped-def]
+    from relpos.ops.native.build import load
+
+    module = load()
+    assert module is not None
+    return module
+
+
+def _engine_ran(engine: str) -> str:
+    """The engine a bfloat16 call asking for ``engine`` runs on here, as the kernels say."""
+    from relpos.ops.native.build import gemm_engines
+
+    with _bf16_gemm(engine):
+        return gemm_engines(_kernels())["bfloat16"]
+
+
+def _engines_here() -> list[str]:
+    """The bfloat16 engines a switch can select here (each once): those the kernels run."""
+    return list(dict.fromkeys(_engine_ran(e) for e in BF16_ENGINES))
 
 
 def _bf16_gemm(engine: str) -> contextlib.AbstractContextManager[None]:
     """RELPOS_NATIVE_BF16_GEMM=engine inside: bfloat16's GEMMs (forward and backward) on that
-    engine (``amx``, ``avx512bf16``, ``mkl`` or ``widened``)."""
+    engine (``amx``, ``avx512bf16``, ``brgemm`` or ``widened``)."""
     return _env("RELPOS_NATIVE_BF16_GEMM", engine)
+
+
+def _skip_unless_here(engine: str) -> None:
+    """Skip where the build or CPU lacks ``engine`` (a call asking for it runs the next)."""
+    ran = _engine_ran(engine)
+    if ran != engine:
+        pytest.skip(f"no {engine} GEMMs here (the kernels run {ran} instead): "
+                    + ("the CPU has no AMX-BF16 or Linux grants no tile state" if engine == "amx"
+                       else "the build or CPU lacks them"))
 
 
 def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, float, float]:
@@ -205,12 +228,9 @@ def _half_case(dtype: torch.dtype, varlen: bool, causal: bool) -> tuple[float, f
     truth = attend("reference", F64)
     with torch.no_grad():
         outs = []
-        with _half_gemms("1"):
-            for engine in BF16_ENGINES:
-                with _bf16_gemm(engine):
-                    outs.append(attend("native"))
-        with _half_gemms("0"):
-            outs.append(attend("native"))
+        for engine in _engines_here() if dtype == torch.bfloat16 else ["widened"]:
+            with _bf16_gemm(engine):
+                outs.append(attend("native"))
         ref = attend("reference")
     assert all(out.dtype == dtype for out in outs)
     err = max(float((out.double() - truth).abs().max()) for out in outs)
@@ -226,7 +246,7 @@ def test_the_native_forward_reads_half_precision_within_twice_the_reference(
     err, ref, apart = _half_case(dtype, varlen, causal)
     assert err <= 2 * ref + 1e-5, (err, ref)
     assert ref > 1e-4  # the criterion can fail: the reference is measurably off in this type
-    # the two paths round P differently (16-bit GEMM) or not (widened tiles), nothing more
+    # the engines round P differently (16-bit GEMM) or not (widened tiles), nothing more
     assert apart <= 2 * ref, apart
 
 
@@ -244,9 +264,9 @@ def test_the_native_forward_reads_half_precision_within_twice_the_reference(
 def test_the_native_bfloat16_forward_on_each_engine_within_twice_the_reference(
         shape: tuple[int, ...], causal: bool, tables: str) -> None:
     """The bfloat16 forward's four GEMMs (scores, QA, P V, Pb aV) on AMX tiles, on VDPBF16PS
-    over the same packed tiles and on MKL's GEMM (where the build and the CPU have them): each
-    within twice the reference's own bfloat16 error of the float64 truth, and within that of
-    each other."""
+    over the same packed tiles, on libtorch's brgemm and on widened tiles (each the build and
+    the CPU have): each within twice the reference's own bfloat16 error of the float64 truth,
+    and within that of each other."""
     Bx, Hx, Lx, Sx, Dx, Dvx, Kx = shape
     g = torch.Generator().manual_seed(11)
     q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).bfloat16()
@@ -267,7 +287,7 @@ def test_the_native_bfloat16_forward_on_each_engine_within_twice_the_reference(
     ref = float((attend("reference").double() - truth).abs().max())
     assert ref > 1e-4  # the criterion can fail: the reference is measurably off in bfloat16
     outs = []
-    for engine in BF16_ENGINES:
+    for engine in _engines_here():
         with _bf16_gemm(engine):
             outs.append(attend("native"))
     for out in outs:
@@ -302,7 +322,7 @@ def test_the_native_bfloat16_varlen_forward_on_each_engine_with_short_sequences(
     truth = attend("reference", F64)
     ref = float((attend("reference").double() - truth).abs().max())
     assert ref > 1e-4
-    for engine in BF16_ENGINES:
+    for engine in _engines_here():
         with _bf16_gemm(engine):
             out = attend("native")
         err = float((out.double() - truth).abs().max())
@@ -318,12 +338,11 @@ def test_the_native_bfloat16_varlen_forward_on_each_engine_with_short_sequences(
 GRAD_NAMES = ("dq", "dk", "dv", "drel_keys", "drel_values")
 
 
-def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: str
+def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, engine: str
                         ) -> tuple[list[float], list[float]]:
     """Max error of each native gradient and of the reference's in ``dtype`` against the
-    float64 truth of the rounded inputs (``path``: "low" = the 16-bit GEMMs, on AMX tiles in
-    bfloat16 where there are some, "low-dot" = on VDPBF16PS where there is, "low-mkl" = on
-    MKL's GEMM, "wide" = tiles widened)."""
+    float64 truth of the rounded inputs (``engine``: what RELPOS_NATIVE_BF16_GEMM asks for;
+    float16 always runs on widened tiles)."""
     g = torch.Generator().manual_seed(8)
     Bx, Hx, Lx, Sx, Dx, Kx = 2, 2, 290, 700, 24, 9
     q = torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64).to(dtype)
@@ -358,8 +377,7 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
         return [leaf.grad.double() for leaf in leaves]  # type: ignore[union-attr]
 
     truth = grads("reference", F64)
-    engine = {"low": "amx", "low-dot": "avx512bf16", "low-mkl": "mkl"}.get(path, "widened")
-    with _half_gemms("0" if path == "wide" else "1"), _bf16_gemm(engine):
+    with _bf16_gemm(engine):
         got = grads("native", None)
     ref = grads("reference", None)
     err = [float((a - t).abs().max()) for a, t in zip(got, truth, strict=True)]
@@ -367,13 +385,16 @@ def _half_backward_case(dtype: torch.dtype, varlen: bool, causal: bool, path: st
     return err, ref_err
 
 
-@pytest.mark.parametrize("path", ["low", "low-dot", "low-mkl", "wide"])
+@pytest.mark.parametrize(("dtype", "engine"), [
+    *((torch.bfloat16, e) for e in BF16_ENGINES), (torch.float16, "widened")],
+    ids=[*(f"bf16-{e}" for e in BF16_ENGINES), "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-@pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_the_native_backward_reads_half_precision_within_twice_the_reference(
-        dtype: torch.dtype, varlen: bool, causal: bool, path: str) -> None:
-    err, ref = _half_backward_case(dtype, varlen, causal, path)
+        dtype: torch.dtype, varlen: bool, causal: bool, engine: str) -> None:
+    if dtype == torch.bfloat16:
+        _skip_unless_here(engine)
+    err, ref = _half_backward_case(dtype, varlen, causal, engine)
     for name, e, r in zip(GRAD_NAMES, err, ref, strict=True):
         assert e <= 2 * r + 1e-5, f"{name}: error {e:.3g} > 2 x reference error {r:.3g} + 1e-5"
         assert r > 1e-4, (name, r)  # the criterion can fail: the reference is measurably off
@@ -390,8 +411,9 @@ def test_the_native_backward_reads_half_precision_within_twice_the_reference(
 def test_the_native_bfloat16_backward_on_each_engine_within_twice_the_reference(
         shape: tuple[int, ...], causal: bool, engine: str) -> None:
     """The bfloat16 backward's five tile GEMMs on AMX tiles, on VDPBF16PS over the same packed
-    tiles and on MKL's GEMM (where the build and the CPU have them): every gradient within twice
-    the reference's bfloat16 error."""
+    tiles, on libtorch's brgemm and on widened tiles (skipped where the build or the CPU lacks
+    one): every gradient within twice the reference's bfloat16 error."""
+    _skip_unless_here(engine)
     Bx, Hx, Lx, Sx, Dx, Dvx, Kx = shape
     g = torch.Generator().manual_seed(12)
     base = [torch.randn(Bx, Hx, Lx, Dx, generator=g, dtype=F64),
@@ -460,31 +482,21 @@ def test_the_native_half_backward_regenerates_the_forward_dropout(dtype: torch.d
         assert re > 1e-4
 
 
-def _kernels():  # type: ignore[no-untyped-def]
-    from relpos.ops.native.build import load
-
-    module = load()
-    assert module is not None
-    return module
-
-
-ENGINE_SWITCHES = ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX")
-
-
 @pytest.fixture
 def no_engine_switches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """None of the engine switches set (the rest of the suite follows them where they are)."""
-    for name in ENGINE_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
+    """No bfloat16 engine asked for (the rest of the suite follows the switch where it is)."""
+    monkeypatch.delenv("RELPOS_NATIVE_BF16_GEMM", raising=False)
 
 
 @pytest.mark.usefixtures("no_engine_switches")
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])
 def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
-    """bfloat16 runs on the engine the kernels' bf16_gemm() names (AMX tiles, VDPBF16PS where
-    it pays, MKL's GEMM where the CPU has AMX, else widened tiles), float16 on the widened tiles
-    (faster where measured): the default is that path bit for bit, and the paths differ (P
-    rounded or not)."""
+    """bfloat16 runs on the engine the kernels' gemm_engines() names (AMX tiles, VDPBF16PS
+    where it pays, brgemm where the CPU has AMX, else widened tiles), float16 on the widened
+    tiles whatever the switch: the default is that engine bit for bit, and a 16-bit engine's
+    bits differ from the widened tiles' (P rounded or not)."""
+    from relpos.ops.native.build import gemm_engines
+
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 2, 70, 16, generator=g).to(dtype) for _ in range(3))
     rk, rv = ((0.5 * torch.randn(9, 16, generator=g)).to(dtype) for _ in range(2))
@@ -494,49 +506,21 @@ def test_the_native_default_half_gemm_path_per_type(dtype: torch.dtype) -> None:
             return relpos.relative_attention(q, k, v, max_distance=4, rel_keys=rk,
                                              rel_values=rv, implementation="native")
 
-    module = _kernels()
     default = call()
-    engine = module.bf16_gemm() if dtype == torch.bfloat16 else "widened"
-    with _half_gemms("1"), _bf16_gemm(engine):
-        chosen = call()
-    with _half_gemms("1"):
-        low = call()
-    with _half_gemms("0"):
-        wide = call()
-    assert torch.equal(default, wide if engine == "widened" else chosen)
-    half = module.build_info().split("half_gemm=")[1]
-    if ("bf16" if dtype == torch.bfloat16 else "fp16") in half:
-        assert not torch.equal(low, wide)  # the switch reaches the kernels
-
-
-@pytest.mark.usefixtures("no_engine_switches")
-def test_the_native_bfloat16_engine_follows_the_environment() -> None:
-    """RELPOS_NATIVE_BF16_GEMM names the engine (one the build or CPU lacks gives way to the
-    next: amx, avx512bf16, mkl, widened); RELPOS_NATIVE_HALF_GEMM=0 means widened tiles,
-    RELPOS_NATIVE_AMX=0 (the older switch) MKL's GEMM; the explicit engine wins."""
-    module = _kernels()
-    info = module.build_info()
-    if "half_gemm=bf16" not in info.replace(",fp16", ""):
-        pytest.skip("libtorch exports no bfloat16 GEMM here: every engine is widened")
-    has_amx, has_dot = "amx=bf16" in info, "avx512bf16=bf16" in info
-    with _bf16_gemm("amx"):
-        assert module.bf16_gemm() == ("amx" if has_amx else "avx512bf16" if has_dot else "mkl")
-    with _bf16_gemm("avx512bf16"):
-        assert module.bf16_gemm() == ("avx512bf16" if has_dot else "mkl")
-    with _bf16_gemm("mkl"):
-        assert module.bf16_gemm() == "mkl"
+    engine = gemm_engines(_kernels())[str(dtype).removeprefix("torch.")]
+    with _bf16_gemm(engine):
+        assert torch.equal(call(), default)
+    if dtype == torch.float16:
+        assert engine == "widened"
+        for other in BF16_ENGINES:  # bfloat16's switch: float16 stays on widened tiles
+            with _bf16_gemm(other):
+                assert torch.equal(call(), default)
+        return
     with _bf16_gemm("widened"):
-        assert module.bf16_gemm() == "widened"
-    with _half_gemms("0"):
-        assert module.bf16_gemm() == "widened"
-        with _bf16_gemm("mkl"):
-            assert module.bf16_gemm() == "mkl"
-    with _env("RELPOS_NATIVE_AMX", "0"):
-        assert module.bf16_gemm() == "mkl"
-    with _half_gemms("1"):
-        assert module.bf16_gemm() == ("amx" if has_amx else "avx512bf16" if has_dot else "mkl")
-    if has_amx:  # AMX tiles first wherever the build and the OS have them
-        assert module.bf16_gemm() == "amx"
+        wide = call()
+    for other in _engines_here():
+        with _bf16_gemm(other):
+            assert torch.equal(call(), wide) == (other == "widened"), other
 
 
 @pytest.mark.usefixtures("no_engine_switches")
@@ -544,15 +528,13 @@ def test_the_native_bfloat16_engine_follows_the_environment() -> None:
 def test_native_short_bfloat16_query_blocks_leave_the_dot_products_for_the_next_best(
         varlen: bool) -> None:
     """Query blocks under 16 rows are too short for the VDPBF16PS tiles: such a call runs on
-    widened tiles where the CPU has no AMX-BF16 (MKL's bfloat16 GEMM is slower there) and on
-    MKL's GEMM where it has (MKL uses the tiles), both directions, bit for bit; longer
-    blocks stay on the dot products (P rounded to bfloat16: their bits differ from the widened
-    tiles')."""
-    module = _kernels()
-    info = module.build_info()
-    if "half_gemm=bf16" not in info.replace(",fp16", ""):
-        pytest.skip("libtorch exports no bfloat16 GEMM here: every engine is widened")
-    has_dot = "avx512bf16=bf16" in info
+    widened tiles where the CPU has no AMX-BF16 (a library's bfloat16 GEMM is slower there) and
+    on libtorch's brgemm where it has (oneDNN uses the tiles), both directions, bit for bit;
+    longer blocks stay on the dot products (P rounded to bfloat16: their bits differ from the
+    widened tiles')."""
+    if _engine_ran("brgemm") != "brgemm":
+        pytest.skip("no bfloat16 brgemm here (it needs AVX-512): every engine is widened")
+    has_dot = _engine_ran("avx512bf16") == "avx512bf16"
     amx_cpu = "amx_bf16" in (cpu_flags() or frozenset())
 
     def grads(engine: str, L: int) -> list[torch.Tensor]:
@@ -574,33 +556,30 @@ def test_native_short_bfloat16_query_blocks_leave_the_dot_products_for_the_next_
             out.float().square().sum().backward()
         return [out.detach(), *(t.grad for t in (q, k, v, rk, rv))]
 
-    short = {e: grads(e, 9) for e in ("avx512bf16", "widened", "mkl")}
-    expected = "widened" if has_dot and not amx_cpu else "mkl"
+    short = {e: grads(e, 9) for e in ("avx512bf16", "widened", "brgemm")}
+    expected = "widened" if has_dot and not amx_cpu else "brgemm"
     for a, b in zip(short["avx512bf16"], short[expected], strict=True):
         assert torch.equal(a, b)
-    assert not all(torch.equal(a, b) for a, b in zip(short["widened"], short["mkl"], strict=True))
+    assert not all(torch.equal(a, b)
+                   for a, b in zip(short["widened"], short["brgemm"], strict=True))
     if has_dot:  # 40 rows: on the dot products
         dot, wide = grads("avx512bf16", 40), grads("widened", 40)
         assert not any(torch.equal(a, b) for a, b in zip(dot, wide, strict=True))
 
 
-def test_a_bad_native_bfloat16_engine_name_is_ignored_with_one_warning(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A name that is no engine: one warning naming the engines, and the default engine
-    serves (the kernels, which refuse such a name, never see it)."""
-    from relpos import _env as switches
-
+def test_an_unknown_native_bfloat16_engine_is_refused() -> None:
+    """A name that is no engine: the call is refused with the names of the engines (it never
+    runs on an engine other than the one asked for), every time; unset, the call runs."""
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 1, 8, 16, generator=g).bfloat16() for _ in range(3))
     default = relpos.relative_attention(q, k, v, max_distance=2, implementation="native")
-    monkeypatch.setattr(switches, "_warned", set())
-    with _bf16_gemm("tpu"), pytest.warns(RuntimeWarning) as caught:
-        out = relpos.relative_attention(q, k, v, max_distance=2, implementation="native")
-        again = relpos.relative_attention(q, k, v, max_distance=2, implementation="native")
-    said = [str(w.message) for w in caught if "BF16_GEMM" in str(w.message)]
-    assert len(said) == 1 and "RELPOS_NATIVE_BF16_GEMM='tpu' is none of amx, avx512bf16, " \
-        "mkl, widened" in said[0], said
-    assert torch.equal(out, default) and torch.equal(again, default)
+    with _bf16_gemm("mkl"):
+        for _ in range(2):
+            with pytest.raises(ValueError, match="RELPOS_NATIVE_BF16_GEMM='mkl' is none of amx, "
+                                                 "avx512bf16, brgemm, widened"):
+                relpos.relative_attention(q, k, v, max_distance=2, implementation="native")
+    out = relpos.relative_attention(q, k, v, max_distance=2, implementation="native")
+    assert torch.equal(out, default)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=["bf16", "fp16"])

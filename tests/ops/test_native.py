@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from torch import Tensor
 
 import relpos
 from helpers import F64, assert_same_as_reference, forward_backward, make_problem, run
-from relpos import _env
 from relpos.ops import native
 from relpos.ops.native import build, engines
 
@@ -63,10 +61,19 @@ def test_every_query_block_size_matches_reference(B: int, H: int, L: int, S: int
     (4, 16, 260, 270, 16, 16), (2, 8, 520, 530, 8, 64), (3, 2, 77, 93, 24, 5), (2, 3, 1, 517, 8, 7),
 ])
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("engine", engines.FLOAT_ENGINES)
 def test_float32_rows_match_the_float64_reference(B: int, H: int, L: int, S: int, D: int, K: int,
-                                                  causal: bool) -> None:
+                                                  causal: bool, engine: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 runs the kernels' vector row passes (max, exp and sum, dS by segment) at every
-    segment length, masked tails included; its error against float64 stays at float32's."""
+    segment length, masked tails included, its GEMMs on each engine RELPOS_NATIVE_FLOAT_GEMM
+    selects (the kernels' vectors, libtorch's brgemm; the one-query call's products reading K
+    transposed on the BLAS); its error against float64 stays at float32's."""
+    monkeypatch.setenv("RELPOS_NATIVE_FLOAT_GEMM", engine)
+    module = build.load()
+    assert module is not None
+    if build.has_vectors(module):  # (without vectors every float32 GEMM is brgemm's)
+        assert build.gemm_engines(module)["float32"] == engine
     p64 = make_problem(B=B, H=H, L=L, S=S, D=D, K=K, seed=S)
     p32 = make_problem(B=B, H=H, L=L, S=S, D=D, K=K, seed=S, dtype=torch.float32)
     # the float32 key as a non-contiguous view of the same values ((B, S, H, D) memory)
@@ -391,24 +398,26 @@ def test_a_built_cache_loads_without_compiling() -> None:
     assert float(done.stdout.strip()) < 10.0
 
 
+def _gemm_lines(out: str) -> tuple[str, str]:
+    lines = dict(x.split(":", 1) for x in out.splitlines() if x.startswith(("GEMMs:", "16-bit")))
+    return lines["GEMMs"].strip(), lines["16-bit GEMMs"].strip()
+
+
 def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     from relpos.cli import main
 
     assert main(["kernels"]) == 0
     out = capsys.readouterr().out
     assert "native kernels: built" in out and build.isa() in out and "cache:" in out
-    # the 16-bit GEMMs it names are those the loaded kernels found (their build_info)
+    # the GEMM engines it names are those the loaded kernels say a call runs on now
     module = build.load()
     assert module is not None
-    line = next(x for x in out.splitlines() if x.startswith("16-bit GEMMs:"))
-    # bfloat16: the engine the loaded kernels run a bfloat16 call on now is the one named
-    engine = module.bf16_gemm()
-    named = {"amx": "AMX tiles", "avx512bf16": "VDPBF16PS", "mkl": "cblas_gemm_bf16bf16f32",
-             "widened": "bfloat16 tiles widened to float32"}
-    assert named[engine] in line, (line, engine)
-    if engine == "amx":  # no hedging where the kernels have the tiles
-        assert "VDPBF16PS" not in line and "cblas" not in line, line
-    assert "float16 tiles widened to float32" in line  # float16's default
+    said = build.gemm_engines(module)
+    wide, half = _gemm_lines(out)
+    assert wide.startswith(f"float32 {said['float32']} (") and f"; float64 {said['float64']} (" \
+        in wide, (wide, said)
+    assert half.startswith(f"bfloat16 {said['bfloat16']} (") and "; float16 widened (tiles " \
+        "widened to float32)" in half, (half, said)
     # the vector code it names is the loaded kernels' (vectors= of their build_info)
     vectors = build.build_facts(module)["vectors"]
     line = next(x for x in out.splitlines() if x.startswith("vector code:"))
@@ -416,47 +425,39 @@ def test_relpos_kernels_cli(capsys) -> None:  # type: ignore[no-untyped-def]
     assert line.removeprefix("vector code:").strip().startswith(want), (line, vectors)
 
 
-def test_relpos_kernels_cli_names_the_half_gemm_switch(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
-    for name in ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX"):
-        monkeypatch.delenv(name, raising=False)
+def test_relpos_kernels_cli_follows_the_gemm_switches(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """What ``relpos kernels`` names changes with the switches, as the kernels' answer does."""
     from relpos.cli import main
 
-    monkeypatch.setenv("RELPOS_NATIVE_HALF_GEMM", "0")
-    assert main(["kernels"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-    assert line.count("tiles widened to float32") == 2, line
-    monkeypatch.setenv("RELPOS_NATIVE_HALF_GEMM", "1")
-    monkeypatch.setenv("RELPOS_NATIVE_AMX", "0")
-    assert main(["kernels"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-    assert "AMX" not in line and "bfloat16 cblas_gemm_bf16bf16f32" in line, line
-    monkeypatch.delenv("RELPOS_NATIVE_AMX")
-    for engine, named in (("mkl", "cblas_gemm_bf16bf16f32"),
-                          ("widened", "bfloat16 tiles widened to float32")):
-        monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", engine)
-        assert main(["kernels"]) == 0
-        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-        assert named in line, line
-    monkeypatch.delenv("RELPOS_NATIVE_BF16_GEMM")
-    assert main(["kernels"]) == 0
-    default = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-    # a name it does not know: ignored with one warning that names those allowed, the
-    # default engine serves (as the kernels then run it)
-    monkeypatch.setattr(_env, "_warned", set())
-    monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", " TPU ")
-    with pytest.warns(RuntimeWarning) as caught:
-        assert main(["kernels"]) == 0
-        assert main(["kernels"]) == 0
-    said = [str(w.message) for w in caught if "BF16_GEMM" in str(w.message)]
-    assert said == ["relpos: RELPOS_NATIVE_BF16_GEMM=' TPU ' is none of amx, avx512bf16, mkl, "
-                    "widened (or unset); it is ignored: bfloat16 calls run on the default "
-                    "engine."], said
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit")]
-    assert lines == [default, default], (lines, default)
-    monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", " Widened ")  # spaces and capitals: read
-    assert main(["kernels"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("16-bit"))
-    assert "bfloat16 tiles widened to float32" in line, line
+    for name in engines.GEMM_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    module = build.load()
+    assert module is not None
+    for name, values in engines.GEMM_SWITCHES.items():
+        dtype = "float32" if name == engines.FLOAT_GEMM_ENV else "bfloat16"
+        for value in values:
+            monkeypatch.setenv(name, value.upper())  # spaces and capitals: read
+            ran = build.gemm_engines(module)[dtype]
+            assert main(["kernels"]) == 0
+            wide, half = _gemm_lines(capsys.readouterr().out)
+            line = wide if dtype == "float32" else half
+            assert line.startswith(f"{dtype} {ran} ({engines.ENGINE_NAMES[ran]})"), (value, line)
+        monkeypatch.delenv(name)
+
+
+def test_relpos_kernels_says_not_built_where_no_kernels_are(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Without a build (and no --build) there is no engine to name: it says so, no guess."""
+    done = subprocess.run([sys.executable, "-m", "relpos", "kernels"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "RELPOS_CACHE_DIR": str(tmp_path / "cache"),
+                               "RELPOS_KERNELS_DIR": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "native kernels: not built yet" in done.stdout, done.stdout
+    wide, half = _gemm_lines(done.stdout)
+    assert wide == half == ("not built (the kernels choose at each call, and say which once "
+                            "built)"), done.stdout
+    assert not (tmp_path / "cache" / "kernels").exists() or not any(
+        (tmp_path / "cache" / "kernels").rglob("*.so"))  # nothing was built to find out
 
 
 def test_relpos_kernels_cli_refuses_to_build_when_off(no_native: None, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -499,112 +500,6 @@ def test_the_build_state_is_a_constant_for_torch_compile() -> None:
         assert {k: v for k, v in vars(marked).items()} == {k: v for k, v in vars(state).items()}
 
 
-@pytest.mark.parametrize(("cpu", "serving", "named"), [
-    ("amx", None, "bfloat16 AMX tiles"),  # this CPU's own build
-    ("amx", "amx", "bfloat16 AMX tiles"),  # the prebuilt amx variant
-    ("amx", "avx512", "bfloat16 cblas_gemm_bf16bf16f32"),  # MKL runs it on the tiles
-    ("zen4", None, "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU runs it "
-                   "faster than float32 FMAs (timed once per process), else tiles widened"),
-    ("zen4", "avx512bf16", "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU "
-                           "runs it faster than float32 FMAs (timed once per process), else "
-                           "tiles widened"),  # the prebuilt avx512bf16 variant
-    ("zen4", "avx512", "bfloat16 tiles widened to float32"),
-    ("amx", "avx512bf16", "bfloat16 VDPBF16PS on packed tiles (every tile GEMM) if this CPU "
-                          "runs it faster than float32 FMAs (timed once per process), else "
-                          "cblas_gemm_bf16bf16f32"),
-    ("avx512", None, "bfloat16 tiles widened to float32"),
-])
-def test_the_16bit_line_names_the_engine_of_the_cpu_and_the_build_that_serves(
-        cpu: str, serving: str | None, named: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What ``relpos kernels`` predicts for bfloat16 without loading the kernels, on a CPU
-    with AMX, one with AVX512-BF16 only (AMD Zen 4) and one with plain AVX-512, for this CPU's
-    own build and for a prebuilt variant: the rules of the kernels' bf16_gemm()."""
-    from relpos.ops.native import build
-
-    v4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-    flags = {"amx": v4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
-             "zen4": v4 | {"avx512_bf16"}, "avx512": v4}[cpu]
-    for name in ("RELPOS_NATIVE_BF16_GEMM", "RELPOS_NATIVE_HALF_GEMM", "RELPOS_NATIVE_AMX"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(engines, "have_blas", lambda: True)
-    monkeypatch.setattr(engines, "_exported", lambda symbol: True)
-    monkeypatch.setattr(engines, "_amx_granted", lambda: True)
-    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(engines.platform, "system", lambda: "Linux")
-    line = build.half_gemms(serving)
-    assert line.startswith(named), line
-    assert line.endswith("; float16 tiles widened to float32"), line
-
-
-@pytest.mark.parametrize(("cpu", "serving", "want", "named"), [
-    ("avx512", None, "", "float32 on the kernels' AVX-512 vectors"),  # this CPU's own build
-    ("avx2", None, "", "float32 MKL's sgemm_ (RELPOS_NATIVE_SGEMM=vec: the kernels' AVX2"),
-    ("avx2", None, "vec", "float32 on the kernels' AVX2 vectors"),
-    ("avx512", "avx2", "", "float32 MKL's sgemm_ (RELPOS_NATIVE_SGEMM=vec"),  # a prebuilt variant
-    ("avx512", "avx2", "vec", "float32 on the kernels' AVX2 vectors"),
-    ("avx512", "baseline", "", "float32 MKL's sgemm_;"),  # no vectors in that build
-    ("sse", None, "", "float32 MKL's sgemm_;"),
-    ("avx512", None, "blas", "float32 MKL's sgemm_;"),
-    ("avx512", None, "vec", "float32 on the kernels' AVX-512 vectors"),
-    ("avx512", None, " Blas", "float32 MKL's sgemm_;"),  # spaces and capitals: read
-    ("avx512", None, "mkl", "float32 on the kernels' AVX-512 vectors"),  # unknown: the default
-])
-def test_the_gemm_line_names_where_the_native_float32_gemms_run(
-        cpu: str, serving: str | None, want: str, named: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """What ``relpos kernels`` predicts for the float32 GEMMs without loading the kernels: the
-    kernels' own vectors where the build serving this CPU has AVX-512 (AVX2's only under
-    RELPOS_NATIVE_SGEMM=vec), MKL's sgemm_ under RELPOS_NATIVE_SGEMM=blas or without them;
-    float64 always on MKL's dgemm_. A value it does not know is ignored with one warning."""
-    monkeypatch.setattr(_env, "_warned", set())
-    v3 = {"avx", "avx2", "fma"}
-    flags = {"avx512": v3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-             "avx2": v3, "sse": {"sse4_2"}}[cpu]
-    monkeypatch.setenv("RELPOS_NATIVE_SGEMM", want)
-    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(engines, "have_blas", lambda: True)
-    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        line = build.float_gemms(serving)
-        build.float_gemms(serving)
-    assert line.startswith(named), line
-    assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
-    said = [str(w.message) for w in caught]
-    assert said == ([] if want.strip().lower() in ("", "vec", "blas") else
-                    [f"relpos: RELPOS_NATIVE_SGEMM={want!r} is none of vec, blas (or unset); it "
-                     "is ignored: float32 GEMMs run where this build runs them by default."]), said
-
-
-@pytest.mark.parametrize(("cpu", "serving", "exported", "route", "vectors"), [
-    ("avx512", "baseline", False, "", False), ("sse", None, False, "", False),
-    ("avx2", None, False, "", False), ("avx512", None, False, "", True),
-    ("avx512", "avx512", False, "", True), ("avx512", None, True, "aten", True),
-    ("avx2", None, True, "aten", False), ("avx512", None, True, "blas", True)])
-def test_the_gemm_line_names_libtorchs_matrix_multiply_without_an_exported_blas(
-        cpu: str, serving: str | None, exported: bool, route: str, vectors: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where libtorch exports no ``sgemm_``/``dgemm_`` (or RELPOS_NATIVE_BLAS=aten asks) the
-    GEMMs not on the kernels' vectors run on libtorch's own matrix multiply, and the line says
-    so for float32 and float64; RELPOS_NATIVE_BLAS=blas keeps MKL's."""
-    v3 = {"avx", "avx2", "fma"}
-    flags = {"avx512": v3 | {"avx512f"}, "avx2": v3, "sse": {"sse4_2"}}[cpu]
-    monkeypatch.delenv("RELPOS_NATIVE_SGEMM", raising=False)
-    monkeypatch.setenv("RELPOS_NATIVE_BLAS", route)
-    monkeypatch.setattr(engines, "cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(engines, "have_blas", lambda: exported)
-    monkeypatch.setattr(engines.platform, "machine", lambda: "x86_64")
-    line = build.float_gemms(serving)
-    aten = "libtorch's matrix multiply (at::addmm, the BLAS torch.mm runs on)"
-    if route == "blas":
-        assert line.endswith("; float64 MKL's dgemm_ (libtorch's)"), line
-        return
-    assert line.startswith("float32 on the kernels' AVX-512 vectors" if vectors else
-                           f"float32 {aten}"), line
-    assert line.endswith(f"; float64 {aten}"), line
-
-
 @pytest.mark.parametrize(("machine", "cpu", "serving", "named"), [
     ("x86_64", "avx512", None, "AVX-512 ("), ("x86_64", "avx2", None, "AVX2 ("),
     ("x86_64", "sse", None, "none"), ("x86_64", "avx512", "baseline", "none"),
@@ -629,64 +524,6 @@ def test_the_vector_code_line_says_how_far_auto_selection_takes_kernels_without_
     assert printed.endswith("at most 512 keys, the PyTorch backends beyond") == (named == "none")
 
 
-def test_the_gemm_line_ignores_a_blas_route_it_does_not_know_with_one_warning(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_env, "_warned", set())
-    monkeypatch.delenv("RELPOS_NATIVE_BLAS", raising=False)
-    default = build.float_gemms()
-    monkeypatch.setenv("RELPOS_NATIVE_BLAS", "openblas")
-    with pytest.warns(RuntimeWarning, match="RELPOS_NATIVE_BLAS='openblas' is none of aten, "
-                                            "blas \\(or unset\\); it is ignored: the GEMMs run on "
-                                            "MKL's sgemm_/dgemm_ where libtorch exports them"):
-        assert build.float_gemms() == default
-    monkeypatch.setenv("RELPOS_NATIVE_BLAS", "ATEN ")  # spaces and capitals: read
-    assert "float64 libtorch's matrix multiply" in build.float_gemms()
-
-
-def test_native_float32_gemms_run_where_the_kernels_say_and_on_the_blas_when_asked() -> None:
-    """The loaded kernels' build_info names the float32 GEMMs ``relpos kernels`` predicts;
-    under RELPOS_NATIVE_SGEMM=blas they run on MKL (build_info says so) and the float32 call
-    stays within float32's error of the float64 reference, both directions; a name that is
-    neither is ignored with one warning naming those allowed."""
-    code = """
-        import torch, relpos
-        from relpos.ops.native import build
-        info = build.load().build_info()
-        print(info)
-        print("predicted:", build.status().blas)
-        g = torch.Generator().manual_seed(3)
-        args = [torch.randn(2, 3, 37, 24, generator=g, dtype=torch.float64) for _ in range(3)]
-        tabs = [torch.randn(11, 24, generator=g, dtype=torch.float64) for _ in range(2)]
-        def run(dtype, impl):
-            x = [a.to(dtype).requires_grad_() for a in args + tabs]
-            out = relpos.relative_attention(*x[:3], max_distance=5, rel_keys=x[3],
-                                            rel_values=x[4], implementation=impl)
-            out.square().sum().backward()
-            return [out.double()] + [a.grad.double() for a in x]
-        for a, b in zip(run(torch.float32, "native"), run(torch.float64, "reference")):
-            assert (a - b).abs().max() <= 2e-5 * max(b.abs().max(), 1.0), (a - b).abs().max()
-        print("close")
-    """
-    default = _python(code, RELPOS_NATIVE_SGEMM="")
-    assert default.returncode == 0, default.stderr
-    info = default.stdout.splitlines()[0]
-    predicted = default.stdout.splitlines()[1].removeprefix("predicted: ")
-    on_vectors = predicted.startswith("float32 on the kernels'")
-    assert ("sgemm=vec" in info) == on_vectors, (info, predicted)
-    if build.isa().endswith("AVX512") and build.status().serving is None:
-        assert "sgemm=vec" in info, info
-    blas = _python(code, RELPOS_NATIVE_SGEMM="blas")
-    assert blas.returncode == 0, blas.stderr
-    assert "sgemm=blas" in blas.stdout and "close" in blas.stdout, blas.stdout
-    # a name that is neither: ignored with one warning, the default GEMMs serve (the kernels
-    # never see it: before, every float32 call raised)
-    unknown = _python(code, RELPOS_NATIVE_SGEMM="mkl")
-    assert unknown.returncode == 0, unknown.stderr[-3000:]
-    assert unknown.stdout.splitlines()[0] == info and "close" in unknown.stdout, unknown.stdout
-    assert unknown.stderr.count("RELPOS_NATIVE_SGEMM='mkl' is none of vec, blas") == 1, \
-        unknown.stderr[-2000:]
-
-
 def test_native_build_info_names_the_vector_code_built_for_this_cpu() -> None:
     """``vectors=`` in build_info: AVX-512 where this CPU has it, AVX2 + FMA next, none (plain
     loops) on other CPUs; the decode step reads it to leave plain-loop kernels alone."""
@@ -701,7 +538,7 @@ def test_native_build_info_names_the_vector_code_built_for_this_cpu() -> None:
             "avx2" if x86 and {"avx2", "fma"} <= flags else "none")
     module = build.load()
     info = module.build_info()
-    assert f" vectors={want} " in info, info
+    assert f" vectors={want}" in info, info
     assert _vectorized(module) == (want != "none")
 
 
@@ -716,7 +553,7 @@ def test_auto_selection_takes_native_kernels_without_vector_code_up_to_512_keys(
 
     assert native_ops.SCALAR_MAX_KEYS == 512
     module = build.load()
-    scalar = "blas=aten amx=none avx512bf16=none sgemm=blas vectors=none half_gemm=none"
+    scalar = "blas=aten amx=none avx512bf16=none brgemm=f32 vectors=none"
     table = torch.randn(5, 8, dtype=torch.float64)
     kw = dict(max_distance=2, rel_keys=table, rel_values=table)
 

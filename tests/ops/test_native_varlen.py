@@ -591,12 +591,13 @@ def test_half_precision_is_close_to_float64(dtype: torch.dtype, tol: float) -> N
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("engine", ["amx", "avx512bf16", "mkl"])
+@pytest.mark.parametrize("engine", ["amx", "avx512bf16", "brgemm", "widened"])
 def test_bfloat16_never_reads_the_spare_rows(engine: str, causal: bool,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """bfloat16 with seqused_k, the spare rows NaN: on packed tiles (AMX, or VDPBF16PS: a
-    head's key tiles packed once, the last one from its used rows only) and on MKL's GEMM,
-    several query blocks and key tiles per sequence; the output and every gradient finite,
+    head's key tiles packed once, the last one from its used rows only), on libtorch's brgemm
+    and on widened tiles (an engine the build or CPU lacks runs as the next), several query
+    blocks and key tiles per sequence; the output and every gradient finite,
     within twice the bfloat16 reference's error of the float64 truth, the spare rows' gradients
     zero."""
     monkeypatch.setenv("RELPOS_NATIVE_BF16_GEMM", engine)

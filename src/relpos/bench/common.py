@@ -36,6 +36,7 @@ __all__ = [
     "interleaved_medians",
     "markdown_meta",
     "markdown_table",
+    "native_gemms",
     "report_date",
     "report_files",
     "script_command",
@@ -266,7 +267,8 @@ def environment(threads: int) -> dict[str, str]:
     and AMX (``flags`` of ``/proc/cpuinfo``) and the instruction set torch's kernels use
     (``torch.backends.cpu.get_cpu_capability()``); the torch, relpos and Python versions;
     ``threads``: torch's intra-op threads; ``OMP_WAIT_POLICY``: its value or ``unset``
-    (:mod:`relpos.bench.hardware` says why it matters).
+    (:mod:`relpos.bench.hardware` says why it matters); ``native GEMMs``:
+    :func:`native_gemms`.
     """
     env = sysinfo.environment(threads)
     return {
@@ -277,7 +279,25 @@ def environment(threads: int) -> dict[str, str]:
         "python": env["python"],
         "threads": str(threads),
         sysinfo.OMP_ENV: env["omp_wait_policy"],
+        "native GEMMs": native_gemms(),
     }
+
+
+def native_gemms() -> str:
+    """What the native kernels this process loaded run each dtype's GEMMs on now, as they say
+    (their ``gemm_engines()``: ``float32 vec, float64 blas, bfloat16 avx512bf16, float16
+    widened``); where it loaded none, why: off, not built, or not used by this run."""
+    from relpos.ops.native import build
+
+    if build.disabled():
+        return "off (RELPOS_NATIVE=0)"
+    module = build.loaded()
+    if module is None:
+        failed = build.failure()
+        return f"not built ({failed})" if failed else "not loaded (no native call in this run)"
+    engines = build.gemm_engines(module)
+    return ", ".join(f"{dtype} {engines[dtype]}" for dtype in
+                     ("float32", "float64", "bfloat16", "float16") if dtype in engines)
 
 
 def typed_command(args: argparse.Namespace) -> str | None:

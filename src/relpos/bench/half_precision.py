@@ -14,12 +14,12 @@ Run from the repository root::
     OMP_WAIT_POLICY=PASSIVE python -m relpos.bench.half_precision --out benchmarks
 
 writes ``half_precision.md`` and ``half_precision.csv``. With ``--bf16-engines amx,avx512bf16,
-mkl,widened`` the bfloat16 call runs once per engine (``RELPOS_NATIVE_BF16_GEMM``: AMX tiles,
-VDPBF16PS on the same packed tiles, MKL's bfloat16 GEMM, tiles widened to float32; an engine
-this machine lacks gives way to the next, each row names the one that ran) against the same
-float32 call, into ``half_precision_engines.md`` / ``.csv``. ``MKL_ENABLE_INSTRUCTIONS`` (MKL's
-own switch, recorded in the header) holds MKL to an older instruction set, as MKL without AMX
-runs on a CPU that lacks it.
+brgemm,widened`` the bfloat16 call runs once per engine (``RELPOS_NATIVE_BF16_GEMM``: AMX
+tiles, VDPBF16PS on the same packed tiles, libtorch's brgemm, tiles widened to float32; an
+engine this machine lacks gives way to the next, each row names the one that ran, as the
+loaded kernels say) against the same float32 call, into ``half_precision_engines.md`` /
+``.csv``. ``MKL_ENABLE_INSTRUCTIONS`` (MKL's own switch, recorded in the header)
+holds MKL to an older instruction set.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from relpos.bench import common
 H, D = 8, 64
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINE_ENV = "RELPOS_NATIVE_BF16_GEMM"
-ENGINES = ("amx", "avx512bf16", "mkl", "widened")
+ENGINES = ("amx", "avx512bf16", "brgemm", "widened")
 
 
 def _under(engine: str | None, fn: Callable[[], object]) -> Callable[[], object]:
@@ -58,15 +58,15 @@ def _under(engine: str | None, fn: Callable[[], object]) -> Callable[[], object]
     return run
 
 
-def _engine_run(engine: str) -> str:
-    """The engine a bfloat16 call asking for ``engine`` runs on here (the kernels'
-    ``bf16_gemm()``), or ``engine`` itself without the native kernels."""
-    from relpos.ops.native.build import load
+def _engine_run(engine: str) -> str | None:
+    """The engine a bfloat16 call asking for ``engine`` runs on here, as the loaded kernels
+    say (their ``gemm_engines()``); None without the native kernels (no engine runs)."""
+    from relpos.ops.native.build import gemm_engines, load
 
     module = load(quiet=True)
     if module is None:
-        return engine
-    return str(_under(engine, module.bf16_gemm)())
+        return None
+    return str(_under(engine, lambda: gemm_engines(module)["bfloat16"])())
 
 
 def _case(n: int, batch: int, k: int, causal: bool, dtype: torch.dtype, seed: int
@@ -142,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants: list[tuple[str, torch.dtype, str | None]] = []
     if args.bf16_engines is not None:
         for engine in args.bf16_engines:
-            label = f"bfloat16 {_engine_run(engine)}"
+            ran = _engine_run(engine)
+            label = "bfloat16 (no native kernels)" if ran is None else f"bfloat16 {ran}"
             if all(label != v[0] for v in variants):
                 variants.append((label, torch.bfloat16, engine))
     else:

@@ -19,11 +19,9 @@ Run from the repository root::
 ``kernel_variants.md`` (``kernel_variants_bf16.md`` for bfloat16). ``--variants NAMES`` times
 only those variants of the directory.
 
-``--aten`` times each build twice, every GEMM not on the kernels' own vectors on MKL's
-``sgemm_``/``dgemm_`` as libtorch exports them (``RELPOS_NATIVE_SGEMM=blas``: float32 too)
-and on libtorch's own matrix multiply (``RELPOS_NATIVE_BLAS=aten``, the route of a libtorch
-that exports no BLAS: a wheel without MKL, as non-x86 ones are); each ``at::addmm`` column's
-ratio is to the same build on ``sgemm_``. Writes ``kernel_variants_aten.md``.
+The header records what each build ran each dtype's GEMMs on, as its kernels say (their
+``gemm_engines()``): a variant without vector code (``baseline``) runs float32's on libtorch's
+brgemm.
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from relpos.bench import common
 
@@ -66,7 +65,7 @@ for B, n, causal in shapes:
     for _ in range(repeats):
         start = time.perf_counter(); step(); times.append(time.perf_counter() - start)
     out[f"{B}x{n}{'c' if causal else ''}"] = sorted(times)[len(times) // 2] * 1e3
-print(json.dumps({"library": module.__file__, "ms": out}))
+print(json.dumps({"library": module.__file__, "ms": out, "gemms": build.gemm_engines(module)}))
 """
 
 
@@ -75,21 +74,20 @@ def _key(shape: Sequence[object]) -> str:
     return f"{B}x{n}{'c' if causal else ''}"
 
 
-def _one(env: dict[str, str], threads: int, repeats: int, dtype: str) -> dict[str, float]:
+def _one(env: dict[str, str], threads: int, repeats: int, dtype: str) -> dict[str, Any]:
+    """One timing process: ``{"library": ..., "ms": {shape: median ms}, "gemms": {dtype:
+    engine}}`` (the GEMM engines as the kernels it loaded say)."""
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(threads), str(repeats), json.dumps(SHAPES), dtype],
         env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"relpos: error: a timing process failed: {done.stderr.strip()[-500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["ms"]
-
-
-_ATEN = " on at::addmm"  # the suffix of a build's name timed on libtorch's matrix multiply
+    said: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return said
 
 
 def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float32",
-        variants: Sequence[str] | None = None, aten: bool = False
-        ) -> tuple[list[str], dict[str, str]]:
+        variants: Sequence[str] | None = None) -> tuple[list[str], dict[str, str]]:
     from relpos.ops.native import build
 
     entries = [p for p in build.prebuilt(root) if p.problem is None and p.runs
@@ -103,22 +101,17 @@ def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float
         for p in entries:  # a directory per variant, holding it alone
             shutil.copytree(p.library.parent, Path(scratch) / p.variant / p.library.parent.name)
             envs[p.variant] = {**os.environ, "RELPOS_KERNELS_DIR": str(Path(scratch) / p.variant)}
-        if aten:  # each build on sgemm_, then on at::addmm
-            on_blas = {name: {**env, "RELPOS_NATIVE_SGEMM": "blas", "RELPOS_NATIVE_BLAS": "blas"}
-                       for name, env in envs.items()}
-            envs = {}
-            for name, env in on_blas.items():
-                envs[name] = env
-                envs[name + _ATEN] = {**env, "RELPOS_NATIVE_BLAS": "aten"}
         times: dict[str, list[dict[str, float]]] = {name: [] for name in envs}
+        gemms: dict[str, dict[str, str]] = {}
         for r in range(rounds):
             for name in (list(envs) if r % 2 == 0 else list(envs)[::-1]):
-                times[name].append(_one(envs[name], threads, repeats, dtype))
+                said = _one(envs[name], threads, repeats, dtype)
+                times[name].append(said["ms"])
+                gemms[name] = said["gemms"]
             print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
     median = {name: {_key(s): statistics.median(t[_key(s)] for t in runs) for s in SHAPES}
               for name, runs in times.items()}
-    columns = [(name, name.removesuffix(_ATEN) if name.endswith(_ATEN) else "native")
-               for name in envs if name != "native"]
+    columns = [(name, "native") for name in envs if name != "native"]
     rows = []
     for s in SHAPES:
         k = _key(s)
@@ -133,10 +126,11 @@ def run(root: Path, rounds: int, repeats: int, threads: int, dtype: str = "float
                    f"{common.script_command('relpos.bench.kernel_variants')} "
                    f"--rounds {rounds} --repeats {repeats} --threads {threads}"
                    + ("" if dtype == "float32" else f" --dtype {dtype}")
-                   + ("" if variants is None else f" --variants {','.join(variants)}")
-                   + (" --aten" if aten else ""),
+                   + ("" if variants is None else f" --variants {','.join(variants)}"),
         **common.environment(threads),
         "dtype": dtype,
+        **{f"{name} GEMMs": ", ".join(f"{d} {e}" for d, e in sorted(engines.items()))
+           for name, engines in gemms.items()},
         **clock.meta(),
     }
     return common.markdown_table(headers, rows), meta
@@ -151,8 +145,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--variants", default=None,
                         help="comma-separated variants to time (default: every one the CPU runs)")
-    parser.add_argument("--aten", action="store_true",
-                        help="time each build on MKL's sgemm_ and on libtorch's matrix multiply")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     from relpos.ops.native import build
@@ -163,10 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if chosen is not None and (not chosen or set(chosen) - set(known)):
         parser.error(f"--variants: unknown {sorted(set(chosen) - set(known))}; allowed: {known}")
     build.build_into(args.dir, chosen)  # keeps the variants already there
-    table, meta = run(args.dir, args.rounds, args.repeats, args.threads, args.dtype,
-                      chosen, args.aten)
-    name = ("kernel_variants_aten.md" if args.aten else
-            "kernel_variants.md" if args.dtype == "float32" else "kernel_variants_bf16.md")
+    table, meta = run(args.dir, args.rounds, args.repeats, args.threads, args.dtype, chosen)
+    name = "kernel_variants.md" if args.dtype == "float32" else "kernel_variants_bf16.md"
     return common.print_report(
         "Native kernels: portable variants against this CPU's build",
         __doc__, meta, table, args.out, name)

@@ -19,10 +19,11 @@ if TYPE_CHECKING:
 SUMMARY = "show (or build) the native CPU kernels"
 DESCRIPTION = """\
 Print whether relpos's native CPU kernels are built for this machine, where they are cached,
-for which instruction set and torch version, and how their GEMMs run. They compile on first
-use (once per machine, cached); --build compiles them now. A cached library that does not
-match the checksum recorded when it was built is reported as damaged, never loaded, and
-rebuilt (where the cache is writable). RELPOS_NATIVE=0 turns them off;
+for which instruction set and torch version, and what their GEMMs run on now (as the loaded
+kernels say; RELPOS_NATIVE_FLOAT_GEMM and RELPOS_NATIVE_BF16_GEMM choose, docs/numerics.md).
+They compile on first use (once per machine, cached); --build compiles them now. A cached
+library that does not match the checksum recorded when it was built is reported as damaged,
+never loaded, and rebuilt (where the cache is writable). RELPOS_NATIVE=0 turns them off;
 RELPOS_CACHE_DIR moves the cache.
 
 For machines that cannot compile (a container image without a compiler, a read-only
@@ -87,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
                                "once no environment reads the other versions' variants")
         return _build_into(Path(args.into), list(args.variants) if args.variants else None,
                            prune=args.prune)
+    try:
+        build.disabled()  # reads the switches first: a GEMM engine no kernel has is refused
+    except ValueError as error:
+        raise CLIError(str(error).removeprefix("relpos: ")) from None
     if args.build:
         if build.disabled():
             raise CLIError("the native kernels are turned off (RELPOS_NATIVE=0); unset it to "
@@ -98,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prune is not None:
         _say_pruned(build.prune(unused_days=args.prune), "the cache")
     s = build.status()
+    gemms = s.gemms
+    if gemms is None and s.enabled and (s.built or s.serving is not None):
+        module = build.load(quiet=True)  # built: the kernels say what they run on
+        gemms = None if module is None else build.gemm_engines(module)
     serving = s.serving if s.prebuilt_root is not None else None
     cache = "built" if s.built else (
         f"damaged: {s.damaged}; not loaded (rebuilt on first use where the cache is writable, "
@@ -124,8 +133,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"vector code:    {s.vectors}")
     print(f"torch:          {s.torch_version}")
-    print(f"GEMMs:          {s.blas}")
-    print(f"16-bit GEMMs:   {s.half}")
+    from relpos.ops.native.engines import gemm_lines
+
+    if s.enabled:
+        wide, half = gemm_lines(gemms)
+        print(f"GEMMs:          {wide}")
+        print(f"16-bit GEMMs:   {half}")
     if s.prebuilt_root is not None:
         serving = s.serving
         print(f"prebuilt:       {s.prebuilt_root} (RELPOS_KERNELS_DIR; "

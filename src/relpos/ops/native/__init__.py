@@ -75,12 +75,12 @@ def _state() -> str:
 SCALAR_MAX_KEYS = 512
 """The most keys (S) at which auto-selection picks kernels built without vector code
 (``vectors=none`` in ``build_info()``: a build for a CPU other than x86-64's, or the x86-64
-``baseline`` variant), whose row passes are compiled C++ loops and whose GEMMs run on the BLAS.
-Measured with the x86-64 ``baseline`` variant on libtorch's matrix multiply
-(``RELPOS_NATIVE_BLAS=aten``, benchmarks/no_vector_kernels_epyc.md; AMD EPYC, 2 threads, H=8,
+``baseline`` variant), whose row passes are compiled C++ loops and whose float32 GEMMs run on
+libtorch's brgemm. Measured with the x86-64 ``baseline`` variant, its GEMMs then on libtorch's
+matrix multiply (benchmarks/no_vector_kernels_epyc.md; AMD EPYC, 2 threads, H=8,
 D=64, K = 16 and 64, 4096 tokens per batch): up to 8 x 512 they ran at 0.57-1.04x the time of
 the faster PyTorch backend, forward and forward + backward, causal or not; from 4 x 1024 on the
-flash_regions backend (torch's vectorized flash kernel) was up to 1.85x faster in the forward. Longer
+fused backend (torch's vectorized flash kernel) was up to 1.85x faster in the forward. Longer
 calls go to the PyTorch backends' own rule."""
 
 #: Why auto-selection passes such kernels by (``S``: the call's keys, or a packed call's longest

@@ -9,8 +9,9 @@ pytest-xdist workers) compile once: the others wait and load the result.
 
 The jobs, one module each:
 
-- :mod:`.engines`: what the kernels run on here (instruction set, vector code, GEMM engines)
-  and the switches that choose it (``RELPOS_NATIVE*``, read by :mod:`relpos._env`);
+- :mod:`.engines`: what the kernels are built for here (instruction set, vector code), the
+  switches (``RELPOS_NATIVE*``, read by :mod:`relpos._env`), and the GEMM engines a call runs
+  on, as the loaded kernels say;
 - :mod:`.target`: what a build compiles for, and where builds live;
 - :mod:`.verify`: whether a library may be loaded (its checksum and size record, its ELF
   headers, a trial load in a child process), decided without loading it here;
@@ -53,17 +54,13 @@ from types import ModuleType
 
 from relpos.ops.native.compiling import BUILD_SECONDS, BuildError, _build_locked, _cause, _FileLock
 from relpos.ops.native.engines import (
-    AMX_ENV,
     BF16_ENGINES,
     BF16_GEMM_ENV,
-    BLAS_ENV,
-    HALF_GEMM_ENV,
-    SGEMM_ENV,
-    amx_tiles,
+    FLOAT_ENGINES,
+    FLOAT_GEMM_ENV,
     build_facts,
     disabled,
-    float_gemms,
-    half_gemms,
+    gemm_engines,
     has_vectors,
     have_blas,
     isa,
@@ -92,35 +89,32 @@ from relpos.ops.native.target import (
 from relpos.ops.native.verify import NOT_BUILT, check, checksum_path, import_library, trial_load
 
 __all__ = [
-    "AMX_ENV",
     "BF16_ENGINES",
     "BF16_GEMM_ENV",
-    "BLAS_ENV",
     "BUILD_SECONDS",
-    "HALF_GEMM_ENV",
+    "FLOAT_ENGINES",
+    "FLOAT_GEMM_ENV",
     "KERNELS_DIR_ENV",
     "NATIVE",
-    "SGEMM_ENV",
     "SOURCES",
     "BuildError",
     "KernelStatus",
     "Prebuilt",
     "Pruned",
     "Target",
-    "amx_tiles",
     "build_directory",
     "build_facts",
     "build_into",
     "disabled",
     "failure",
     "failure_log",
-    "float_gemms",
-    "half_gemms",
+    "gemm_engines",
     "has_vectors",
     "have_blas",
     "isa",
     "library_path",
     "load",
+    "loaded",
     "megabytes",
     "other_builds",
     "prebuilt",
@@ -227,6 +221,11 @@ def load(*, quiet: bool = False) -> ModuleType | None:
     return _module
 
 
+def loaded() -> ModuleType | None:
+    """The kernels this process has loaded, or None (loads and builds nothing)."""
+    return _module
+
+
 def failure() -> str | None:
     """Why the last build attempt failed (one line), or None."""
     return _failure
@@ -241,21 +240,21 @@ def failure_log() -> Path | None:
 class KernelStatus:
     """What ``relpos kernels`` prints. ``built``: a complete, verified library is cached;
     ``damaged``: why the cached library must not be loaded (None when there is none, or it is
-    sound)."""
+    sound); ``gemms``: what a call made now runs its GEMMs on, per dtype, as the kernels this
+    process loaded say (:func:`.engines.gemm_engines`), None where it loaded none."""
 
     enabled: bool
     built: bool
     directory: Path
     isa: str
-    blas: str  # how the float32 and float64 GEMMs run (float_gemms())
     torch_version: str
     failure: str | None
     damaged: str | None = None
     prebuilt_root: Path | None = None
     prebuilt: tuple[Prebuilt, ...] = ()
-    half: str = ""  # how 16-bit inputs' GEMMs run (half_gemms())
     vectors: str = ""  # the kernels' vector code (vector_code())
     others: tuple[Pruned, ...] = ()  # the cache's builds this installation does not use
+    gemms: dict[str, str] | None = None
 
     @property
     def serving(self) -> Prebuilt | None:
@@ -266,8 +265,8 @@ class KernelStatus:
 
 def status() -> KernelStatus:
     """Whether the kernels are built for this machine (and sound), where, and for which
-    instruction set; the prebuilt variants of ``RELPOS_KERNELS_DIR`` (builds and loads
-    nothing)."""
+    instruction set; the prebuilt variants of ``RELPOS_KERNELS_DIR``; the GEMM engines, where
+    this process has loaded the kernels (builds and loads nothing)."""
     import torch
 
     directory = build_directory()
@@ -277,9 +276,9 @@ def status() -> KernelStatus:
     serving = next((p.variant for p in found if p.runs and p.problem is None), None)
     return KernelStatus(
         enabled=not disabled(), built=problem is None, directory=directory, isa=isa(),
-        blas=float_gemms(serving),
         torch_version=torch.__version__, failure=_failure,
         damaged=None if problem in (None, NOT_BUILT) else problem,
         prebuilt_root=root, prebuilt=found,
-        half=half_gemms(serving), vectors=vector_code(serving), others=tuple(other_builds()),
+        vectors=vector_code(serving), others=tuple(other_builds()),
+        gemms=gemm_engines(_module) if _module is not None and not disabled() else None,
     )

@@ -9,10 +9,10 @@ read their inputs in any layout (the kernels make them contiguous once). Half pr
 masks are passed as float32. bfloat16 runs the GEMMs on 16-bit operands with float32
 accumulation where the CPU has fast ones (the kernels' own AMX tile GEMMs where they are built
 for a CPU with AMX-BF16, VDPBF16PS on the same packed tiles where that beats the float32 FMA,
-MKL's GEMM where only MKL has the AMX tiles; P and dS rounded to bfloat16 for theirs, as
-torch's flash kernel rounds them), else widens each tile to float32, as float16 does (faster
-than MKL's 16-bit GEMMs where measured); ``RELPOS_NATIVE_BF16_GEMM`` and
-``RELPOS_NATIVE_HALF_GEMM`` switch, see docs/numerics.md. Every sum and statistic is float32,
+libtorch's brgemm where only oneDNN has the AMX tiles; P and dS rounded to bfloat16 for theirs,
+as torch's flash kernel rounds them), else widens each tile to float32, as float16 always
+does; the kernels choose at each call (their ``gemm_engines()`` says which), and
+``RELPOS_NATIVE_BF16_GEMM`` switches (docs/numerics.md). Every sum and statistic is float32,
 ``dk`` and ``dv`` accumulate in float32 per head, every output is rounded once, and the tables'
 gradients are summed in float32 and rounded to the tables' type.
 

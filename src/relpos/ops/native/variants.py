@@ -24,7 +24,8 @@ A variant also needs torch to run at that level (``torch.backends.cpu.get_cpu_ca
 so ``ATEN_CPU_CAPABILITY=avx2`` (torch's own switch) keeps the kernels on ``avx2`` or below.
 ``amx`` carries the kernels' own AMX tile GEMMs for bfloat16, ``amx`` and ``avx512bf16`` their
 VDPBF16PS tile GEMMs (chosen where the CPU runs them faster than float32 FMAs), as a build for
-such a CPU does; the other variants run bfloat16 on MKL's GEMM or on widened tiles.
+such a CPU does; the other variants run bfloat16 on libtorch's brgemm (on a CPU with
+AMX-BF16) or on widened tiles; which, the loaded kernels say (``gemm_engines()``).
 """
 
 from __future__ import annotations

@@ -39,26 +39,28 @@
 // Varlen: one partial per (group of consecutive sequences, head), the groups fixed by the
 // sequence lengths alone (varlen_gradient_groups), so the same order at every thread count.
 //
-// GEMMs: MKL's sgemm_/dgemm_ as exported by libtorch (RELPOS_HAVE_BLAS; MKL runs on the task's
-// thread, as in torch's own flash kernel, also for a lone task that at::parallel_for runs
-// inline: SingleThreadedBlas); libtorch's own matrix multiply (at::cpu::addmm_out, whatever BLAS
-// it was built with) where it exports none. float32 GEMMs on the kernels' own AVX-512 vectors
-// where the build has them (vec_sgemm).
+// GEMMs (gemm.h decides, once per call): float32 on the kernels' own AVX-512 vectors where the
+// build has them, else on libtorch's brgemm; float64 on MKL's dgemm_ as exported by libtorch
+// (RELPOS_HAVE_BLAS; MKL runs on the task's thread, as in torch's own flash kernel, also for a
+// lone task that at::parallel_for runs inline: SingleThreadedBlas), or libtorch's own matrix
+// multiply (at::cpu::addmm_out) where it exports none; 16-bit calls on packed tiles, brgemm or
+// widened tiles.
 //
 // The entry points release the GIL: nothing below them touches a Python object.
 //
 // The files: this one is the kernels' translation unit. It includes the headers bottom up, each
 // once, so the compiler sees every phase, task and loop of the kernels together and inlines
 // them as in one file; it holds the entry points (the checked tensors, the dtype dispatch,
-// padded and varlen) and build_info. bindings.cpp binds them for Python (the module's second
-// translation unit); decode_step.cpp (the third) reaches the decode kernels through decode.h.
-// docs/design.md §6 has the map.
+// padded and varlen), gemm_engines and build_info. bindings.cpp binds them for Python (the module's
+// second translation unit); decode_step.cpp (the third) reaches the decode kernels through
+// decode.h. docs/design.md §6 has the map.
 //
 //   attention.h       AttentionOptions and the entry points, as bindings.cpp sees them
 //   config.h          standard headers, intrinsics, RELPOS_INLINE, the instruction-set flags
 //   blocks.h          block sizes
 //   gemm.h            the GEMM front and the engine choice, over the engines:
-//     gemm_blas.h       the BLAS's sgemm_/dgemm_, libtorch's matrix multiply, MKL's 16-bit GEMMs
+//     gemm_blas.h       the BLAS's sgemm_/dgemm_, libtorch's matrix multiply
+//     gemm_brgemm.h     libtorch's brgemm (oneDNN's micro-kernels), float32 and bfloat16
 //     vec.h             exp, the float vectors and their row passes, bfloat16 rounding of P
 //     gemm_tiles.h      bfloat16 GEMMs on packed tiles (AMX, VDPBF16PS)
 //     gemm_vec.h        float32 GEMMs on the kernels' vectors
@@ -116,6 +118,7 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
                             const c10::optional<Tensor>& key_bias,
                             const c10::optional<Tensor>& attn_bias,
                             const c10::optional<Tensor>& seed, const AttentionOptions& options) {
+  choose_float_engine();
   auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values), kb = contig(key_bias);
   check_same_type(q, k, v);
@@ -151,6 +154,7 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
                              const c10::optional<Tensor>& attn_bias,
                              const c10::optional<Tensor>& seed, const Tensor& out,
                              const Tensor& lse, const AttentionOptions& options) {
+  choose_float_engine();
   auto q = query.contiguous(), k = key.contiguous(), v = value.contiguous();
   auto go = grad_out.contiguous(), o = out.contiguous(), ls = lse.contiguous();
   auto ak = contig(rel_keys), av = contig(rel_values), kb = contig(key_bias);
@@ -230,6 +234,7 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
                                    const c10::optional<Tensor>& rel_values,
                                    const c10::optional<Tensor>& seed,
                                    const AttentionOptions& options) {
+  choose_float_engine();
   auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
   auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
   Tensor used;
@@ -275,6 +280,7 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
                                     const c10::optional<Tensor>& rel_values,
                                     const c10::optional<Tensor>& seed, const Tensor& out,
                                     const Tensor& lse, const AttentionOptions& options) {
+  choose_float_engine();
   auto cu_q = checked_cu_seqlens(cu_seqlens_q, "cu_seqlens_q");
   auto cu_k = checked_cu_seqlens(cu_seqlens_k, "cu_seqlens_k");
   Tensor used;
@@ -367,23 +373,39 @@ std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seq
 }
 
 // What a bfloat16 call made now (this environment) runs its GEMMs on: "amx", "avx512bf16",
-// "mkl" or "widened".
+// "brgemm" or "widened".
 std::string bf16_gemm_name() {
   switch (bf16_gemm()) {
     case Bf16Gemm::kAmx: return "amx";
     case Bf16Gemm::kDot: return "avx512bf16";
-    case Bf16Gemm::kMkl: return "mkl";
+    case Bf16Gemm::kBrgemm: return "brgemm";
     default: return "widened";
   }
 }
 
-// The BLAS the kernels call and the 16-bit GEMMs libtorch offers them here ("bf16", "fp16",
-// comma-separated, or "none"), e.g. "blas=mkl amx=bf16 avx512bf16=bf16 half_gemm=bf16,fp16".
+// What a call made now (this environment) runs its GEMMs on, per dtype: float32 "vec" or
+// "brgemm"; float64 "blas" or "aten"; bfloat16 as bf16_gemm_name(); float16 "widened". The one
+// place the choice is made: relpos's Python asks here.
+std::map<std::string, std::string> gemm_engines() {
+#ifdef RELPOS_HAVE_BLAS
+  const std::string blas = "blas";
+#else
+  const std::string blas = "aten";
+#endif
+  return {{"float32", float_gemm_now() == FloatGemm::kVec ? "vec" : "brgemm"},
+          {"float64", blas},
+          {"bfloat16", bf16_gemm_name()},
+          {"float16", "widened"}};
+}
+
+// How the kernels were built: the BLAS, the tile engines and vectors this build has, e.g.
+// "blas=mkl amx=none avx512bf16=bf16 vectors=avx512".
 std::string build_info() {
-  std::string info = aten_gemm_on() ? "blas=aten" : "blas=mkl";
-  std::string half;
-  if (has_low_gemm<c10::BFloat16>()) half = "bf16";
-  if (has_low_gemm<c10::Half>()) half += half.empty() ? "fp16" : ",fp16";
+#ifdef RELPOS_HAVE_BLAS
+  std::string info = "blas=mkl";
+#else
+  std::string info = "blas=aten";
+#endif
   // the packed-tile GEMMs of bfloat16 calls: AMX (built for this CPU and granted by the OS),
   // VDPBF16PS (built for a CPU with AVX512-BF16)
   info += amx_granted() ? " amx=bf16" : " amx=none";
@@ -392,7 +414,7 @@ std::string build_info() {
 #else
   info += " avx512bf16=none";
 #endif
-  info += vec_sgemm_on() ? " sgemm=vec" : " sgemm=blas";
+  info += brgemm_bf16_serves() ? " brgemm=f32,bf16" : " brgemm=f32";
   // the float32 vector code the row passes, the GEMM blocks and the decode kernels run on
 #if defined(__AVX512F__)
   info += " vectors=avx512";
@@ -401,7 +423,7 @@ std::string build_info() {
 #else
   info += " vectors=none";
 #endif
-  return info + " half_gemm=" + (half.empty() ? "none" : half);
+  return info;
 }
 
 }  // namespace relpos_native

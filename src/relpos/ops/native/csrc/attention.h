@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -71,11 +72,15 @@ std::vector<Tensor> dropout_mask_varlen(const Tensor& seed, const Tensor& cu_seq
                                         const c10::optional<Tensor>& seqused_k, int64_t H,
                                         double dropout_p);
 
-// What a bfloat16 call made now runs its GEMMs on: "amx", "avx512bf16", "mkl" or "widened".
+// What a bfloat16 call made now runs its GEMMs on: "amx", "avx512bf16", "brgemm" or "widened".
 std::string bf16_gemm_name();
 
-// How the kernels were built and which GEMMs they call, e.g. "blas=mkl amx=none
-// avx512bf16=bf16 sgemm=vec vectors=avx512 half_gemm=bf16,fp16".
+// What a call made now runs its GEMMs on, per dtype (float32, float64, bfloat16, float16): the
+// engine policy's one answer.
+std::map<std::string, std::string> gemm_engines();
+
+// How the kernels were built, e.g. "blas=mkl amx=none avx512bf16=bf16 brgemm=f32,bf16
+// vectors=avx512".
 std::string build_info();
 
 }  // namespace relpos_native

@@ -4,6 +4,7 @@
 #include <string>
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include "attention.h"
 #include "decode.h"
@@ -62,5 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("num_heads"), py::arg("dropout_p"), no_gil());
   m.def("build_info", &relpos_native::build_info, "how the kernels were built");
   m.def("bf16_gemm", &relpos_native::bf16_gemm_name,
-        "what a bfloat16 call runs its GEMMs on now: amx, avx512bf16, mkl or widened");
+        "what a bfloat16 call runs its GEMMs on now: amx, avx512bf16, brgemm or widened");
+  m.def("gemm_engines", &relpos_native::gemm_engines,
+        "what a call made now runs its GEMMs on, per dtype (the kernels decide; relpos asks)");
 }

@@ -1,25 +1,28 @@
 // The kernels' GEMMs: one front, gemm<T> (row-major C = alpha · op(A) @ op(B) + beta · C) and the
-// three forms the kernels call (gemm_nn, gemm_nt, gemm_tn), and the engine choice. float32 runs
-// on the kernels' vectors (vec_sgemm, gemm_vec.h) where the build has AVX-512, else on the BLAS's
-// sgemm_ (gemm_blas.h), float64 on dgemm_; both on libtorch's matrix multiply where it exports
-// no BLAS. A bfloat16 call's 16-bit GEMMs run on AMX tiles, on VDPBF16PS tiles (gemm_tiles.h),
-// on MKL's 16-bit GEMM, or on tiles widened to float32 (bf16_gemm, half_gemms_now, and per
-// block size tile_gemms_of). The switches (docs/numerics.md):
+// three forms the kernels call (gemm_nn, gemm_nt, gemm_tn), and the engine policy, decided here
+// and only here (Python asks the loaded module: gemm_engines()). float32 runs on the kernels'
+// vectors (vec_sgemm_run, gemm_vec.h) where the build has AVX-512, else on libtorch's brgemm
+// (gemm_brgemm.h); float64, and float32's decode-like products, on the BLAS (gemm_blas.h). A
+// bfloat16 call's 16-bit GEMMs run on AMX tiles, on VDPBF16PS tiles (gemm_tiles.h), on brgemm,
+// or on tiles widened to float32 (bf16_gemm, half_gemms_now, and per block size
+// tile_gemms_of); float16 on widened tiles. benchmarks/gemm_engines_epyc.md measured each
+// engine against the libraries'. The two switches, read at each call (docs/numerics.md):
 //
-//   RELPOS_NATIVE_SGEMM=vec|blas      float32 GEMMs (read once per process)
-//   RELPOS_NATIVE_BLAS=aten|blas      the GEMMs not on the kernels' vectors (once per process)
-//   RELPOS_NATIVE_BF16_GEMM=amx|avx512bf16|mkl|widened, RELPOS_NATIVE_HALF_GEMM=0|1,
-//   RELPOS_NATIVE_AMX=0               a 16-bit call's GEMMs (read by each call)
+//   RELPOS_NATIVE_FLOAT_GEMM=vec|brgemm                  float32 GEMMs
+//   RELPOS_NATIVE_BF16_GEMM=amx|avx512bf16|brgemm|widened  bfloat16 GEMMs
 
 #pragma once
 
 #include "blocks.h"
 #include "config.h"
 #include "gemm_blas.h"
+#include "gemm_brgemm.h"
 #include "gemm_tiles.h"
 #include "gemm_vec.h"
 
 #include <torch/extension.h>
+
+#include <atomic>
 
 namespace relpos_native {
 
@@ -29,45 +32,35 @@ static std::string env_or_empty(const char* name) {
   return v != nullptr ? v : "";
 }
 
-// Whether the GEMMs not on the kernels' vectors run on libtorch's matrix multiply rather than
-// the BLAS's sgemm_/dgemm_: always without them (RELPOS_HAVE_BLAS unset), else where
-// RELPOS_NATIVE_BLAS=aten asks (blas, or unset, keeps sgemm_/dgemm_).
-static bool aten_gemm_on() {
-  static const bool on = [] {
-    const char* v = std::getenv("RELPOS_NATIVE_BLAS");
-    const std::string want = v != nullptr ? v : "";
-    TORCH_CHECK(want.empty() || want == "aten" || want == "blas",
-                "relpos native: RELPOS_NATIVE_BLAS must be aten or blas (or unset), got '", want,
-                "'");
-#ifdef RELPOS_HAVE_BLAS
-    return want == "aten";
-#else
-    return true;
-#endif
-  }();
-  return on;
-}
+// What a call's float32 GEMMs run on: the kernels' own vectors (vec_sgemm_run, where the build
+// has them) or libtorch's brgemm (oneDNN's micro-kernels). Chosen at each call's entry
+// (choose_engines) and read by the GEMM front; float64 runs on the BLAS's dgemm_ where libtorch
+// exports it, else on libtorch's matrix multiply (decided by the build, no switch).
+enum class FloatGemm : uint8_t { kVec, kBrgemm };
+inline std::atomic<FloatGemm> g_float_gemm{FloatGemm::kVec};
 
-// Whether float32 GEMMs run on vec_sgemm_run: by default where the build has AVX-512 (AVX2's
-// ran at MKL's speed, 0.97-1.17x its time in the forward on an AMD EPYC Zen 4, so AVX2 builds
-// keep the BLAS); RELPOS_NATIVE_SGEMM=vec or blas (read once per process) asks for one. beta
-// is 0 or 1 in every call.
-static bool vec_sgemm_on() {
+static bool vec_sgemm_built() {
 #if defined(RELPOS_VEC_FLOAT)
-  static const bool on = [] {
-    const std::string want = env_or_empty("RELPOS_NATIVE_SGEMM");
-    TORCH_CHECK(want.empty() || want == "vec" || want == "blas",
-                "relpos native: RELPOS_NATIVE_SGEMM must be vec or blas (or unset), got '", want,
-                "'");
-#if defined(__AVX512F__)
-    return want != "blas";
-#else
-    return want == "vec";
-#endif
-  }();
-  return on;
+  return true;
 #else
   return false;
+#endif
+}
+
+// RELPOS_NATIVE_FLOAT_GEMM=vec|brgemm, else the default: vec where the build has AVX-512
+// (benchmarks/gemm_engines_epyc.md), brgemm elsewhere (AVX2's vectors ran at a library's speed,
+// 0.97-1.17x MKL's time in the forward on an AMD EPYC Zen 4); vec on a build without vectors
+// gives way to brgemm.
+static FloatGemm float_gemm_now() {
+  const std::string want = env_or_empty("RELPOS_NATIVE_FLOAT_GEMM");
+  TORCH_CHECK(want.empty() || want == "vec" || want == "brgemm",
+              "relpos native: RELPOS_NATIVE_FLOAT_GEMM must be vec or brgemm (or unset), got '",
+              want, "'");
+  if (want == "brgemm" || !vec_sgemm_built()) return FloatGemm::kBrgemm;
+#if defined(__AVX512F__)
+  return FloatGemm::kVec;
+#else
+  return want == "vec" ? FloatGemm::kVec : FloatGemm::kBrgemm;
 #endif
 }
 
@@ -77,42 +70,12 @@ static bool vec_sgemm_on() {
 // at one query, 1.1x at four, 0.75x at eight and sixteen).
 constexpr int64_t kTransposedRows = 8;
 
-// float32 GEMMs on the kernels' own vectors where the build has them (vec_sgemm_run): false
-// where it leaves the call to the BLAS.
-static bool vec_sgemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
-                      const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                      float* C, int64_t ldc) {
-#if defined(RELPOS_VEC_FLOAT)
-  if (!vec_sgemm_on() || (beta != 0.0f && beta != 1.0f)) return false;
-  if (tb && M < kTransposedRows) return false;
-  vec_sgemm_run(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-  return true;
-#else
-  (void)ta, (void)tb, (void)M, (void)N, (void)K, (void)alpha, (void)A, (void)lda, (void)B;
-  (void)ldb, (void)beta, (void)C, (void)ldc;
-  return false;
-#endif
-}
-
-// ------------------------------------------------------------------------------------------
-// The front: row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C, on the kernels'
-// vectors (vec_sgemm), libtorch's matrix multiply (aten_gemm_on) or the BLAS.
+// The BLAS's sgemm_/dgemm_ where libtorch exports them (RELPOS_HAVE_BLAS), else libtorch's matrix
+// multiply: float64's GEMMs, and float32's where B is read transposed by fewer than
+// kTransposedRows rows (the BLAS reads B^T in place).
 template <typename T>
-static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
-                        int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
-    return;
-  }
-  if constexpr (std::is_same_v<T, float>) {
-    if (vec_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
-  }
-  if (aten_gemm_on()) {
-    gemm_aten(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-    return;
-  }
+static inline void blas_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                             int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
 #ifdef RELPOS_HAVE_BLAS
   // Column-major BLAS on row-major data: C^T = op(B)^T op(A)^T.
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
@@ -124,7 +87,38 @@ static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alp
   } else {
     dgemm_(cta, ctb, &m, &n, &k, &alpha, B, &lb, A, &la, &beta, C, &lc);
   }
+#else
+  gemm_aten(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
+}
+
+// ------------------------------------------------------------------------------------------
+// The front: row-major C[M, N] = alpha * op(A)[M, K] @ op(B)[K, N] + beta * C (beta 0 or 1).
+// float32 on the call's engine (g_float_gemm: the kernels' vectors or brgemm), except a
+// decode-like product (fewer than kTransposedRows rows reading B transposed) on the BLAS;
+// float64 on the BLAS.
+template <typename T>
+static inline void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                        int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (!(tb && M < kTransposedRows)) {
+#if defined(RELPOS_VEC_FLOAT)
+      if (g_float_gemm == FloatGemm::kVec) {
+        vec_sgemm_run(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        return;
+      }
+#endif
+      brgemm_float(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      return;
+    }
+  }
+  blas_gemm<T>(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 // The three forms the kernels use, on packed row-major matrices (each row's stride is its
@@ -155,59 +149,52 @@ static inline void gemm_tn(int64_t M, int64_t N, int64_t K, T alpha, const T* A,
 // The 16-bit calls' engines
 
 // What bfloat16 calls run their 16-bit GEMMs on: AMX tiles, VDPBF16PS on the same packed tiles,
-// MKL's cblas_gemm_bf16bf16f32, or none (kWidened: tiles widened to float32 for the float
-// GEMMs, P and dS unrounded).
-enum class Bf16Gemm : uint8_t { kWidened, kMkl, kAmx, kDot };
+// libtorch's brgemm on VNNI-packed operands (gemm_brgemm.h; the tile engines' short blocks run
+// there too), or none (kWidened: tiles widened to float32 for the float GEMMs, P and dS
+// unrounded).
+enum class Bf16Gemm : uint8_t { kWidened, kBrgemm, kAmx, kDot };
 
 // The choice for this call. By default: AMX where this build has it and the OS grants it; else
-// VDPBF16PS where this build has it and it pays (dot_products_pay); else MKL's GEMM where the CPU
-// has AMX-BF16 (a portable build on such a CPU: MKL runs it on the tiles); else widened tiles
-// (MKL's bfloat16 GEMM without AMX took 1.06-1.51x their time with MKL held to AVX2, AVX-512 or
-// AVX512-BF16, benchmarks/half_precision_engines_xeon.md). RELPOS_NATIVE_BF16_GEMM=amx,
-// avx512bf16, mkl or widened asks for one (one this build or CPU lacks gives way to the next in
-// that order); without it RELPOS_NATIVE_HALF_GEMM=0 asks for widened, then RELPOS_NATIVE_AMX=0
-// (older) for mkl, RELPOS_NATIVE_HALF_GEMM=1 for the first 16-bit GEMM there is (amx,
-// avx512bf16, mkl). MKL's bfloat16 GEMM must exist for any of them (the tile GEMMs' short
-// blocks run on it).
+// VDPBF16PS where this build has it and it pays (dot_products_pay); else brgemm where the CPU
+// has AMX-BF16 (a portable build on such a CPU: oneDNN runs it on the tiles); else widened tiles
+// (benchmarks/gemm_engines_epyc.md: on a CPU without AMX brgemm took 1.4x the VDPBF16PS tiles'
+// time, widened tiles 1.6x). RELPOS_NATIVE_BF16_GEMM=amx, avx512bf16, brgemm or widened asks
+// for one (one this build or CPU lacks gives way to the next in that order); brgemm needs
+// AVX-512 (oneDNN's bfloat16 micro-kernels), without it the call runs on widened tiles.
 static Bf16Gemm bf16_gemm() {
   const std::string want = env_or_empty("RELPOS_NATIVE_BF16_GEMM");
-  TORCH_CHECK(want.empty() || want == "amx" || want == "avx512bf16" || want == "mkl" ||
+  TORCH_CHECK(want.empty() || want == "amx" || want == "avx512bf16" || want == "brgemm" ||
                   want == "widened",
-              "relpos native: RELPOS_NATIVE_BF16_GEMM must be amx, avx512bf16, mkl or widened ",
+              "relpos native: RELPOS_NATIVE_BF16_GEMM must be amx, avx512bf16, brgemm or widened ",
               "(or unset), got '", want, "'");
-  if (!has_low_gemm<c10::BFloat16>()) return Bf16Gemm::kWidened;
+  if (!brgemm_bf16_serves()) return Bf16Gemm::kWidened;
   const bool amx = amx_granted();
 #ifdef RELPOS_HAVE_BF16_TILES
   const bool dot = true;
 #else
   const bool dot = false;
 #endif
-  const auto first_from = [&](int from) {  // 0 amx, 1 avx512bf16, 2 mkl, 3 widened
+  const auto first_from = [&](int from) {  // 0 amx, 1 avx512bf16, 2 brgemm, 3 widened
     if (from <= 0 && amx) return Bf16Gemm::kAmx;
     if (from <= 1 && dot) return Bf16Gemm::kDot;
-    if (from <= 2) return Bf16Gemm::kMkl;
+    if (from <= 2) return Bf16Gemm::kBrgemm;
     return Bf16Gemm::kWidened;
   };
   if (!want.empty())
-    return first_from(want == "amx" ? 0 : want == "avx512bf16" ? 1 : want == "mkl" ? 2 : 3);
-  const std::string half = env_or_empty("RELPOS_NATIVE_HALF_GEMM");
-  if (half == "0") return Bf16Gemm::kWidened;
-  if (env_or_empty("RELPOS_NATIVE_AMX") == "0") return Bf16Gemm::kMkl;
-  if (half == "1") return first_from(0);
+    return first_from(want == "amx" ? 0 : want == "avx512bf16" ? 1 : want == "brgemm" ? 2 : 3);
   if (amx) return Bf16Gemm::kAmx;
 #ifdef RELPOS_HAVE_BF16_TILES
   if (dot_products_pay()) return Bf16Gemm::kDot;
 #endif
-  return cpu_has_amx_bf16() ? Bf16Gemm::kMkl : Bf16Gemm::kWidened;
+  return cpu_has_amx_bf16() ? Bf16Gemm::kBrgemm : Bf16Gemm::kWidened;
 }
 
 // A call's 16-bit GEMMs, chosen once per call: whether it runs 16-bit GEMMs (low; else its
 // tiles are widened to float and the float GEMMs serve: the same results to float rounding, P
 // and dS unrounded) and, for bfloat16, the packed-tile engine its large enough blocks run on
-// (tile_gemms_of). bfloat16 as bf16_gemm() says; float16 only under RELPOS_NATIVE_HALF_GEMM=1
-// (where libtorch has the GEMM): MKL's float16 GEMM measured slower than widened tiles even on
-// a CPU with AVX512-FP16 (benchmarks/half_precision_xeon.md), and CPUs without FP16 arithmetic can
-// only convert inside it.
+// (tile_gemms_of). bfloat16 as bf16_gemm() says; float16 always on widened tiles (MKL's
+// float16 GEMM measured slower than widened tiles even on a CPU with AVX512-FP16,
+// benchmarks/half_precision_xeon.md).
 struct HalfGemms {
   bool low = false;
   TileGemm tiles = kNoTiles;
@@ -215,15 +202,18 @@ struct HalfGemms {
 
 template <typename I>
 static HalfGemms half_gemms_now() {
-  if (!has_low_gemm<I>()) return {};
   if constexpr (std::is_same_v<I, c10::BFloat16>) {
     const Bf16Gemm e = bf16_gemm();
     return {e != Bf16Gemm::kWidened, e == Bf16Gemm::kAmx   ? kAmxTiles
                                      : e == Bf16Gemm::kDot ? kDotTiles
                                                            : kNoTiles};
   }
-  return {env_or_empty("RELPOS_NATIVE_HALF_GEMM") == "1", kNoTiles};
+  return {};
 }
+
+// The engines a call made now (this environment) runs on, chosen at its entry: float32's for
+// the GEMM front (g_float_gemm), and a 16-bit call's.
+static void choose_float_engine() { g_float_gemm = float_gemm_now(); }
 
 // The fewest query rows per block for which a direction's GEMMs run on packed tiles: shorter
 // blocks fill too little of the 32-row tile pairs (bfloat16 on AMX, 128 sequences, K = 16, one
@@ -239,7 +229,7 @@ constexpr int64_t kDotRows = 16;
 
 // Where a call whose tile GEMMs take 16-bit operands runs them: on its packed-tile engine
 // (half_gemms_now's) with query blocks of at least amx_rows rows on AMX, kDotRows by VDPBF16PS
-// (BQ, a varlen call's longest), and key tiles of at most kKeyBlock, else on MKL's GEMM
+// (BQ, a varlen call's longest), and key tiles of at most kKeyBlock, else on brgemm
 // (kNoTiles).
 static TileGemm tile_gemms_of(const HalfGemms& gemms, int64_t BQ, int64_t BK, int64_t amx_rows) {
   const int64_t min_rows = gemms.tiles == kDotTiles ? kDotRows : amx_rows;
@@ -249,12 +239,31 @@ static TileGemm tile_gemms_of(const HalfGemms& gemms, int64_t BQ, int64_t BK, in
 
 // A call's 16-bit GEMMs for query blocks of BQ rows: where VDPBF16PS was chosen and the blocks
 // are too short for its tiles, the call runs as a CPU without AMX runs bfloat16 best, on
-// widened tiles (MKL's bfloat16 GEMM, which tile_gemms_of would give it, took 1.5-1.8x their
-// time there at n = 8), unless the CPU has AMX for MKL (RELPOS_NATIVE_BF16_GEMM=avx512bf16 on
-// such a CPU). Decided before the call's inputs are prepared (its tables' 16-bit copies).
+// widened tiles (a library's bfloat16 GEMM, which tile_gemms_of would give it, took 1.5-1.8x
+// their time there at n = 8), unless the CPU has AMX for brgemm (RELPOS_NATIVE_BF16_GEMM=avx512bf16
+// on such a CPU). Decided before the call's inputs are prepared (its tables' 16-bit copies).
 static HalfGemms for_query_blocks(HalfGemms gemms, int64_t BQ) {
   if (gemms.tiles == kDotTiles && BQ < kDotRows && !cpu_has_amx_bf16()) return {};
   return gemms;
+}
+
+// C (M, N) = alpha · op(A) @ op(B) + beta · C for a call's 16-bit GEMMs off the packed tiles:
+// bfloat16 operands on packed row-major matrices (op(A) = A (M, K) or, with ta, A^T for A (K,
+// M); op(B) = B (K, N) or, with tb, B^T for B (N, K)), C float, on brgemm.
+template <typename I>
+static inline void gemm16(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha,
+                          const I* A, const I* B, float beta, float* C) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    for (int64_t x = 0; x < M * N; ++x) C[x] = beta == 0.0f ? 0.0f : beta * C[x];
+    return;
+  }
+  if constexpr (std::is_same_v<I, c10::BFloat16>) {
+    brgemm_bf16(ta, tb, M, N, K, alpha, A, B, beta, C);
+  } else {  // float16 calls run on widened tiles (half_gemms_now): never here
+    (void)ta, (void)tb, (void)alpha, (void)A, (void)B;
+    TORCH_CHECK(false, "relpos native: no 16-bit GEMM for ", c10::CppTypeToScalarType<I>::value);
+  }
 }
 
 }  // namespace relpos_native

@@ -17,7 +17,7 @@
 // destination (stored, or loaded, accumulated and stored); edge tiles through a 1 KiB buffer,
 // masked. A power-of-two scale (D = 64's 1/8) is applied exactly to Q as it is packed; another
 // one to the tiles on their way out. P and dS are rounded to bfloat16 (nearest even), as MKL's
-// path rounds them. bf16_gemm() (gemm.h) says which engine (or MKL's GEMM, or widened tiles) a
+// path rounds them. bf16_gemm() (gemm.h) says which engine (or brgemm, or widened tiles) a
 // call runs; the probes it reads are here too (amx_granted, cpu_has_amx_bf16,
 // dot_products_pay).
 
@@ -28,7 +28,7 @@
 
 namespace relpos_native {
 
-// Where a call's bfloat16 tile GEMMs run: MKL's GEMM on unpacked operands (kNoTiles), or on
+// Where a call's bfloat16 tile GEMMs run: brgemm on unpacked operands (kNoTiles), or on
 // packed tiles, by AMX or by VDPBF16PS.
 enum TileGemm : uint8_t { kNoTiles = 0, kAmxTiles = 1, kDotTiles = 2 };
 
@@ -43,7 +43,7 @@ static bool amx_granted() {
 #endif
 }
 
-// Whether the CPU has AMX-BF16 (CPUID leaf 7: EDX bit 22), which MKL's bfloat16 GEMM then runs
+// Whether the CPU has AMX-BF16 (CPUID leaf 7: EDX bit 22), which oneDNN's bfloat16 GEMMs then run
 // on (it asks the OS for the tiles itself).
 static bool cpu_has_amx_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)

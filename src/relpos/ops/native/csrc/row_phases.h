@@ -15,50 +15,50 @@ namespace relpos_native {
 // Row primitives
 
 // max(a, b), NaN if either is.
-template <typename T>
-static inline T nan_max(T a, T b) {
+template <typename accum_t>
+static inline accum_t nan_max(accum_t a, accum_t b) {
   return (std::isnan(a) || a > b) ? a : b;
 }
 
 // The largest of x[0..n) (-inf for n = 0; NaN entries are skipped), in 16 independent lanes so
 // that the compiler vectorizes it (a plain running max is one long dependency chain).
-template <typename T>
-static inline T row_max(const T* x, int64_t n) {
+template <typename accum_t>
+static inline accum_t row_max(const accum_t* x, int64_t n) {
 #if defined(RELPOS_VEC_FLOAT)
-  if constexpr (std::is_same_v<T, float>) return row_max_vec(x, n);
+  if constexpr (std::is_same_v<accum_t, float>) return row_max_vec(x, n);
 #endif
   constexpr int W = 16;
-  T lane[W];
-  for (int u = 0; u < W; ++u) lane[u] = -std::numeric_limits<T>::infinity();
+  accum_t lane[W];
+  for (int u = 0; u < W; ++u) lane[u] = -std::numeric_limits<accum_t>::infinity();
   int64_t j = 0;
   for (; j + W <= n; j += W)
     for (int u = 0; u < W; ++u) lane[u] = x[j + u] > lane[u] ? x[j + u] : lane[u];
-  T mx = -std::numeric_limits<T>::infinity();
+  accum_t mx = -std::numeric_limits<accum_t>::infinity();
   for (; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
   for (int u = 0; u < W; ++u) mx = lane[u] > mx ? lane[u] : mx;
   return mx;
 }
 
 // dst[j] += src[j] over n entries.
-template <typename T>
-static inline void add_to(T* dst, const T* src, int64_t n) {
+template <typename accum_t>
+static inline void add_to(accum_t* dst, const accum_t* src, int64_t n) {
 #if defined(RELPOS_VEC_FLOAT)
-  if constexpr (std::is_same_v<T, float>) return add_to_vec(dst, src, n);
+  if constexpr (std::is_same_v<accum_t, float>) return add_to_vec(dst, src, n);
 #endif
   for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
 }
 
 // x[j] = exp(x[j] - offset) over n entries; returns their sum. Low: the vector path may take
 // the cheaper polynomial (vec_exp; 16-bit calls only). Acc: acc[j] += x[j] too.
-template <typename T, bool Low = false, bool Acc = false>
-static inline T exp_sum(T* x, int64_t n, T offset, T* acc = nullptr) {
+template <typename accum_t, bool Low = false, bool Acc = false>
+static inline accum_t exp_sum(accum_t* x, int64_t n, accum_t offset, accum_t* acc = nullptr) {
 #if defined(RELPOS_VEC_FLOAT)
-  if constexpr (std::is_same_v<T, float>) return exp_sum_vec<Low, Acc>(x, n, offset, acc);
+  if constexpr (std::is_same_v<accum_t, float>) return exp_sum_vec<Low, Acc>(x, n, offset, acc);
 #endif
-  T sum = 0;
+  accum_t sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
-    const T e = exp_<T>(x[j] - offset);
+    const accum_t e = exp_<accum_t>(x[j] - offset);
     x[j] = e;
     if constexpr (Acc) acc[j] += e;
     sum += e;
@@ -69,13 +69,13 @@ static inline T exp_sum(T* x, int64_t n, T offset, T* acc = nullptr) {
 // x[j] = exp(x[j] + far - offset) over a far segment, whose relative term is the one constant
 // `far`; returns their sum. A hidden key (-inf) gives 0 even where the constant is not finite
 // (-inf + inf, -inf + NaN): a non-finite table row reaches no row through keys it does not see.
-template <typename T, bool Low = false>
-static inline T far_exp_sum(T* x, int64_t n, T offset, T far) {
-  if (std::isfinite(far)) return exp_sum<T, Low>(x, n, offset - far);
-  const T ninf = -std::numeric_limits<T>::infinity();
-  T sum = 0;
+template <typename accum_t, bool Low = false>
+static inline accum_t far_exp_sum(accum_t* x, int64_t n, accum_t offset, accum_t far) {
+  if (std::isfinite(far)) return exp_sum<accum_t, Low>(x, n, offset - far);
+  const accum_t ninf = -std::numeric_limits<accum_t>::infinity();
+  accum_t sum = 0;
   for (int64_t j = 0; j < n; ++j) {
-    const T e = x[j] == ninf ? T(0) : exp_<T>(x[j] - (offset - far));
+    const accum_t e = x[j] == ninf ? accum_t(0) : exp_<accum_t>(x[j] - (offset - far));
     x[j] = e;
     sum += e;
   }
@@ -88,33 +88,33 @@ static inline T far_exp_sum(T* x, int64_t n, T offset, T far) {
 
 // The relative term of a row's far segments: one constant per segment, the first and last entry
 // of its (R) row of QA (key term) or dOA (value term); 0 without the table.
-template <typename T>
+template <typename accum_t>
 struct FarConstants {
-  T left, right;
+  accum_t left, right;
 };
 
-template <typename T>
-static inline FarConstants<T> far_constants(const T* table_row, int64_t R) {
-  return {table_row ? table_row[0] : T(0), table_row ? table_row[R - 1] : T(0)};
+template <typename accum_t>
+static inline FarConstants<accum_t> far_constants(const accum_t* table_row, int64_t R) {
+  return {table_row ? table_row[0] : accum_t(0), table_row ? table_row[R - 1] : accum_t(0)};
 }
 
 // Tile masks: the key bias and the row of a dense mask, added to the visible keys [j0, end)
 // (-inf hides a key whatever its score, band key term included: added after it).
-template <typename T>
-static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, const T* kb,
-                             const T* mrow) {
-  const T ninf = -std::numeric_limits<T>::infinity();
+template <typename accum_t>
+static inline void add_masks(accum_t* s, const Geometry& g, int64_t j0, int64_t end,
+                             const accum_t* kb, const accum_t* mrow) {
+  const accum_t ninf = -std::numeric_limits<accum_t>::infinity();
   if (kb != nullptr) {
 #pragma omp simd
     for (int64_t j = j0; j < end; ++j) {
-      const T b = kb[j];
+      const accum_t b = kb[j];
       s[j - j0] = b == ninf ? ninf : s[j - j0] + b;
     }
   }
   if (mrow != nullptr) {  // row of a dense mask: mrow[j * mS]
     const int64_t st = g.mS;
     for (int64_t j = j0; j < end; ++j) {
-      const T b = mrow[j * st];
+      const accum_t b = mrow[j * st];
       s[j - j0] = b == ninf ? ninf : s[j - j0] + b;
     }
   }
@@ -124,34 +124,36 @@ static inline void add_masks(T* s, const Geometry& g, int64_t j0, int64_t end, c
 // hidden key is -inf even where its table row is not finite). The far segments' constants
 // QA[i, 0] and QA[i, R-1] are not added here: they are folded into the max and the exp offset,
 // so far keys cost no extra pass (hidden far keys then stay out: far_segment_max, far_exp_sum).
-template <typename T>
-static RELPOS_INLINE void add_band_key_term(T* s, const RowSegments& seg, const T* qa_row) {
+template <typename accum_t>
+static RELPOS_INLINE void add_band_key_term(accum_t* s, const RowSegments& seg,
+                                            const accum_t* qa_row) {
   if (qa_row == nullptr) return;
-  T* band_scores = s + seg.n_left;
-  const T* band = qa_row + seg.band_row;  // band[x] = QA[i, (fl + x) - p + left]
-  add_to<T>(band_scores, band, seg.n_band);
+  accum_t* band_scores = s + seg.n_left;
+  const accum_t* band = qa_row + seg.band_row;  // band[x] = QA[i, (fl + x) - p + left]
+  add_to<accum_t>(band_scores, band, seg.n_band);
 }
 
-template <typename T>
+template <typename accum_t>
 struct SegmentSums {
-  T left, band, right;
+  accum_t left, band, right;
 };
 
 // s = exp(s + far constant - offset), segment by segment; returns each segment's sum. Low:
 // a call with 16-bit inputs (exp_sum). With buckets (R entries), the row's bucket masses are
 // added in the same pass (add_to_buckets's; the band's table rows are 1 .. R-2).
-template <typename T, bool Low = false>
-static RELPOS_INLINE SegmentSums<T> exp_segments(T* s, const RowSegments& seg,
-                                                 FarConstants<T> qa_far, T offset,
-                                                 T* buckets = nullptr, int64_t R = 0) {
-  T* band_scores = s + seg.n_left;
-  SegmentSums<T> sum;
-  sum.left = far_exp_sum<T, Low>(s, seg.n_left, offset, qa_far.left);
+template <typename accum_t, bool Low = false>
+static RELPOS_INLINE SegmentSums<accum_t> exp_segments(accum_t* s, const RowSegments& seg,
+                                                       FarConstants<accum_t> qa_far, accum_t offset,
+                                                       accum_t* buckets = nullptr, int64_t R = 0) {
+  accum_t* band_scores = s + seg.n_left;
+  SegmentSums<accum_t> sum;
+  sum.left = far_exp_sum<accum_t, Low>(s, seg.n_left, offset, qa_far.left);
   if (buckets != nullptr)
-    sum.band = exp_sum<T, Low, true>(band_scores, seg.n_band, offset, buckets + seg.band_row);
+    sum.band = exp_sum<accum_t, Low, true>(band_scores, seg.n_band, offset, buckets + seg.band_row);
   else
-    sum.band = exp_sum<T, Low>(band_scores, seg.n_band, offset);
-  sum.right = far_exp_sum<T, Low>(band_scores + seg.n_band, seg.n_right, offset, qa_far.right);
+    sum.band = exp_sum<accum_t, Low>(band_scores, seg.n_band, offset);
+  sum.right =
+      far_exp_sum<accum_t, Low>(band_scores + seg.n_band, seg.n_right, offset, qa_far.right);
   if (buckets != nullptr) {
     buckets[0] += sum.left;
     buckets[R - 1] += sum.right;
@@ -161,21 +163,23 @@ static RELPOS_INLINE SegmentSums<T> exp_segments(T* s, const RowSegments& seg,
 
 // Bucket update: adds a row's bucket sums to its R table rows, the far segments' (known) sums to
 // rows 0 and R-1, the band entry by entry.
-template <typename T>
-static RELPOS_INLINE void add_to_buckets(T* buckets, int64_t R, const RowSegments& seg,
-                                         T far_left_sum, const T* band, T far_right_sum) {
+template <typename accum_t>
+static RELPOS_INLINE void add_to_buckets(accum_t* buckets, int64_t R, const RowSegments& seg,
+                                         accum_t far_left_sum, const accum_t* band,
+                                         accum_t far_right_sum) {
   buckets[0] += far_left_sum;
   buckets[R - 1] += far_right_sum;
-  add_to<T>(buckets + seg.band_row, band, seg.n_band);
+  add_to<accum_t>(buckets + seg.band_row, band, seg.n_band);
 }
 
 // Bucket update of a row whose far sums are not known (after dropout): sums them first.
-template <typename T>
-static RELPOS_INLINE void bucket_row(const T* x, int64_t R, const RowSegments& seg, T* buckets) {
-  T sum_l = 0, sum_r = 0;
+template <typename accum_t>
+static RELPOS_INLINE void bucket_row(const accum_t* x, int64_t R, const RowSegments& seg,
+                                     accum_t* buckets) {
+  accum_t sum_l = 0, sum_r = 0;
 #pragma omp simd reduction(+ : sum_l)
   for (int64_t j = 0; j < seg.n_left; ++j) sum_l += x[j];
-  const T* right = x + seg.n_left + seg.n_band;
+  const accum_t* right = x + seg.n_left + seg.n_band;
 #pragma omp simd reduction(+ : sum_r)
   for (int64_t j = 0; j < seg.n_right; ++j) sum_r += right[j];
   add_to_buckets(buckets, R, seg, sum_l, x + seg.n_left, sum_r);
