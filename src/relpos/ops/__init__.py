@@ -24,8 +24,13 @@ from typing import Literal, cast, get_args
 
 from relpos import _deprecated
 
-__all__ = ["BACKENDS", "RENAMED_BACKENDS", "BackendReasons", "Implementation",
-           "check_implementation"]
+__all__ = [
+    "BACKENDS",
+    "RENAMED_BACKENDS",
+    "BackendReasons",
+    "Implementation",
+    "check_implementation",
+]
 
 Implementation = Literal["triton", "native", "decode", "flash_regions", "bucketed", "reference"]
 """Backend names, in the order auto-selection tries them: the first that serves a call wins."""
@@ -40,8 +45,7 @@ a fused kernel (the native and triton backends are those)."""
 
 def _warn_renamed(old: str, what: str) -> str:
     new = RENAMED_BACKENDS[old]
-    _deprecated.warn(f"{what}{old!r} is deprecated; use {what}{new!r} (the same backend, "
-                     f"renamed)")
+    _deprecated.warn(f"{what}{old!r} is deprecated; use {what}{new!r} (the same backend, renamed)")
     return new
 
 
@@ -55,8 +59,10 @@ def check_implementation(value: object) -> Implementation | None:
     if isinstance(value, str) and value in RENAMED_BACKENDS:
         return cast(Implementation, _warn_renamed(value, "implementation="))
     if value is not None and value not in BACKENDS:
-        raise ValueError(f"unknown implementation {value!r}; allowed: None (auto), "
-                         + ", ".join(repr(b) for b in reversed(BACKENDS)))  # the definition first
+        raise ValueError(
+            f"unknown implementation {value!r}; allowed: None (auto), "
+            + ", ".join(repr(b) for b in reversed(BACKENDS))
+        )  # the definition first
     return cast(Implementation | None, value)
 
 

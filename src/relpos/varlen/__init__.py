@@ -146,6 +146,9 @@ def select_backend_varlen(call: PackedAttentionCall) -> str:
 
 
 # Renamed in 0.1 (the C++ kernels' VarlenCall is another thing).
-__getattr__ = module_getattr(__name__, {
-    "VarlenCall": moved("relpos.varlen.PackedAttentionCall"),
-})
+__getattr__ = module_getattr(
+    __name__,
+    {
+        "VarlenCall": moved("relpos.varlen.PackedAttentionCall"),
+    },
+)
