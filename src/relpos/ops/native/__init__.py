@@ -80,8 +80,8 @@ libtorch's brgemm. Measured with the x86-64 ``baseline`` variant, its GEMMs then
 matrix multiply (benchmarks/no_vector_kernels_epyc.md; AMD EPYC, 2 threads, H=8,
 D=64, K = 16 and 64, 4096 tokens per batch): up to 8 x 512 they ran at 0.57-1.04x the time of
 the faster PyTorch backend, forward and forward + backward, causal or not; from 4 x 1024 on the
-fused backend (torch's vectorized flash kernel) was up to 1.85x faster in the forward. Longer
-calls go to the PyTorch backends' own rule."""
+flash_regions backend (torch's vectorized flash kernel) was up to 1.85x faster in the
+forward. Longer calls go to the PyTorch backends' own rule."""
 
 #: Why auto-selection passes such kernels by (``S``: the call's keys, or a packed call's longest
 #: sequence's).
