@@ -421,10 +421,10 @@ def test_decode_packing_ignores_an_unknown_name_with_one_warning(
     torch.testing.assert_close(decode_linear(w, None, 4)(x), x @ w.T)
 
 
-# ----------------------------------------------------------------------------- C++ layers
-def _steps(model: RelativeTransformerLM, native: bool, batch: int, capacity: int
-           ) -> tuple[list[torch.Tensor], KVCache]:
-    """Logits of 12 steps after a 3-token prompt (row 1 left-padded), cache and all."""
+# ----------------------------------------------------------------------------- float32 layouts
+def _steps(model: RelativeTransformerLM, batch: int, capacity: int
+           ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of 12 steps after a 3-token prompt (row 1 left-padded), and the ids."""
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, V, (batch, 15), generator=gen)
     mask = torch.ones(batch, 3, dtype=torch.bool)
@@ -432,33 +432,19 @@ def _steps(model: RelativeTransformerLM, native: bool, batch: int, capacity: int
     with torch.no_grad():
         cache = model.new_cache(capacity=capacity)  # growable: grows under the steps
         model(ids[:, :3], key_mask=mask, cache=cache)
-        step = StepDecoder(model, native=native)
+        step = StepDecoder(model)
         step.start(cache)
-        assert (step._native_layers is not None) == native
-        return [step(ids[:, t], cache) for t in range(3, 15)], cache
-
-
-@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_native_layers_equal_the_python_step_bit_for_bit(kw: dict) -> None:
-    """DecodeLayers runs the Python step's ATen calls in C++: the same bits, the cache too."""
-    model = _lm(**kw)
-    py, py_cache = _steps(model, False, 3, capacity=4)
-    cc, cc_cache = _steps(model, True, 3, capacity=4)
-    for a, b in zip(py, cc, strict=True):
-        assert torch.equal(a, b)
-    for lp, lc in zip(py_cache, cc_cache, strict=True):
-        assert torch.equal(lp.keys, lc.keys) and torch.equal(lp.values, lc.values)
+        return [step(ids[:, t], cache) for t in range(3, 15)], ids
 
 
 @pytest.mark.parametrize(("fast", "packing"), [(True, "relpos"), (True, "onednn"), (True, "mkl"),
                                                (True, "none"), (False, "relpos")])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_native_layers_take_every_float32_linear_layout(
+def test_steps_take_every_float32_linear_layout(
         batch: int, fast: bool, packing: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """float32: the native panels (every batch size), the transposed weight or the weight as
-    it is (batch 1 under the other packings: the FF block's two linears take one each),
-    oneDNN's or MKL's packed one or the transposed one (batch > 1), and F.linear: the C++
-    layers equal the Python step's bits in each."""
+    it is (batch 1 under the other packings), oneDNN's or MKL's packed one (batch > 1), and
+    F.linear: each layout's steps give the full forward's logits to float32 rounding."""
     from relpos.models.decoding import decode_packing
 
     monkeypatch.setenv("RELPOS_DECODE_PACKING", packing)
@@ -466,47 +452,34 @@ def test_native_layers_take_every_float32_linear_layout(
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=V, d_model=32, num_heads=4, num_layers=2, max_distance=3)
     model = RelativeTransformerLM(cfg).eval()
-    got = []
-    for native in (False, True):
-        torch.manual_seed(1)
-        with torch.no_grad():
-            cache = model.new_cache(capacity=20, growable=False)
-            ids = torch.randint(0, V, (batch, 14))
-            model(ids[:, :4], cache=cache)
-            step = StepDecoder(model, fast_linears=fast, native=native)
-            got.append(torch.stack([step(ids[:, t], cache) for t in range(4, 14)]))
-    assert torch.equal(got[0], got[1])
+    torch.manual_seed(1)
     with torch.no_grad():
-        torch.testing.assert_close(got[1].transpose(0, 1), model(ids)[:, 4:], rtol=1e-5,
-                                   atol=1e-5)
+        cache = model.new_cache(capacity=20, growable=False)
+        ids = torch.randint(0, V, (batch, 14))
+        model(ids[:, :4], cache=cache)
+        step = StepDecoder(model, fast_linears=fast)
+        got = torch.stack([step(ids[:, t], cache) for t in range(4, 14)])
+        torch.testing.assert_close(got.transpose(0, 1), model(ids)[:, 4:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kw", [dict(max_distance=4), dict(max_distance=(0, 5)),
                                 dict(max_distance=3, share_heads=False),
                                 dict(max_distance=4, relative_keys=False)],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_float32_steps_run_the_native_decode_attention_in_both_layers(kw: dict) -> None:
-    """float32 on the CPU: the step's attention is the native kernels' decode attention, in the
-    Python layers and the C++ ones alike (the same bits, a left-padded row's key mask too), and
-    the logits are the full forward's to float32 rounding."""
+def test_float32_steps_run_the_native_decode_attention(kw: dict) -> None:
+    """float32 on the CPU: the step's attention is the native kernels' decode attention, and
+    the logits of the unpadded rows are the full forward's to float32 rounding."""
     model = _lm(**kw).float()
-    py, _ = _steps(model, False, 3, capacity=4)
-    cc, _ = _steps(model, True, 3, capacity=4)
-    for a, b in zip(py, cc, strict=True):
-        assert torch.equal(a, b)
+    got, ids = _steps(model, 3, capacity=4)
+    with torch.no_grad():
+        full = model(ids)[:, 3:]
+    torch.testing.assert_close(torch.stack(got, 1)[[0, 2]], full[[0, 2]], rtol=1e-4, atol=1e-4)
     step = StepDecoder(model)
     cache = model.new_cache(capacity=4)
     with torch.no_grad():
-        model(torch.zeros(3, 2, dtype=torch.long), cache=cache)
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
     step.start(cache)
-    assert step._attend is not None  # not SDPA
-    gen = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, V, (3, 15), generator=gen)
-    mask = torch.ones(3, 15, dtype=torch.bool)
-    mask[1, :1] = False
-    with torch.no_grad():
-        full = model(ids, key_mask=mask)[:, 3:]
-    torch.testing.assert_close(torch.stack(cc, 1), full, rtol=1e-4, atol=1e-4)
+    assert step._attend is not None  # the kernels are built here
 
 
 @pytest.mark.parametrize(("S", "D", "Dv"), [(1, 64, 64), (7, 5, 9), (40, 17, 17), (300, 64, 32)])
@@ -594,25 +567,21 @@ def test_native_panel_linear_refuses_what_does_not_fit() -> None:
         module.pack_panels(torch.randn(4, 4, dtype=torch.float64))
 
 
-def test_generate_runs_the_native_layers_where_built() -> None:
+def test_the_native_argument_is_deprecated() -> None:
     model = _lm(max_distance=3)
-    cache = model.new_cache(capacity=8, growable=False)
-    with torch.no_grad():
-        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
-    step = StepDecoder(model)  # the default: C++ where the kernels are built (they are here)
-    step.start(cache)
-    assert step._native_layers is not None and len(step._native_layers) == 2
-
-
-def test_native_layers_refusals(no_native: None) -> None:
-    model = _lm(max_distance=3)
-    cache = model.new_cache(capacity=8, growable=False)
-    with torch.no_grad():
-        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
-    auto = StepDecoder(model)  # without the kernels: the Python layers, silently
-    auto.start(cache)
-    assert auto._native_layers is None
-    with pytest.raises(RuntimeError, match=r"native=True.*not available"):
-        StepDecoder(model, native=True).start(cache)
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    token = torch.ones(1, dtype=torch.long)
+    logits = []
+    for kw in ({}, {"native": True}):
+        cache = model.new_cache(capacity=8, growable=False)
+        with torch.no_grad():
+            model(ids, cache=cache)
+            if kw:
+                with pytest.warns(DeprecationWarning, match=r"native=\.\.\.\) has no effect"):
+                    step = StepDecoder(model, **kw)
+            else:
+                step = StepDecoder(model)
+            logits.append(step(token, cache))
+    assert torch.equal(logits[0], logits[1])
     with pytest.raises(TypeError, match="native must be None, True or False, got 'yes'"):
         StepDecoder(model, native="yes")  # type: ignore[arg-type]

@@ -22,17 +22,18 @@ computing (the rest are views):
   ``m`` table rows plus the far keys' total weight times row 0.
 
 The result equals the modules' (the tests compare both against the reference in float64).
-Where the native kernels are built, the layers' calls run in C++ (``DecodeLayers`` in
-``relpos/ops/native/csrc/decode_step.cpp``): the same operators in the same order, the same
-bits, without the interpreter between about 40 calls a layer. In float32 they also give the
-step its attention (``decode_attention``: each head's cached keys and values streamed once,
-2x faster than SDPA's kernel for one query on an AMD EPYC) and, at batch > 1 on CPUs other
+The step is this module's Python alone (a C++ copy of its calls measured 2-6% faster a token,
+benchmarks/ct2_decode_epyc.md, and was dropped for one home of the math). Where the native
+kernels are built, in float32 they give the step its attention (``decode_attention``: each
+head's cached keys and values streamed once, 2x faster than SDPA's kernel for one query on an
+AMD EPYC) and, at batch > 1 on CPUs other
 than Intel's, its linears (``panel_linear``, :func:`decode_packing`).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -207,7 +208,7 @@ def decode_linear(weight: Tensor, bias: Tensor | None, batch: int, *, fast: bool
     return lambda x: torch.addmm(bias, x, laid)
 
 
-# How a decode linear reads its weight (the kinds the native DecodeLayers takes too).
+# How a decode linear reads its weight.
 _PLAIN, _TRANSPOSED, _MKL_PACKED, _ONEDNN_PACKED, _PANELS = 0, 1, 2, 3, 4
 
 
@@ -271,10 +272,9 @@ class StepDecoder:
         model: a :class:`relpos.models.RelativeTransformerLM`.
         fast_linears: run the linears in :func:`decode_linear`'s layouts (default) or as
             ``F.linear``.
-        native: where the layers' calls run. None (default): in C++ (the native kernels'
-            ``DecodeLayers``: the same ATen calls in the same order, so the same bits, without
-            the interpreter between them) where the native kernels are built and the model is
-            on the CPU, else in Python; False: in Python; True: in C++ or a RuntimeError.
+        native: deprecated, without effect (the layers' calls once ran in C++ where it asked;
+            they run in Python, with the native kernels' decode attention and panel linears
+            where those are built); anything but None warns.
 
     Example:
         >>> from relpos.models import ModelConfig, RelativeTransformerLM
@@ -294,8 +294,12 @@ class StepDecoder:
     ) -> None:
         if native not in (None, True, False):
             raise TypeError(f"native must be None, True or False, got {native!r}")
+        if native is not None:
+            warnings.warn(
+                "StepDecoder(native=...) has no effect and will be removed: the step's calls run"
+                " in Python, with the native kernels' decode attention and panel linears where"
+                " they are built", DeprecationWarning, stacklevel=2)
         self.fast_linears = fast_linears
-        self.native = native
         if type(model).__name__ != "RelativeTransformerLM" or not hasattr(model, "layers"):
             raise TypeError(
                 f"StepDecoder needs a relpos RelativeTransformerLM, got {type(model).__name__}"
@@ -354,13 +358,11 @@ class StepDecoder:
         fast = self.fast_linears
         # float32 on the CPU: the native kernels' decode attention (one query per head over
         # the cache, each head's keys and values streamed once; 2x faster than SDPA's kernel
-        # at batch 8 here) where they are built with their vector code, in the Python layers
-        # and the C++ ones alike
+        # at batch 8 here) where they are built with their vector code
         cpu32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
         ops = _native_decode_ops(vectorized=True) if cpu32 else None
         self._attend = None if ops is None else ops.decode_attention
-        self._native_layers = self._native_stack(B)
-        for layer in self.layers if self._native_layers is None else ():  # Python layers only
+        for layer in self.layers:
             self._linears.append((
                 decode_linear(layer.qkv_weight, layer.qkv_bias, B, fast=fast),
                 decode_linear(layer.out_weight, layer.out_bias, B, fast=fast),
@@ -382,45 +384,6 @@ class StepDecoder:
                 torch.add(values, layer.rel_values[..., :1, :], out=pv[:, :, : values.shape[2]])
             self._plus.append((pk, pv))
         self._seen = self._versions(cache)
-
-    def _native_stack(self, batch: int) -> Any:
-        """The layers as the native kernels' ``DecodeLayers`` (the same calls in C++), or None
-        where the step runs them in Python: ``native=False``, a model off the CPU, or no native
-        kernels (``native=True`` then raises)."""
-        if self.native is False:
-            return None
-        on_cpu = self.embed.device.type == "cpu"
-        module = None
-        if on_cpu:
-            from relpos.ops.native.build import load
-
-            module = load()
-        if module is None or not hasattr(module, "DecodeLayers"):
-            if self.native:
-                raise RuntimeError(
-                    "StepDecoder(native=True) needs the native kernels and a model on the CPU"
-                    f" (device {self.embed.device}, kernels "
-                    f"{'not available' if module is None else 'without DecodeLayers'})"
-                )
-            return None
-        stack = module.DecodeLayers(self.E, self.H, self._attend is not None)
-        for layer in self.layers:
-            weights = (layer.qkv_weight, layer.out_weight, layer.ff1_weight, layer.ff2_weight)
-            biases = [layer.qkv_bias, layer.out_bias, layer.ff1_bias, layer.ff2_bias]
-            kinds, layouts = [], []
-            for w in weights:
-                kind, laid = _linear_layout(w, batch, self.fast_linears)
-                kinds.append(kind)
-                layouts.append(w.new_empty(0) if laid is None else laid)
-            stack.add_layer(
-                layer.norm1[0], layer.norm1[1], layer.norm1[2],
-                layer.norm2[0], layer.norm2[1], layer.norm2[2],
-                kinds, [w.detach() for w in weights],
-                [None if b is None else b.detach() for b in biases], layouts, batch,
-                None if layer.rel_keys is None else layer.rel_keys.detach(),
-                None if layer.rel_values is None else layer.rel_values.detach(),
-            )
-        return stack
 
     @staticmethod
     def _versions(cache: KVCache) -> tuple[int, ...]:
@@ -466,12 +429,8 @@ class StepDecoder:
                 pk, pv = (None if t is None else _grown(t, S - 1, lc.capacity) for t in (pk, pv))
                 self._plus[n] = (pk, pv)  # the cache grew: so do the storages
             views.append((keys, values, key_mask, pk, pv))
-        if self._native_layers is not None:  # the same calls as below, in C++
-            keys_, values_, masks_, pks, pvs = (list(c) for c in zip(*views, strict=True))
-            x = self._native_layers.run(x, p, left, keys_, values_, pks, pvs, masks_)
-        python_layers = self.layers if self._native_layers is None else []
         for layer, (keys, values, key_mask, pk, pv), (qkv_proj, out_proj, ff1, ff2) in zip(
-            python_layers, views[: len(python_layers)], self._linears, strict=True
+            self.layers, views, self._linears, strict=True
         ):
             h = F.layer_norm(x, (E,), *layer.norm1)
             qkv = qkv_proj(h).view(B, 3, H, D)

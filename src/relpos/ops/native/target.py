@@ -27,7 +27,7 @@ __all__ = ["CACHE_DIR_ENV", "NATIVE", "SOURCES", "Target", "build_directory", "c
 _CSRC = Path(__file__).with_name("csrc")
 # The translation units the build compiles: the kernels (attention.cpp, which includes the
 # headers), the decode step, the bindings. The headers are in the build's key too.
-SOURCES = (_CSRC / "attention.cpp", _CSRC / "decode_step.cpp", _CSRC / "bindings.cpp")
+SOURCES = (_CSRC / "attention.cpp", _CSRC / "decode.cpp", _CSRC / "bindings.cpp")
 CACHE_DIR_ENV = "RELPOS_CACHE_DIR"
 
 

@@ -52,7 +52,7 @@
 // once, so the compiler sees every phase, task and loop of the kernels together and inlines
 // them as in one file; it holds the entry points (the checked tensors, the dtype dispatch,
 // padded and varlen), gemm_engines and build_info. bindings.cpp binds them for Python (the module's
-// second translation unit); decode_step.cpp (the third) reaches the decode kernels through
+// second translation unit); decode.cpp (the third) reaches the decode kernels through
 // decode.h. docs/design.md §6 has the map.
 //
 //   attention.h       AttentionOptions and the entry points, as bindings.cpp sees them
@@ -71,7 +71,7 @@
 //   forward.h         the forward's phases, task and task loops
 //   backward.h        the backward's phases, task and task loops
 //   checks.h          from tensors to Geometry, Inputs and VarlenCall, checked
-//   decode.h          what decode_step.cpp takes from here
+//   decode.h          what decode.cpp takes from here
 //   decode_kernels.h  the decode step's attention and panel linears
 //
 // Each phase is one function, forced inline into the task that calls it, and each task into its

@@ -1,5 +1,5 @@
 // The kernels' Python module: pybind11 bindings of the entry points (attention.h) and of the
-// decode step's DecodeLayers (decode_step.cpp), and build_info.
+// decode kernels' entry points (decode.cpp), and build_info.
 
 #include <string>
 

@@ -1,6 +1,6 @@
-// What decode_step.cpp (its own translation unit: one decode step of a relpos language model's
-// layers) takes from the kernels' (attention.cpp: decode_kernels.h), and what the bindings take
-// from it: one declaration of each.
+// What decode.cpp (its own translation unit: the decode kernels' tensor entry points) takes from
+// the kernels' (attention.cpp: decode_kernels.h), and what the bindings take from it: one
+// declaration of each.
 
 #pragma once
 
@@ -10,7 +10,7 @@
 
 namespace relpos_native {
 
-// The outputs of one weight panel (decode_step.cpp's pack_panels: panel t holds, for k = 0 ..
+// The outputs of one weight panel (decode.cpp's pack_panels: panel t holds, for k = 0 ..
 // K-1, the 16 weights w[16t .. 16t + 15, k], zeros past N).
 constexpr int64_t kPanel = 16;
 
@@ -29,6 +29,6 @@ void panel_linear_f32(const float* x, int64_t M, int64_t K, const float* panels,
 
 namespace relpos_decode {
 
-void bind(pybind11::module& m);  // decode_step.cpp: the DecodeLayers class and its helpers
+void bind(pybind11::module& m);  // decode.cpp: decode_attention, pack_panels, panel_linear
 
 }  // namespace relpos_decode

@@ -1,4 +1,4 @@
-// The decode step's kernels (declared in decode.h for decode_step.cpp): its attention, one query
+// The decode step's kernels (declared in decode.h for decode.cpp): its attention, one query
 // per (batch, head) over the cached keys, and its linears on packed weight panels.
 
 #pragma once
@@ -83,7 +83,7 @@ void decode_attention_f32(const float* q, const int64_t q_s[2], const float* k,
   });
 }
 
-// The panel linears of a decode step (decode_step.cpp's pack_panels: panel t holds, for
+// The panel linears of a decode step (decode.cpp's pack_panels: panel t holds, for
 // k = 0 .. K-1, the 16 weights w[16t .. 16t + 15, k]). acc[r, 0..15] = x[r, :] @ panel for
 // the R rows of x (row stride K): each x[r, k] broadcast against the panel's row k, the
 // panel read once as a stream.
