@@ -128,11 +128,9 @@ std::vector<Tensor> forward(const Tensor& query, const Tensor& key, const Tensor
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_half", [&] {
-      const HalfGemms gemms =
-          for_query_blocks(half_gemms_now<scalar_t>(), forward_query_block(g.L, g.B * g.H));
-      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
-      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
+      const auto [gemms, in] = reduced_call<scalar_t>(forward_query_block(g.L, g.B * g.H), q, k, v,
+                                                      ak, av, kb, attn_bias, low_tables);
       forward_impl<float, scalar_t>(g, in, static_cast<float>(options.scale), drop,
                                     out.data_ptr<scalar_t>(), lse.data_ptr<float>(), gemms);
     });
@@ -169,11 +167,9 @@ std::vector<Tensor> backward(const Tensor& grad_out, const Tensor& query, const 
   const Dropout drop(options.dropout_p, seed);
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_half", [&] {
-      const HalfGemms gemms =
-          for_query_blocks(half_gemms_now<scalar_t>(), backward_query_block(g.L));
-      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
-      const auto in = half_inputs<scalar_t>(q, k, v, ak, av, kb, attn_bias, low, low_tables);
+      const auto [gemms, in] = reduced_call<scalar_t>(backward_query_block(g.L), q, k, v, ak, av,
+                                                      kb, attn_bias, low_tables);
       backward_impl<float, scalar_t>(
           g, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
           static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
@@ -250,11 +246,9 @@ std::vector<Tensor> forward_varlen(const Tensor& query, const Tensor& key, const
   TORCH_CHECK(!drop.placed, "a varlen call takes a dropout seed of two int64 (no placement)");
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_forward_varlen_half", [&] {
-      const HalfGemms gemms = for_query_blocks(half_gemms_now<scalar_t>(), vc.BQ);
-      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
-      const auto in =
-          half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low, low_tables);
+      const auto [gemms, in] =
+          reduced_call<scalar_t>(vc.BQ, q, k, v, ak, av, c10::nullopt, c10::nullopt, low_tables);
       forward_varlen_impl<float, scalar_t>(vc, in, static_cast<float>(options.scale), drop,
                                            out.data_ptr<scalar_t>(), lse.data_ptr<float>(), gemms);
     });
@@ -317,11 +311,9 @@ std::vector<Tensor> backward_varlen(const Tensor& grad_out, const Tensor& query,
   };
   if (is_half_precision(q.scalar_type())) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "relpos_native_backward_varlen_half", [&] {
-      const HalfGemms gemms = for_query_blocks(half_gemms_now<scalar_t>(), vc.BQ);
-      const bool low = gemms.low;
       std::pair<c10::optional<Tensor>, c10::optional<Tensor>> low_tables;
-      const auto in =
-          half_inputs<scalar_t>(q, k, v, ak, av, c10::nullopt, c10::nullopt, low, low_tables);
+      const auto [gemms, in] =
+          reduced_call<scalar_t>(vc.BQ, q, k, v, ak, av, c10::nullopt, c10::nullopt, low_tables);
       backward_varlen_impl<float, scalar_t>(
           vc, groups, in, go.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), ls.data_ptr<float>(),
           static_cast<float>(options.scale), drop, dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),

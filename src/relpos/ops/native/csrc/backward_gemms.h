@@ -169,10 +169,8 @@ struct BackwardGemms<float, scalar_t, true> {
   void table_scores(const Head<accum_t, scalar_t>& hd, int64_t nq, int64_t R, int64_t D,
                     accum_t scale, const scalar_t* q_block, const accum_t* q_wide_block,
                     accum_t* qa) {
-    if (hd.ak_low)
-      scores_reduced(tiles, &ak_op, nq, R, D, scale, q_rows, q_scaled, q_block, hd.ak_low, qa);
-    else
-      gemm_nt<accum_t>(nq, R, D, scale, q_wide_block, hd.ak, accum_t(0), qa);
+    table_scores_reduced(tiles, &ak_op, hd, nq, R, D, scale, q_rows, q_scaled, q_block,
+                         q_wide_block, qa);
   }
   // dOA_I (nq, R) = dO_I (nq, Dv) @ aV^T
   void table_output_grads(const Head<accum_t, scalar_t>& hd, int64_t nq, int64_t R, int64_t Dv,
@@ -271,14 +269,9 @@ struct BackwardGemms<float, scalar_t, true> {
 #ifdef RELPOS_HAVE_BF16_TILES
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       const int64_t kq = amx_kblocks(nq);
-      const uint16_t* k_packed = k_packed_pairs;
-      if (k_packed == nullptr) {
-        if (!k_pairs.holds(k_tile, nk)) {
-          amx_pack_pairs(bits_of(k_tile), nk, D, k_pairs.buf.p);
-          k_pairs.mark(k_tile, nk);
-        }
-        k_packed = k_pairs.buf.p;
-      }
+      const uint16_t* k_packed =
+          packed_into(k_packed_pairs, &k_pairs, k_tile, nk,
+                      [&](uint16_t* p) { amx_pack_pairs(bits_of(k_tile), nk, D, p); });
       amx_pack_row_padding(nq, nk, ds_rows.p);
       tile_gemm_add(tiles, nk, Dv, kq, p_t.p, do_pairs.p, dv_tile);
       tile_gemm_add(tiles, nq, D, amx_kblocks(nk), ds_rows.p, k_packed, dq_acc);

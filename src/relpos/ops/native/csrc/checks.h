@@ -9,6 +9,7 @@
 #include "attention.h"
 #include "blocks.h"
 #include "config.h"
+#include "gemm.h"
 #include "geometry.h"
 
 #include <torch/extension.h>
@@ -172,6 +173,18 @@ static Inputs<float, I> half_inputs(
   in.ak_low = ptr_or_null<I>(low_tables.first);
   in.av_low = ptr_or_null<I>(low_tables.second);
   return in;
+}
+
+// A 16-bit call's engines for query blocks of BQ rows and its inputs, the tables rounded to I
+// (kept in low_tables) where those engines run 16-bit GEMMs.
+template <typename I>
+static std::pair<HalfGemms, Inputs<float, I>> reduced_call(
+    int64_t BQ, const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& ak,
+    const c10::optional<Tensor>& av, const c10::optional<Tensor>& kb,
+    const c10::optional<Tensor>& attn_bias,
+    std::pair<c10::optional<Tensor>, c10::optional<Tensor>>& low_tables) {
+  const HalfGemms gemms = for_query_blocks(half_gemms_now<I>(), BQ);
+  return {gemms, half_inputs<I>(q, k, v, ak, av, kb, attn_bias, gemms.low, low_tables)};
 }
 
 template <typename T>

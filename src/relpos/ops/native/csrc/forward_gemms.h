@@ -17,6 +17,21 @@
 namespace relpos_native {
 
 // The 16-bit GEMMs both directions share.
+#ifdef RELPOS_HAVE_BF16_TILES
+// B's packed operand: `packed` where the caller has one, else op's, packed there by pack(op's
+// buffer) unless op holds B already.
+template <typename Pack>
+static inline const uint16_t* packed_into(const uint16_t* packed, AmxOperand* op, const void* b,
+                                          int64_t n, Pack pack) {
+  if (packed != nullptr) return packed;
+  if (!op->holds(b, n)) {
+    pack(op->buf.p);
+    op->mark(b, n);
+  }
+  return op->buf.p;
+}
+#endif
+
 // out (nq, n) = scale · A (nq, K) @ B^T for rows A and B (n, K) in scalar_t (Q_I against K_J
 // or aK), 16-bit operands: on packed tiles, A packed as rows in a_rows (the scale already in
 // it where a_scaled) and B packed into op unless it holds B already (or b_packed: packed
@@ -29,15 +44,9 @@ static inline void scores_reduced(TileGemm tiles, AmxOperand* op, int64_t nq, in
 #ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (tiles) {
-      if (b_packed == nullptr) {
-        if (!op->holds(b, n)) {
-          amx_pack_transposed(bits_of(b), n, K, op->buf.p);
-          op->mark(b, n);
-        }
-        b_packed = op->buf.p;
-      }
-      tile_gemm_scaled(tiles, nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p, b_packed,
-                       out);
+      const auto pack = [&](uint16_t* p) { amx_pack_transposed(bits_of(b), n, K, p); };
+      tile_gemm_scaled(tiles, nq, n, amx_kblocks(K), a_scaled ? 1.0f : scale, a_rows.p,
+                       packed_into(b_packed, op, b, n, pack), out);
       return;
     }
   }
@@ -59,13 +68,8 @@ static inline void values_reduced(TileGemm tiles, AmxOperand* op, int64_t nq, in
 #ifdef RELPOS_HAVE_BF16_TILES
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
     if (tiles) {
-      if (b_packed == nullptr) {
-        if (!op->holds(b, n)) {
-          amx_pack_pairs(bits_of(b), n, Dv, op->buf.p);
-          op->mark(b, n);
-        }
-        b_packed = op->buf.p;
-      }
+      b_packed = packed_into(b_packed, op, b, n,
+                             [&](uint16_t* p) { amx_pack_pairs(bits_of(b), n, Dv, p); });
       if (a_rows != nullptr) {
         tile_gemm_add(tiles, nq, Dv, amx_kblocks(n), a_rows, b_packed, acc, 1.0f, lda);
       } else {
@@ -80,6 +84,21 @@ static inline void values_reduced(TileGemm tiles, AmxOperand* op, int64_t nq, in
 #endif
   convert(a, a_reduced, nq * n);
   gemm16<scalar_t>(false, false, nq, Dv, n, float(1), a_reduced, b, float(1), acc);
+}
+
+// QA_I (nq, R) = scale · Q_I (nq, D) @ aK^T in a 16-bit call: on 16-bit operands where the
+// tables come in scalar_t (Q_I as the tiles' rows in q_rows where on packed tiles), else on Q_I
+// widened (q_wide).
+template <typename scalar_t>
+static inline void table_scores_reduced(TileGemm tiles, AmxOperand* ak_op,
+                                        const Head<float, scalar_t>& hd, int64_t nq, int64_t R,
+                                        int64_t D, float scale, const AmxBuffer& q_rows,
+                                        bool q_scaled, const scalar_t* q_block, const float* q_wide,
+                                        float* qa) {
+  if (hd.ak_low)
+    scores_reduced(tiles, ak_op, nq, R, D, scale, q_rows, q_scaled, q_block, hd.ak_low, qa);
+  else
+    gemm_nt<float>(nq, R, D, scale, q_wide, hd.ak, 0.0f, qa);
 }
 
 // A thread's forward operands for blocks of at most BQ query rows, tiles of at most BK keys
@@ -197,10 +216,8 @@ struct ForwardGemms<float, scalar_t, true> {
   void table_scores(const Head<accum_t, scalar_t>& hd, int64_t nq, int64_t R, int64_t D,
                     accum_t scale, const scalar_t* q_block, const accum_t* q_wide_block,
                     accum_t* qa) {
-    if (hd.ak_low)
-      scores_reduced(tiles, &ak_op, nq, R, D, scale, q_pack, q_scaled, q_block, hd.ak_low, qa);
-    else
-      gemm_nt<accum_t>(nq, R, D, scale, q_wide_block, hd.ak, accum_t(0), qa);
+    table_scores_reduced(tiles, &ak_op, hd, nq, R, D, scale, q_pack, q_scaled, q_block,
+                         q_wide_block, qa);
   }
 
   // The head's K_J and V_J as packed operands, on packed tiles.
