@@ -6,6 +6,7 @@ timeout, interrupted as a terminal's Ctrl-C would: SIGINT to their process group
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -30,7 +31,10 @@ def _interrupted(argv: list[str], out: Path, *, after: str = "checkpoint",
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "relpos", "train", *argv, "--out", str(out)], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # as a terminal starts it: SIGINT at its default, even where this process was started
+        # with SIGINT ignored (a background job of a shell without job control)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + timeout
         if after == "eval":
@@ -47,9 +51,26 @@ def _interrupted(argv: list[str], out: Path, *, after: str = "checkpoint",
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
+            # the processes it started (torchrun and the ranks, each in a session of its own)
+            # would outlive it and hold its pipes open: kill them first
+            for pid in _descendants(proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     return proc.returncode, stdout, stderr
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``; none elsewhere)."""
+    from relpos.training.data_parallel import _children
+
+    found, todo = [], [pid]
+    while todo:
+        for child in _children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _said(stderr: str, out: Path, nproc: str = "") -> int:
