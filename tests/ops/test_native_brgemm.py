@@ -13,6 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
+import relpos
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BRGEMM = {"RELPOS_NATIVE_FLOAT_GEMM": "brgemm"}
@@ -89,3 +94,58 @@ def test_native_baseline_variant_runs_float32_on_brgemm_and_matches_the_referenc
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
     assert "deselected" in done.stdout, done.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- in process
+# The switch is read at each call: the same kernels serve both engines in one process.
+SHAPES = [  # (L, S, D, Dv, K, causal): around the GEMM blocks' edges (8 rows for the BLAS's
+    # decode-like products, 64/128/256 query rows, 512 keys), D and Dv apart
+    (1, 900, 16, 16, 8, False), (5, 600, 16, 24, 8, True), (7, 7, 8, 8, 3, False),
+    (63, 65, 32, 32, 4, True), (65, 130, 32, 16, 40, False), (129, 129, 64, 64, 16, True),
+    (257, 300, 16, 16, 2, False), (300, 700, 32, 32, 16, True), (513, 513, 16, 8, 1, False),
+]
+
+
+@pytest.mark.parametrize(("L", "S", "D", "Dv", "K", "causal"), SHAPES,
+                         ids=[f"L{s[0]}-S{s[1]}-D{s[2]}-Dv{s[3]}-K{s[4]}-{'c' if s[5] else 'n'}"
+                              for s in SHAPES])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_float32_on_brgemm_matches_the_float64_reference(
+        L: int, S: int, D: int, Dv: int, K: int, causal: bool, layout: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 on brgemm (every GEMM form: scores, values, the table terms, the five
+    gradients; queries aligned to the end of the keys) against the reference in float64, on
+    contiguous inputs and on strided views (every other head of a wider tensor)."""
+    from relpos.ops.native import build
+
+    monkeypatch.setenv("RELPOS_NATIVE_FLOAT_GEMM", "brgemm")
+    module = build.load()
+    assert module is not None and build.gemm_engines(module)["float32"] == "brgemm"
+    gen = torch.Generator().manual_seed(L * 1000 + S)
+    B, H = 2, 2
+    heads = 2 * H if layout == "strided" else H
+
+    def rand(n: int, d: int) -> torch.Tensor:  # (B, heads, n, d): the inputs' storage
+        return torch.randn(B, heads, n, d, generator=gen, dtype=torch.float64)
+
+    def view(t: torch.Tensor) -> torch.Tensor:  # what the call reads
+        return t[:, ::2] if layout == "strided" else t
+
+    q, k, v = rand(L, D), rand(S, D), rand(S, Dv)
+    ak = torch.randn(2 * K + 1, D, generator=gen, dtype=torch.float64) * 0.5
+    av = torch.randn(2 * K + 1, Dv, generator=gen, dtype=torch.float64) * 0.5
+    grad = torch.randn(B, H, L, Dv, generator=gen, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, ak, av)]
+    got_in = [t.float().requires_grad_() for t in (q, k, v, ak, av)]
+    outs = []
+    for xs, impl in ((ref_in, "reference"), (got_in, "native")):
+        qv, kv, vv = (view(t) for t in xs[:3])
+        assert qv.is_contiguous() == (layout == "contiguous")
+        out = relpos.relative_attention(qv, kv, vv, rel_keys=xs[3], rel_values=xs[4],
+                                        max_distance=K, is_causal=causal, implementation=impl)
+        out.backward(grad.to(out.dtype))
+        outs.append(out)
+    torch.testing.assert_close(outs[1].double(), outs[0].detach(), rtol=1e-4, atol=2e-5)
+    for got, ref in zip(got_in, ref_in, strict=True):
+        assert ref.grad is not None and got.grad is not None
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-4)
