@@ -34,8 +34,8 @@ static std::string env_or_empty(const char* name) {
 
 // What a call's float32 GEMMs run on: the kernels' own vectors (vec_sgemm_run, where the build
 // has them) or libtorch's brgemm (oneDNN's micro-kernels). Chosen at each call's entry
-// (choose_engines) and read by the GEMM front; float64 runs on the BLAS's dgemm_ where libtorch
-// exports it, else on libtorch's matrix multiply (decided by the build, no switch).
+// (choose_float_engine) and read by the GEMM front; float64 runs on the BLAS's dgemm_ where
+// libtorch exports it, else on libtorch's matrix multiply (decided by the build, no switch).
 enum class FloatGemm : uint8_t { kVec, kBrgemm };
 inline std::atomic<FloatGemm> g_float_gemm{FloatGemm::kVec};
 
@@ -211,8 +211,8 @@ static HalfGemms half_gemms_now() {
   return {};
 }
 
-// The engines a call made now (this environment) runs on, chosen at its entry: float32's for
-// the GEMM front (g_float_gemm), and a 16-bit call's.
+// float32's engine for the GEMM front (g_float_gemm), chosen at each call's entry; a 16-bit
+// call's engines are its HalfGemms (half_gemms_now), passed down with the call.
 static void choose_float_engine() { g_float_gemm = float_gemm_now(); }
 
 // The fewest query rows per block for which a direction's GEMMs run on packed tiles: shorter
